@@ -1,0 +1,97 @@
+#include "core/autograd.hpp"
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace cpsim {
+
+Var::Var(Tensor value, bool requires_grad) : impl_(std::make_shared<VarImpl>()) {
+  impl_->value = std::move(value);
+  impl_->requires_grad = requires_grad;
+}
+
+Var record(Tensor value, std::string name, std::vector<Var> inputs, BackwardFn backward) {
+  bool needs = false;
+  for (const auto& in : inputs) needs = needs || in.requires_grad();
+  Var out(std::move(value), needs);
+  if (needs) {
+    auto node = std::make_shared<Node>();
+    node->name = std::move(name);
+    node->inputs = std::move(inputs);
+    node->backward = std::move(backward);
+    out.impl()->grad_fn = std::move(node);
+  }
+  return out;
+}
+
+void backward(const Var& loss) {
+  CPSIM_ENFORCE(loss.defined() && loss.value().numel() == 1, "backward needs a scalar loss");
+  if (!loss.requires_grad()) return;
+  // Topological order of the non-leaf vars reachable from the loss (post-order DFS).
+  std::vector<VarImpl*> order;
+  std::unordered_set<VarImpl*> seen;
+  std::vector<std::pair<VarImpl*, std::size_t>> stack{{loss.impl().get(), 0}};
+  seen.insert(loss.impl().get());
+  while (!stack.empty()) {
+    auto& [v, next] = stack.back();
+    const auto& inputs = v->grad_fn->inputs;
+    if (next < inputs.size()) {
+      VarImpl* in = inputs[next++].impl().get();
+      if (in->grad_fn && in->requires_grad && seen.insert(in).second) stack.push_back({in, 0});
+    } else {
+      order.push_back(v);
+      stack.pop_back();
+    }
+  }
+  std::unordered_map<VarImpl*, Tensor> grads;
+  grads[loss.impl().get()] = Tensor::full(loss.value().shape(), loss.value().dtype(), 1.0);
+  auto accumulate = [](Tensor& slot, const Tensor& g) {
+    if (!slot.defined()) slot = g.clone();
+    else add_inplace(slot, g);
+  };
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    VarImpl* v = *it;
+    auto found = grads.find(v);
+    if (found == grads.end()) continue;
+    Tensor g = std::move(found->second);
+    grads.erase(found);
+    const Node& node = *v->grad_fn;
+    std::vector<Tensor> in_grads = node.backward(g);
+    CPSIM_ENFORCE(in_grads.size() == node.inputs.size(), node.name, " returned ", in_grads.size(),
+                  " gradients for ", node.inputs.size(), " inputs");
+    for (std::size_t i = 0; i < in_grads.size(); ++i) {
+      const auto& in = node.inputs[i].impl();
+      if (!in->requires_grad || !in_grads[i].defined()) continue;
+      CPSIM_ENFORCE(in_grads[i].shape() == in->value.shape(), node.name, " gradient ", i, " has shape ",
+                    shape_str(in_grads[i].shape()), ", input has ", shape_str(in->value.shape()));
+      accumulate(in->grad_fn ? grads[in.get()] : in->grad, in_grads[i]);
+    }
+  }
+}
+
+Var dot(const Var& x, const Tensor& weights) {
+  CPSIM_ENFORCE(x.value().shape() == weights.shape(), "dot of ", shape_str(x.value().shape()),
+                " and ", shape_str(weights.shape()));
+  double s = 0;
+  for (std::int64_t i = 0; i < weights.numel(); ++i) s += x.value().get(i) * weights.get(i);
+  Tensor out = Tensor::full({1}, x.value().dtype(), s);
+  Tensor w = weights;
+  DType dt = x.value().dtype();
+  return record(out, "dot", {x}, [w, dt](const Tensor& g) {
+    Tensor gx = w.to(dt);
+    const double scale = g.get(0);
+    if (scale != 1.0)
+      for (std::int64_t i = 0; i < gx.numel(); ++i) gx.set(i, gx.get(i) * scale);
+    return std::vector<Tensor>{gx};
+  });
+}
+
+Var add(const Var& a, const Var& b) {
+  Tensor out = a.value().clone();
+  add_inplace(out, b.value());
+  return record(out, "add", {a, b}, [](const Tensor& g) { return std::vector<Tensor>{g, g}; });
+}
+
+Var constant_scalar(double v, DType dtype) { return Var(Tensor::full({1}, dtype, v), false); }
+
+}  // namespace cpsim

@@ -1,0 +1,17 @@
+#include "core/communicator.hpp"
+
+namespace cpsim {
+
+const char* collective_name(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::all_gather: return "all_gather";
+    case CollectiveKind::reduce_scatter: return "reduce_scatter";
+    case CollectiveKind::all_reduce: return "all_reduce";
+    case CollectiveKind::send_recv: return "send_recv";
+    case CollectiveKind::broadcast: return "broadcast";
+    case CollectiveKind::barrier: return "barrier";
+  }
+  return "?";
+}
+
+}  // namespace cpsim

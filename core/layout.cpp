@@ -1,0 +1,286 @@
+#include "core/layout.hpp"
+
+#include <algorithm>
+
+namespace cpsim {
+
+namespace {
+
+const char* const kSequenceKeys[] = {"input_ids", "labels",   "position_ids",  "padding_mask",
+                                     "loss_mask", "attention_mask"};
+
+bool has(const Batch& b, const std::string& key) { return b.count(key) != 0; }
+
+void require_int(const Tensor& t, const std::string& key) {
+  if (is_floating(t.dtype())) CPSIM_INVALID(key, ": expected an integer tensor, got ", dtype_name(t.dtype()));
+}
+
+// Per-row list of document lengths, sentinels removed, validated.
+std::vector<std::vector<std::int64_t>> read_lengths(const Tensor& t, std::int64_t sentinel,
+                                                    const std::string& key) {
+  require_int(t, key);
+  if (t.ndim() != 2) CPSIM_INVALID(key, ": expected shape [batch, documents], got ", shape_str(t.shape()));
+  std::vector<std::vector<std::int64_t>> rows(t.dim(0));
+  for (std::int64_t r = 0; r < t.dim(0); ++r) {
+    bool ended = false;
+    for (std::int64_t i = 0; i < t.dim(1); ++i) {
+      std::int64_t v = t.get_int(r * t.dim(1) + i);
+      if (v == sentinel) {
+        ended = true;
+      } else if (v < 0) {
+        CPSIM_INVALID(key, " row ", r, " index ", i, ": negative length ", v, " (only the sentinel ",
+                      sentinel, " may be negative)");
+      } else if (ended) {
+        CPSIM_INVALID(key, " row ", r, " index ", i, ": real length ", v, " after the sentinel ", sentinel);
+      } else {
+        rows[r].push_back(v);
+      }
+    }
+  }
+  return rows;
+}
+
+// cu_seqlens [D+1] -> document lengths, validated.
+std::vector<std::int64_t> read_cu(const Tensor& cu, const std::string& key) {
+  require_int(cu, key);
+  if (cu.ndim() != 1 || cu.dim(0) < 1) CPSIM_INVALID(key, ": expected shape [documents + 1], got ", shape_str(cu.shape()));
+  if (cu.get_int(0) != 0) CPSIM_INVALID(key, " row 0 index 0: must start at 0, got ", cu.get_int(0));
+  std::vector<std::int64_t> lengths;
+  bool ended = false;
+  for (std::int64_t i = 1; i < cu.dim(0); ++i) {
+    std::int64_t v = cu.get_int(i);
+    if (v < 0) {
+      ended = true;
+    } else if (ended) {
+      CPSIM_INVALID(key, " row 0 index ", i, ": boundary ", v, " after a negative sentinel");
+    } else if (v < cu.get_int(i - 1)) {
+      CPSIM_INVALID(key, " row 0 index ", i, ": decreasing boundary ", v, " < ", cu.get_int(i - 1));
+    } else {
+      lengths.push_back(v - cu.get_int(i - 1));
+    }
+  }
+  return lengths;
+}
+
+Tensor doc_ids_from_rows(const std::vector<std::vector<std::int64_t>>& rows, std::int64_t seq_len,
+                         const std::string& key) {
+  Tensor ids({static_cast<std::int64_t>(rows.size()), seq_len}, DType::i64);
+  auto* d = ids.data<std::int64_t>();
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    std::int64_t pos = 0;
+    for (std::size_t i = 0; i < rows[r].size(); ++i) {
+      if (pos + rows[r][i] > seq_len)
+        CPSIM_INVALID(key, " row ", r, " index ", i, ": documents end at ", pos + rows[r][i],
+                      ", overflowing the sequence length ", seq_len);
+      std::fill(d + r * seq_len + pos, d + r * seq_len + pos + rows[r][i], static_cast<std::int64_t>(i + 1));
+      pos += rows[r][i];
+    }
+  }
+  return ids;
+}
+
+// Real/occupied lengths per row for the packed forms, checked against each other.
+struct PackedLengths {
+  std::vector<std::vector<std::int64_t>> real, occupied;
+  std::string occupied_key;
+};
+
+PackedLengths packed_lengths(const Batch& b, std::int64_t rows) {
+  PackedLengths out;
+  std::string real_key;
+  if (has(b, "seq_lens")) {
+    real_key = "seq_lens";
+    out.real = read_lengths(b.at("seq_lens"), kSeqLensSentinel, real_key);
+    out.occupied_key = has(b, "seq_lens_padded") ? "seq_lens_padded" : "seq_lens";
+    out.occupied = has(b, "seq_lens_padded") ? read_lengths(b.at("seq_lens_padded"), kSeqLensSentinel, out.occupied_key) : out.real;
+    if (has(b, "seq_lens_padded") && b.at("seq_lens_padded").shape() != b.at("seq_lens").shape())
+      CPSIM_INVALID("seq_lens_padded: shape ", shape_str(b.at("seq_lens_padded").shape()),
+                    " differs from seq_lens ", shape_str(b.at("seq_lens").shape()));
+  } else {
+    real_key = "cu_seqlens";
+    out.real = {read_cu(b.at("cu_seqlens"), real_key)};
+    out.occupied_key = has(b, "cu_seqlens_padded") ? "cu_seqlens_padded" : "cu_seqlens";
+    out.occupied = has(b, "cu_seqlens_padded") ? std::vector<std::vector<std::int64_t>>{read_cu(b.at("cu_seqlens_padded"), out.occupied_key)} : out.real;
+  }
+  if (static_cast<std::int64_t>(out.real.size()) != rows)
+    CPSIM_INVALID(real_key, ": ", out.real.size(), " rows, but the batch has ", rows);
+  for (std::size_t r = 0; r < out.real.size(); ++r) {
+    if (out.real[r].size() != out.occupied[r].size())
+      CPSIM_INVALID(out.occupied_key, " row ", r, " index ", std::min(out.real[r].size(), out.occupied[r].size()),
+                    ": ", out.occupied[r].size(), " documents, but ", real_key, " has ", out.real[r].size());
+    for (std::size_t i = 0; i < out.real[r].size(); ++i)
+      if (out.real[r][i] > out.occupied[r][i])
+        CPSIM_INVALID(real_key, " row ", r, " index ", i, ": real length ", out.real[r][i],
+                      " exceeds the padded length ", out.occupied[r][i]);
+  }
+  return out;
+}
+
+bool is_packed(const Batch& b) { return has(b, "seq_lens") || has(b, "cu_seqlens"); }
+
+// Offset inside the run of equal doc ids; the trailing doc-id-0 run continues
+// the last position.
+Tensor derive_positions(const Tensor& doc_ids) {
+  const std::int64_t rows = doc_ids.dim(0), S = doc_ids.dim(1);
+  Tensor pos({rows, S}, DType::i64);
+  const auto* id = doc_ids.data<std::int64_t>();
+  auto* p = pos.data<std::int64_t>();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const auto cu = segment_cu_seqlens(id + r * S, S);
+    for (std::size_t s = 0; s + 1 < cu.size(); ++s) {
+      const bool tail = s + 2 == cu.size() && id[r * S + cu[s]] == kPadDocId && s > 0;
+      const std::int64_t base = tail ? p[r * S + cu[s] - 1] + 1 : 0;
+      for (std::int64_t t = cu[s]; t < cu[s + 1]; ++t) p[r * S + t] = base + (t - cu[s]);
+    }
+  }
+  return pos;
+}
+
+}  // namespace
+
+void normalize_batch_axis(Batch& batch) {
+  for (auto& [key, t] : batch) {
+    if (key == "cu_seqlens" || key == "cu_seqlens_padded") continue;
+    if (t.defined() && t.ndim() == 1) t = t.reshape({1, t.dim(0)});
+  }
+}
+
+std::int64_t sequence_length(const Batch& batch) {
+  std::int64_t S = -1, B = -1;
+  std::string first;
+  for (const char* key : kSequenceKeys) {
+    if (!has(batch, key)) continue;
+    const Tensor& t = batch.at(key);
+    if (t.ndim() != 2) CPSIM_INVALID(key, ": expected shape [batch, sequence], got ", shape_str(t.shape()));
+    if (S < 0) {
+      S = t.dim(1);
+      B = t.dim(0);
+      first = key;
+    } else if (t.dim(0) != B || t.dim(1) != S) {
+      CPSIM_INVALID(key, ": shape ", shape_str(t.shape()), " disagrees with ", first, " [", B, ", ", S, "]");
+    }
+  }
+  if (S < 0) CPSIM_INVALID("input_ids: missing (no [batch, sequence] key in the batch)");
+  return S;
+}
+
+std::int64_t batch_rows(const Batch& batch) {
+  sequence_length(batch);
+  for (const char* key : kSequenceKeys)
+    if (has(batch, key)) return batch.at(key).dim(0);
+  return 0;
+}
+
+Tensor doc_ids_from_seq_lens(const Tensor& lengths, std::int64_t seq_len, std::int64_t padding_value,
+                             const std::string& key) {
+  return doc_ids_from_rows(read_lengths(lengths, padding_value, key), seq_len, key);
+}
+
+Tensor doc_ids_from_cu_seqlens(const Tensor& cu_seqlens, std::int64_t seq_len, const std::string& key) {
+  return doc_ids_from_rows({read_cu(cu_seqlens, key)}, seq_len, key);
+}
+
+std::vector<std::int64_t> segment_cu_seqlens(const std::int64_t* ids, std::int64_t n) {
+  std::vector<std::int64_t> cu{0};
+  for (std::int64_t t = 1; t < n; ++t)
+    if (ids[t] != ids[t - 1]) cu.push_back(t);
+  if (n > 0) cu.push_back(n);
+  return cu;
+}
+
+std::vector<std::int64_t> segment_cu_seqlens(const Tensor& doc_ids_row) {
+  CPSIM_ENFORCE(doc_ids_row.ndim() == 1 || (doc_ids_row.ndim() == 2 && doc_ids_row.dim(0) == 1),
+                "segment_cu_seqlens takes one row, got ", shape_str(doc_ids_row.shape()));
+  Tensor ids = doc_ids_row.dtype() == DType::i64 ? doc_ids_row : doc_ids_row.to(DType::i64);
+  return segment_cu_seqlens(ids.data<std::int64_t>(), ids.numel());
+}
+
+Tensor global_doc_ids(const Batch& batch) {
+  const std::int64_t S = sequence_length(batch), B = batch_rows(batch);
+  if (is_packed(batch)) {
+    const PackedLengths pl = packed_lengths(batch, B);
+    return doc_ids_from_rows(pl.occupied, S, pl.occupied_key);
+  }
+  // Unpacked: one document per row; real tokens get id 1, padding 0.
+  Tensor ids({B, S}, DType::i64);
+  for (std::int64_t i = 0; i < B * S; ++i) {
+    bool is_pad = false;
+    if (has(batch, "padding_mask")) is_pad = batch.at("padding_mask").get_int(i) != 0;
+    else if (has(batch, "attention_mask")) is_pad = batch.at("attention_mask").get_int(i) == 0;
+    ids.data<std::int64_t>()[i] = is_pad ? kPadDocId : 1;
+  }
+  return ids;
+}
+
+Layout derive_layout(const Batch& batch) {
+  const std::int64_t S = sequence_length(batch), B = batch_rows(batch);
+  for (const char* key : {"input_ids", "labels", "position_ids"})
+    if (has(batch, key)) require_int(batch.at(key), key);
+  if (has(batch, "cu_seqlens") && !has(batch, "seq_lens") && B != 1)
+    CPSIM_INVALID("cu_seqlens: describes one packed row, but the batch has ", B, " rows");
+  Layout out;
+  out.doc_ids = global_doc_ids(batch);
+  out.padding = Tensor({B, S}, DType::b8);
+  auto* pad = out.padding.data<bool>();
+  if (is_packed(batch)) {
+    const PackedLengths pl = packed_lengths(batch, B);
+    for (std::int64_t r = 0; r < B; ++r) {
+      std::fill(pad + r * S, pad + (r + 1) * S, true);
+      std::int64_t start = 0;
+      for (std::size_t i = 0; i < pl.real[r].size(); ++i) {
+        std::fill(pad + r * S + start, pad + r * S + start + pl.real[r][i], false);
+        start += pl.occupied[r][i];
+      }
+    }
+  } else {
+    const auto* id = out.doc_ids.data<std::int64_t>();
+    for (std::int64_t i = 0; i < B * S; ++i) pad[i] = id[i] == kPadDocId;
+  }
+  if (has(batch, "position_ids")) {
+    out.positions = batch.at("position_ids").to(DType::i64);
+  } else {
+    out.positions = derive_positions(out.doc_ids);
+  }
+  Tensor keep({B, S}, DType::b8);
+  for (std::int64_t i = 0; i < B * S; ++i) keep.data<bool>()[i] = !pad[i];
+  validate_document_positions(keep, out.positions);
+  return out;
+}
+
+void unpack_row_layout(Batch& batch) {
+  normalize_batch_axis(batch);
+  Layout layout = derive_layout(batch);
+  for (const char* key : {"seq_lens", "seq_lens_padded", "cu_seqlens", "cu_seqlens_padded"}) batch.erase(key);
+  batch["padding_mask"] = layout.padding;
+  batch["position_ids"] = layout.positions;
+}
+
+void validate_document_positions(const Tensor& keep, const Tensor& positions) {
+  if (keep.shape() != positions.shape() || keep.ndim() != 2)
+    CPSIM_INVALID("position_ids: shape ", shape_str(positions.shape()), " disagrees with the validity mask ",
+                  shape_str(keep.shape()));
+  const std::int64_t B = keep.dim(0), S = keep.dim(1);
+  for (std::int64_t r = 0; r < B; ++r) {
+    bool seen = false, prev_kept = false;
+    std::int64_t prev = 0;
+    for (std::int64_t t = 0; t < S; ++t) {
+      const bool k = keep.get_int(r * S + t) != 0;
+      if (!k) {
+        prev_kept = false;
+        continue;
+      }
+      const std::int64_t p = positions.get_int(r * S + t);
+      if (p < 0) CPSIM_INVALID("position_ids row ", r, " index ", t, ": negative position ", p);
+      if (seen && prev_kept && p != prev + 1 && p != 0)
+        CPSIM_INVALID("position_ids row ", r, " index ", t, ": position ", p, " after ", prev,
+                      " must be ", prev + 1, " (same document) or 0 (new document)");
+      if (seen && !prev_kept && p != 0)
+        CPSIM_INVALID("position_ids row ", r, " index ", t, ": position ", p,
+                      " after a gap must be 0 (a gap never resumes a document)");
+      seen = prev_kept = true;
+      prev = p;
+    }
+  }
+}
+
+}  // namespace cpsim

@@ -1,0 +1,61 @@
+// The packed batch layout of SPEC §1: document ids, segments, padding and
+// positions derived from seq_lens / cu_seqlens / masks, and the validation that
+// turns every malformed layout into an InvalidInput naming key, row and index.
+// Padding is decided from lengths, never from token ids.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/tensor.hpp"
+
+namespace cpsim {
+
+// Keys as PyTorch training stacks name them; values are integer (or bool) tensors.
+using Batch = std::map<std::string, Tensor>;
+
+inline constexpr std::int64_t kSeqLensSentinel = -1000;
+inline constexpr std::int64_t kPadDocId = 0;
+inline constexpr std::int64_t kIgnoreLabel = -100;
+
+// The per-token layout of a batch, every tensor [B, S].
+struct Layout {
+  Tensor doc_ids;    // int64: i+1 over document i's occupied span, 0 beyond
+  Tensor padding;    // bool: true = padding
+  Tensor positions;  // int64: given position_ids, else derived
+};
+
+// 1-D tensors ([S], THD collators) become [1, S]; cu_seqlens stay 1-D.
+void normalize_batch_axis(Batch& batch);
+
+// S of a batch: the common second dimension of its [B, S] keys (checked).
+std::int64_t sequence_length(const Batch& batch);
+std::int64_t batch_rows(const Batch& batch);
+
+// lengths [B, D] (occupied lengths) -> doc ids [B, S]; `key` names the input in errors.
+Tensor doc_ids_from_seq_lens(const Tensor& lengths, std::int64_t seq_len,
+                             std::int64_t padding_value = kSeqLensSentinel,
+                             const std::string& key = "seq_lens");
+// cu [D+1] -> doc ids [1, S].
+Tensor doc_ids_from_cu_seqlens(const Tensor& cu_seqlens, std::int64_t seq_len,
+                               const std::string& key = "cu_seqlens");
+
+// Boundaries of consecutive equal-id runs covering the whole row, padding runs included.
+std::vector<std::int64_t> segment_cu_seqlens(const std::int64_t* doc_ids_row, std::int64_t n);
+std::vector<std::int64_t> segment_cu_seqlens(const Tensor& doc_ids_row);  // [S] or [1, S]
+
+// The global document map of a (normalised) batch, before packing metadata is removed.
+Tensor global_doc_ids(const Batch& batch);
+// Doc ids, padding and positions; validates everything SPEC §1 lists.
+Layout derive_layout(const Batch& batch);
+
+// Replaces seq_lens / seq_lens_padded / cu_seqlens* with padding_mask and
+// position_ids (given position ids are kept), in place. Ids and labels untouched.
+void unpack_row_layout(Batch& batch);
+
+// SPEC §1 position rule over kept tokens, per row; throws InvalidInput.
+void validate_document_positions(const Tensor& keep, const Tensor& positions);
+
+}  // namespace cpsim

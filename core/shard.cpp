@@ -1,0 +1,121 @@
+#include "core/shard.hpp"
+
+#include <algorithm>
+
+namespace cpsim {
+
+ShardGeometry shard_geometry(std::int64_t seq_len, int cp_size, std::int64_t pad_multiple) {
+  if (cp_size < 1) CPSIM_INVALID("cp_size: must be >= 1, got ", cp_size);
+  if (pad_multiple < 1) CPSIM_INVALID("pad_multiple: must be >= 1, got ", pad_multiple);
+  ShardGeometry g;
+  g.seq_len = seq_len;
+  g.cp_size = cp_size;
+  const std::int64_t unit = cp_size * pad_multiple;
+  g.padded_len = std::max<std::int64_t>(unit, (seq_len + unit - 1) / unit * unit);
+  g.local_len = g.padded_len / cp_size;
+  return g;
+}
+
+PackedContext::PackedContext(Tensor doc_ids, std::int64_t seq_start, int cp_size, std::int64_t original_seq_len)
+    : doc_ids_(std::move(doc_ids)), seq_start_(seq_start), cp_size_(cp_size), original_seq_len_(original_seq_len) {
+  CPSIM_ENFORCE(doc_ids_.ndim() == 2 && doc_ids_.dtype() == DType::i64 && doc_ids_.dim(1) % cp_size_ == 0,
+                "packed context needs int64 doc ids [B, P] with P divisible by cp_size");
+}
+
+PackedContext::PackedContext(const PackedContext& o)
+    : doc_ids_(o.doc_ids_), seq_start_(o.seq_start_), cp_size_(o.cp_size_), original_seq_len_(o.original_seq_len_) {}
+
+PackedContext& PackedContext::operator=(const PackedContext& o) {
+  if (this != &o) {
+    doc_ids_ = o.doc_ids_;
+    seq_start_ = o.seq_start_;
+    cp_size_ = o.cp_size_;
+    original_seq_len_ = o.original_seq_len_;
+    std::lock_guard<std::mutex> lock(mutex_);
+    cu_cache_.clear();
+  }
+  return *this;
+}
+
+Tensor PackedContext::local_doc_ids() const { return narrow(doc_ids_, 1, seq_start_, local_seq_len()); }
+
+const std::vector<std::int64_t>& PackedContext::row_cu_seqlens(int row) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = cu_cache_.find(row);
+  if (it != cu_cache_.end()) return it->second;
+  CPSIM_ENFORCE(row >= 0 && row < doc_ids_.dim(0), "row ", row, " of ", doc_ids_.dim(0));
+  const std::int64_t* ids = doc_ids_.data<std::int64_t>() + row * doc_ids_.dim(1) + seq_start_;
+  return cu_cache_.emplace(row, segment_cu_seqlens(ids, local_seq_len())).first->second;
+}
+
+ShardedBatch shard_batch_at(int rank, int cp_size, Batch batch, std::optional<Tensor> loss_mask,
+                            std::int64_t pad_token_id, bool shard_primary, std::int64_t pad_multiple) {
+  normalize_batch_axis(batch);
+  const std::int64_t S = sequence_length(batch);
+  const ShardGeometry g = shard_geometry(S, cp_size, pad_multiple);
+  if (rank < 0 || rank >= cp_size) CPSIM_INVALID("rank: ", rank, " outside a CP group of ", cp_size);
+  // The document map must be resolved before packing metadata is removed.
+  Tensor doc_ids = pad_sequence_dim(global_doc_ids(batch), g.padded_len, static_cast<double>(kPadDocId));
+  unpack_row_layout(batch);
+  if (loss_mask) batch["loss_mask"] = *loss_mask;
+  sequence_length(batch);  // loss_mask shape check
+
+  // Position ids continue last+1, ... into the padded tail.
+  const Tensor& pos = batch.at("position_ids");
+  Tensor padded_pos = pad_sequence_dim(pos, g.padded_len, 0.0);
+  for (std::int64_t r = 0; r < pos.dim(0); ++r) {
+    std::int64_t next = S > 0 ? pos.get_int(r * S + S - 1) + 1 : 0;
+    for (std::int64_t t = S; t < g.padded_len; ++t) padded_pos.set(r * g.padded_len + t, static_cast<double>(next++));
+  }
+  batch["position_ids"] = padded_pos;
+
+  const std::map<std::string, double> fill = {{"input_ids", static_cast<double>(pad_token_id)},
+                                              {"labels", static_cast<double>(kIgnoreLabel)},
+                                              {"padding_mask", 1.0},
+                                              {"loss_mask", 0.0},
+                                              {"attention_mask", 0.0}};
+  for (const auto& [key, value] : fill) {
+    auto it = batch.find(key);
+    if (it == batch.end()) continue;
+    it->second = pad_sequence_dim(it->second, g.padded_len, value);
+  }
+  for (auto& [key, t] : batch) {
+    if (key == "input_ids" && !shard_primary) continue;
+    if (t.ndim() == 2 && t.dim(1) == g.padded_len) t = narrow(t, 1, g.start(rank), g.local_len);
+  }
+  return {std::move(batch), PackedContext(std::move(doc_ids), g.start(rank), cp_size, S)};
+}
+
+ShardedBatch shard_batch(const Communicator* comm, Batch batch, std::optional<Tensor> loss_mask,
+                         std::int64_t pad_token_id, bool shard_primary, std::int64_t pad_multiple) {
+  const int rank = comm ? comm->rank() : 0, size = comm ? comm->size() : 1;
+  return shard_batch_at(rank, size, std::move(batch), std::move(loss_mask), pad_token_id, shard_primary,
+                        pad_multiple);
+}
+
+FlaCpContext cp_context_from_global_cu(const std::vector<std::int64_t>& cu, int cp_size, int rank) {
+  CPSIM_ENFORCE(cu.size() >= 2 && cu.front() == 0 && cu.back() % cp_size == 0, "bad global cu_seqlens");
+  const std::int64_t L = cu.back() / cp_size, lo = rank * L, hi = lo + L;
+  FlaCpContext c;
+  c.cu_seqlens = {0};
+  std::size_t first = 0, last = 0;  // segments holding lo and hi-1
+  for (std::size_t s = 0; s + 1 < cu.size(); ++s) {
+    if (cu[s] <= lo && lo < cu[s + 1]) first = s;
+    if (cu[s] <= hi - 1 && hi - 1 < cu[s + 1]) last = s;
+  }
+  for (std::size_t s = first; s <= last; ++s) c.cu_seqlens.push_back(std::min(cu[s + 1], hi) - lo);
+  c.pre_num_conv_tokens = lo - cu[first];
+  c.pre_num_ranks = rank - static_cast<int>(cu[first] / L);
+  c.post_num_ranks = static_cast<int>((cu[last + 1] - 1) / L) - rank;
+  c.is_first_rank = c.pre_num_ranks == 0;
+  c.is_last_rank = c.post_num_ranks == 0;
+  return c;
+}
+
+FlaCpContext build_fla_cp_context(const PackedContext& context, int row) {
+  const std::int64_t P = context.doc_ids().dim(1);
+  const auto cu = segment_cu_seqlens(context.doc_ids().data<std::int64_t>() + row * P, P);
+  return cp_context_from_global_cu(cu, context.cp_size(), static_cast<int>(context.seq_start() / context.local_seq_len()));
+}
+
+}  // namespace cpsim

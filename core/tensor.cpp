@@ -1,0 +1,213 @@
+#include "core/tensor.hpp"
+
+#include <bit>
+#include <cmath>
+#include <sstream>
+
+namespace cpsim {
+
+std::size_t dtype_size(DType dt) {
+  switch (dt) {
+    case DType::f32: return 4;
+    case DType::f64: return 8;
+    case DType::bf16: return 2;
+    case DType::i32: return 4;
+    case DType::i64: return 8;
+    case DType::b8: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::f32: return "float32";
+    case DType::f64: return "float64";
+    case DType::bf16: return "bfloat16";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
+    case DType::b8: return "bool";
+  }
+  return "?";
+}
+
+bool is_floating(DType dt) { return dt == DType::f32 || dt == DType::f64 || dt == DType::bf16; }
+
+bf16 bf16::from_float(float f) {
+  std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  bf16 out;
+  if (std::isnan(f)) {
+    out.bits = static_cast<std::uint16_t>((u >> 16) | 0x40);
+    return out;
+  }
+  std::uint32_t rounding = 0x7FFF + ((u >> 16) & 1);
+  out.bits = static_cast<std::uint16_t>((u + rounding) >> 16);
+  return out;
+}
+
+float bf16::to_float() const { return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }
+
+std::string shape_str(const Shape& s) {
+  std::ostringstream os;
+  os << '[';
+  for (std::size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << ']';
+  return os.str();
+}
+
+std::int64_t shape_numel(const Shape& s) {
+  std::int64_t n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+Tensor::Tensor(Shape shape, DType dtype) : shape_(std::move(shape)), dtype_(dtype) {
+  for (auto d : shape_) CPSIM_ENFORCE(d >= 0, "negative dimension in ", shape_str(shape_));
+  storage_ = std::make_shared<std::vector<std::byte>>(nbytes());
+}
+
+Tensor Tensor::full(Shape shape, DType dtype, double value) {
+  Tensor t(std::move(shape), dtype);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t.set(i, value);
+  return t;
+}
+
+std::int64_t Tensor::dim(int i) const {
+  CPSIM_ENFORCE(i >= 0 && i < ndim(), "dimension ", i, " of a ", ndim(), "-d tensor");
+  return shape_[i];
+}
+
+void Tensor::check_type(DType want) const {
+  CPSIM_ENFORCE(want == dtype_, "tensor is ", dtype_name(dtype_), ", accessed as ", dtype_name(want));
+}
+
+double Tensor::get(std::int64_t flat) const {
+  return visit_dtype(dtype_, [&](auto tag) {
+    using T = decltype(tag);
+    return to_f64(reinterpret_cast<const T*>(raw())[flat]);
+  });
+}
+
+void Tensor::set(std::int64_t flat, double v) {
+  visit_dtype(dtype_, [&](auto tag) {
+    using T = decltype(tag);
+    reinterpret_cast<T*>(raw())[flat] = from_f64<T>(v);
+  });
+}
+
+std::int64_t Tensor::get_int(std::int64_t flat) const {
+  switch (dtype_) {
+    case DType::i64: return data<std::int64_t>()[flat];
+    case DType::i32: return data<std::int32_t>()[flat];
+    case DType::b8: return data<bool>()[flat] ? 1 : 0;
+    default: return static_cast<std::int64_t>(get(flat));
+  }
+}
+
+Tensor Tensor::clone() const {
+  if (!defined()) return {};
+  Tensor t(shape_, dtype_);
+  if (nbytes()) std::memcpy(t.raw(), raw(), nbytes());
+  return t;
+}
+
+Tensor Tensor::reshape(Shape shape) const {
+  CPSIM_ENFORCE(shape_numel(shape) == numel(), "cannot reshape ", shape_str(shape_), " to ",
+                shape_str(shape));
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::to(DType dtype) const {
+  if (dtype == dtype_) return clone();
+  Tensor t(shape_, dtype);
+  for (std::int64_t i = 0; i < numel(); ++i) t.set(i, get(i));
+  return t;
+}
+
+bool Tensor::bitwise_equal(const Tensor& other) const {
+  if (dtype_ != other.dtype_ || shape_ != other.shape_) return false;
+  return nbytes() == 0 || std::memcmp(raw(), other.raw(), nbytes()) == 0;
+}
+
+namespace {
+// Splits a shape around `dim` into (outer, extent, inner) element counts.
+void split_at(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner) {
+  outer = 1;
+  inner = 1;
+  for (int i = 0; i < dim; ++i) outer *= s[i];
+  for (int i = dim + 1; i < static_cast<int>(s.size()); ++i) inner *= s[i];
+}
+}  // namespace
+
+Tensor narrow(const Tensor& t, int dim, std::int64_t start, std::int64_t len) {
+  CPSIM_ENFORCE(start >= 0 && len >= 0 && start + len <= t.dim(dim), "narrow [", start, ", ",
+                start + len, ") out of ", t.dim(dim));
+  Shape s = t.shape();
+  s[dim] = len;
+  Tensor out(s, t.dtype());
+  std::int64_t outer, inner;
+  split_at(t.shape(), dim, outer, inner);
+  const std::size_t es = dtype_size(t.dtype());
+  const auto* src = static_cast<const std::byte*>(t.raw());
+  auto* dst = static_cast<std::byte*>(out.raw());
+  const std::size_t chunk = static_cast<std::size_t>(len * inner) * es;
+  for (std::int64_t o = 0; o < outer; ++o)
+    if (chunk)
+      std::memcpy(dst + o * chunk, src + ((o * t.dim(dim) + start) * inner) * es, chunk);
+  return out;
+}
+
+Tensor cat(const std::vector<Tensor>& parts, int dim) {
+  CPSIM_ENFORCE(!parts.empty(), "cat of nothing");
+  Shape s = parts[0].shape();
+  std::int64_t total = 0;
+  for (const auto& p : parts) {
+    Shape ps = p.shape();
+    CPSIM_ENFORCE(p.dtype() == parts[0].dtype() && ps.size() == s.size(), "cat of unlike tensors");
+    ps[dim] = s[dim];
+    CPSIM_ENFORCE(ps == s, "cat shapes disagree: ", shape_str(p.shape()), " vs ", shape_str(s));
+    total += p.dim(dim);
+  }
+  s[dim] = total;
+  Tensor out(s, parts[0].dtype());
+  std::int64_t outer, inner;
+  split_at(s, dim, outer, inner);
+  const std::size_t es = dtype_size(out.dtype());
+  auto* dst = static_cast<std::byte*>(out.raw());
+  std::int64_t offset = 0;
+  for (const auto& p : parts) {
+    const std::size_t chunk = static_cast<std::size_t>(p.dim(dim) * inner) * es;
+    const auto* src = static_cast<const std::byte*>(p.raw());
+    for (std::int64_t o = 0; o < outer; ++o)
+      if (chunk) std::memcpy(dst + ((o * total + offset) * inner) * es, src + o * chunk, chunk);
+    offset += p.dim(dim);
+  }
+  return out;
+}
+
+Tensor pad_sequence_dim(const Tensor& t, std::int64_t length, double fill) {
+  CPSIM_ENFORCE(t.ndim() >= 2 && t.dim(1) <= length, "cannot pad ", shape_str(t.shape()), " to ",
+                length);
+  if (t.dim(1) == length) return t.clone();
+  Shape s = t.shape();
+  s[1] = length - t.dim(1);
+  return cat({t, Tensor::full(s, t.dtype(), fill)}, 1);
+}
+
+void add_inplace(Tensor& t, const Tensor& other) {
+  CPSIM_ENFORCE(t.shape() == other.shape() && t.dtype() == other.dtype(), "add of ",
+                shape_str(t.shape()), " and ", shape_str(other.shape()));
+  visit_dtype(t.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T* a = t.data<T>();
+    const T* b = other.data<T>();
+    for (std::int64_t i = 0; i < t.numel(); ++i) {
+      if constexpr (std::is_same_v<T, bf16>) a[i] = bf16::from_float(a[i].to_float() + b[i].to_float());
+      else if constexpr (std::is_same_v<T, bool>) a[i] = a[i] || b[i];
+      else a[i] = static_cast<T>(a[i] + b[i]);
+    }
+  });
+}
+
+}  // namespace cpsim

@@ -1,0 +1,132 @@
+// A minimal host tensor: contiguous row-major storage, a shape and a dtype.
+// It is the value type of the autograd tape and of every CP operator; backends
+// see only its raw bytes. Copies share storage (like torch.Tensor); clone() copies.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+
+namespace cpsim {
+
+enum class DType : std::uint8_t { f32, f64, bf16, i32, i64, b8 };
+
+std::size_t dtype_size(DType dt);
+const char* dtype_name(DType dt);
+bool is_floating(DType dt);
+
+// bfloat16 stored as its upper 16 bits of an IEEE float; rounds to nearest even.
+struct bf16 {
+  std::uint16_t bits = 0;
+  static bf16 from_float(float f);
+  float to_float() const;
+};
+
+template <class T> struct dtype_of;
+template <> struct dtype_of<float> { static constexpr DType value = DType::f32; };
+template <> struct dtype_of<double> { static constexpr DType value = DType::f64; };
+template <> struct dtype_of<bf16> { static constexpr DType value = DType::bf16; };
+template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::i32; };
+template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::i64; };
+template <> struct dtype_of<bool> { static constexpr DType value = DType::b8; };
+
+// Calls f(T{}) with the C++ type of dt.
+template <class F>
+decltype(auto) visit_dtype(DType dt, F&& f) {
+  switch (dt) {
+    case DType::f32: return f(float{});
+    case DType::f64: return f(double{});
+    case DType::bf16: return f(bf16{});
+    case DType::i32: return f(std::int32_t{});
+    case DType::i64: return f(std::int64_t{});
+    case DType::b8: return f(bool{});
+  }
+  throw Error("unknown dtype");
+}
+
+inline double to_f64(float v) { return v; }
+inline double to_f64(double v) { return v; }
+inline double to_f64(bf16 v) { return v.to_float(); }
+inline double to_f64(std::int32_t v) { return static_cast<double>(v); }
+inline double to_f64(std::int64_t v) { return static_cast<double>(v); }
+inline double to_f64(bool v) { return v ? 1.0 : 0.0; }
+
+template <class T> T from_f64(double v) {
+  if constexpr (std::is_same_v<T, bf16>) return bf16::from_float(static_cast<float>(v));
+  else if constexpr (std::is_same_v<T, bool>) return v != 0.0;
+  else return static_cast<T>(v);
+}
+
+using Shape = std::vector<std::int64_t>;
+std::string shape_str(const Shape& s);
+std::int64_t shape_numel(const Shape& s);
+
+class Tensor {
+ public:
+  Tensor() = default;
+  Tensor(Shape shape, DType dtype);  // zero-filled
+
+  template <class T>
+  static Tensor from(Shape shape, const std::vector<T>& values) {
+    Tensor t(std::move(shape), dtype_of<T>::value);
+    CPSIM_ENFORCE(static_cast<std::int64_t>(values.size()) == t.numel(), "value count ",
+                  values.size(), " does not fill shape ", shape_str(t.shape()));
+    T* d = t.data<T>();
+    for (std::size_t i = 0; i < values.size(); ++i) d[i] = values[i];
+    return t;
+  }
+  static Tensor full(Shape shape, DType dtype, double value);
+
+  bool defined() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  std::int64_t dim(int i) const;
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  std::int64_t numel() const { return shape_numel(shape_); }
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
+  DType dtype() const { return dtype_; }
+
+  template <class T> T* data() {
+    check_type(dtype_of<T>::value);
+    return reinterpret_cast<T*>(raw());
+  }
+  template <class T> const T* data() const {
+    check_type(dtype_of<T>::value);
+    return reinterpret_cast<const T*>(raw());
+  }
+  void* raw() { return storage_ ? storage_->data() + offset_ : nullptr; }
+  const void* raw() const { return storage_ ? storage_->data() + offset_ : nullptr; }
+
+  // Element access through double / int64, for any dtype (slow; tests and I/O).
+  double get(std::int64_t flat) const;
+  void set(std::int64_t flat, double v);
+  std::int64_t get_int(std::int64_t flat) const;
+
+  Tensor clone() const;
+  Tensor reshape(Shape shape) const;   // shares storage
+  Tensor to(DType dtype) const;        // converting copy
+  bool bitwise_equal(const Tensor& other) const;
+  bool same_storage(const Tensor& other) const { return storage_ == other.storage_ && offset_ == other.offset_; }
+
+ private:
+  void check_type(DType want) const;
+  Shape shape_;
+  DType dtype_ = DType::f32;
+  std::shared_ptr<std::vector<std::byte>> storage_;
+  std::size_t offset_ = 0;
+};
+
+// Copying slice [start, start+len) of dimension `dim`.
+Tensor narrow(const Tensor& t, int dim, std::int64_t start, std::int64_t len);
+// Concatenation along `dim`; all other dimensions must agree.
+Tensor cat(const std::vector<Tensor>& parts, int dim);
+// Extends dimension 1 to `length` with `fill` (SPEC §2 padding of the sequence dim).
+Tensor pad_sequence_dim(const Tensor& t, std::int64_t length, double fill);
+// t += other, elementwise, for floating dtypes (bf16 through float).
+void add_inplace(Tensor& t, const Tensor& other);
+
+}  // namespace cpsim

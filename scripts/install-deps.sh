@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the Debian packages cpsim builds and tests with, when missing.
+# Idempotent: does nothing (and needs no root) when everything is present.
+set -euo pipefail
+packages=(cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
+          libgloo-dev nlohmann-json3-dev libcli11-dev libfmt-dev redis-server)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq || true
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

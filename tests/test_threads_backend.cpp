@@ -1,0 +1,183 @@
+// The threads backend: exact collectives on rank-distinct inputs, and every
+// distributed bug turned into a CollectiveError on every rank, never a hang.
+#include <gmock/gmock.h>
+
+#include <atomic>
+#include <thread>
+
+#include "core/gather.hpp"
+#include "sim/launcher.hpp"
+
+using namespace cpsim;
+using namespace std::chrono_literals;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+namespace {
+sim::RunOptions fast(std::chrono::milliseconds t = 5000ms) { return {"threads", t}; }
+
+template <class F>
+std::string collective_error(int n, F f, std::chrono::milliseconds t = 5000ms) {
+  try {
+    sim::run_ranks(n, f, fast(t));
+  } catch (const CollectiveError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no CollectiveError";
+  return "";
+}
+}  // namespace
+
+class Collectives : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(Collectives, AreExactOnRankDistinctInputs) {
+  const auto [n, count] = GetParam();
+  sim::run_ranks(n, [&, n = n, count = count](Communicator& comm) {
+    const int r = comm.rank();
+    std::vector<double> send(count * n), recv(count * n);
+    for (int i = 0; i < count * n; ++i) send[i] = r * 1000 + i;
+    comm.all_gather(send.data(), recv.data(), count, DType::f64);
+    for (int q = 0; q < n; ++q)
+      for (int i = 0; i < count; ++i) ASSERT_EQ(recv[q * count + i], q * 1000 + i);
+    std::vector<double> mine(count);
+    comm.reduce_scatter(send.data(), mine.data(), count, DType::f64);
+    for (int i = 0; i < count; ++i) ASSERT_EQ(mine[i], 1000.0 * n * (n - 1) / 2 + n * (r * count + i));
+    std::vector<std::int64_t> sum(count, r + 1);
+    comm.all_reduce(sum.data(), count, DType::i64);
+    for (int i = 0; i < count; ++i) ASSERT_EQ(sum[i], n * (n + 1) / 2);
+    std::vector<std::int32_t> b(count, r == n - 1 ? 42 : -1);
+    comm.broadcast(b.data(), count, DType::i32, n - 1);
+    for (int i = 0; i < count; ++i) ASSERT_EQ(b[i], 42);
+    // Ring shift to the right; the last rank sends to nobody, rank 0 receives from nobody.
+    std::vector<float> out(count, static_cast<float>(r)), in(count, -1.0f);
+    comm.send_recv(out.data(), count, r + 1 < n ? r + 1 : -1, in.data(), count, r > 0 ? r - 1 : -1, DType::f32);
+    for (int i = 0; i < count; ++i) ASSERT_EQ(in[i], r > 0 ? static_cast<float>(r - 1) : -1.0f);
+    comm.barrier();
+  }, fast());
+}
+
+INSTANTIATE_TEST_SUITE_P(SizesAndCounts, Collectives,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 5, 16), ::testing::Values(0, 1, 7)));
+
+TEST(ThreadsBackend, ReduceScatterSumsInRankOrderDeterministically) {
+  // (1e16 + 1) - 1e16 depends on order; rank order gives 0 + ... consistently.
+  std::vector<double> first, second;
+  for (auto* out : {&first, &second}) {
+    std::mutex m;
+    sim::run_ranks(3, [&](Communicator& comm) {
+      const double v[3] = {1e16, 1.0, -1e16};
+      std::vector<double> send(3, v[comm.rank()]);
+      double got = 0;
+      comm.reduce_scatter(send.data(), &got, 1, DType::f64);
+      std::lock_guard<std::mutex> lock(m);
+      if (comm.rank() == 0) out->push_back(got);
+    });
+  }
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first, second);
+  EXPECT_EQ(first[0], (1e16 + 1.0) + -1e16);
+}
+
+TEST(ThreadsBackend, DifferentCollectivesAtOneSequenceNumberAreReported) {
+  const std::string why = collective_error(3, [](Communicator& comm) {
+    comm.barrier();
+    double x = 1, y[3];
+    if (comm.rank() == 1) comm.reduce_scatter(y, &x, 1, DType::f64);
+    else comm.all_gather(&x, y, 1, DType::f64);
+  });
+  EXPECT_THAT(why, AllOf(HasSubstr("different collectives at #2"), HasSubstr("rank 0: in all_gather #2"),
+                         HasSubstr("rank 1: in reduce_scatter #2"), HasSubstr("rank 2: in all_gather #2")));
+}
+
+TEST(ThreadsBackend, DifferentSizesOrDtypesAreReported) {
+  EXPECT_THAT(collective_error(2, [](Communicator& comm) {
+    double buf[4] = {};
+    comm.all_reduce(buf, comm.rank() == 0 ? 4 : 3, DType::f64);
+  }), AllOf(HasSubstr("different sizes"), HasSubstr("count 4"), HasSubstr("count 3")));
+  EXPECT_THAT(collective_error(2, [](Communicator& comm) {
+    double buf[4] = {};
+    comm.all_reduce(buf, 2, comm.rank() == 0 ? DType::f64 : DType::i64);
+  }), AllOf(HasSubstr("different dtypes"), HasSubstr("float64"), HasSubstr("int64")));
+}
+
+TEST(ThreadsBackend, MispairedSendRecvIsReported) {
+  EXPECT_THAT(collective_error(3, [](Communicator& comm) {
+    float out = 1, in = 0;
+    // Rank 0 sends to 1, but rank 1 expects data from rank 2.
+    const int dst = comm.rank() == 0 ? 1 : -1, src = comm.rank() == 1 ? 2 : -1;
+    comm.send_recv(&out, 1, dst, &in, 1, src, DType::f32);
+  }), HasSubstr("send_recv #1"));
+}
+
+TEST(ThreadsBackend, ARankThatNeverArrivesTimesOutOnEveryRank) {
+  std::atomic<bool> release{false};
+  const auto start = std::chrono::steady_clock::now();
+  const std::string why = collective_error(3, [&](Communicator& comm) {
+    if (comm.rank() == 2) {
+      while (!release) std::this_thread::sleep_for(1ms);  // stuck in user code
+      comm.barrier();
+      return;
+    }
+    try {
+      comm.barrier();
+    } catch (...) {
+      release = true;
+      throw;
+    }
+  }, 200ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_THAT(why, AllOf(HasSubstr("timeout"), HasSubstr("barrier #1"), HasSubstr("rank 2: not in a collective")));
+}
+
+TEST(ThreadsBackend, ARankThatThrowsFailsItsPeersAndIsRethrown) {
+  std::atomic<int> peers_failed{0};
+  try {
+    sim::run_ranks(4, [&](Communicator& comm) {
+      if (comm.rank() == 3) throw InvalidInput("bad batch on rank 3");
+      try {
+        comm.barrier();
+      } catch (const CollectiveError& e) {
+        if (std::string(e.what()).find("rank 3 threw: bad batch on rank 3") != std::string::npos) ++peers_failed;
+        throw;
+      }
+    }, fast());
+    FAIL() << "no exception";
+  } catch (const InvalidInput& e) {
+    EXPECT_THAT(e.what(), HasSubstr("bad batch on rank 3"));  // the root cause, not a consequence
+  }
+  EXPECT_EQ(peers_failed, 3);
+}
+
+TEST(ThreadsBackend, ARankThatReturnsEarlyIsReportedImmediately) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string why = collective_error(2, [](Communicator& comm) {
+    comm.barrier();
+    if (comm.rank() == 0) comm.barrier();
+  }, 60000ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_THAT(why, AllOf(HasSubstr("rank 1 returned without joining barrier #2"), HasSubstr("rank 0: in barrier #2")));
+}
+
+TEST(ThreadsBackend, PerCallTimeoutOverridesTheDefault) {
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<bool> release{false};
+  collective_error(2, [&](Communicator& comm) {
+    if (comm.rank() == 1) {
+      while (!release) std::this_thread::sleep_for(1ms);
+      return;
+    }
+    try {
+      comm.barrier(CallOptions{50ms});
+    } catch (...) {
+      release = true;
+      throw;
+    }
+  }, 60000ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+}
+
+TEST(Gather, NullOrOneRankCommunicatorIsTheIdentity) {
+  Var x(Tensor::full({1, 3}, DType::f32, 1.0), true);
+  EXPECT_EQ(gather_sequence(x, nullptr, true).impl(), x.impl());
+  sim::run_ranks(1, [&](Communicator& comm) { EXPECT_EQ(gather_sequence(x, &comm, true).impl(), x.impl()); });
+}

@@ -1,0 +1,117 @@
+#include "verify/batch_io.hpp"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace cpsim::verify {
+
+using nlohmann::json;
+
+namespace {
+
+bool is_bool_key(const std::string& key) { return key == "padding_mask"; }
+
+// Nested arrays of integers (or booleans) -> a tensor; the shape must be rectangular.
+Tensor tensor_from_json(const json& value, const std::string& key) {
+  if (!value.is_array()) CPSIM_INVALID(key, ": expected a nested array of integers");
+  const bool two_d = !value.empty() && value[0].is_array();
+  const std::int64_t rows = two_d ? static_cast<std::int64_t>(value.size()) : 1;
+  const std::int64_t cols = two_d ? static_cast<std::int64_t>(value[0].size()) : static_cast<std::int64_t>(value.size());
+  Tensor t(two_d ? Shape{rows, cols} : Shape{cols}, is_bool_key(key) ? DType::b8 : DType::i64);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const json& row = two_d ? value[r] : value;
+    if (!row.is_array()) CPSIM_INVALID(key, " row ", r, ": expected an array");
+    if (static_cast<std::int64_t>(row.size()) != cols)
+      CPSIM_INVALID(key, " row ", r, " index ", std::min<std::int64_t>(cols, row.size()), ": row has ", row.size(),
+                    " entries, row 0 has ", cols, " (shapes must be rectangular)");
+    for (std::int64_t i = 0; i < cols; ++i) {
+      const json& v = row[i];
+      if (v.is_boolean()) t.set(r * cols + i, v.get<bool>() ? 1.0 : 0.0);
+      else if (v.is_number_integer()) {
+        if (t.dtype() == DType::b8) t.set(r * cols + i, v.get<std::int64_t>() != 0 ? 1.0 : 0.0);
+        else t.data<std::int64_t>()[r * cols + i] = v.get<std::int64_t>();
+      } else CPSIM_INVALID(key, " row ", r, " index ", i, ": expected an integer, got ", v.dump());
+    }
+  }
+  return t;
+}
+
+json tensor_to_json(const Tensor& t) {
+  json out = json::array();
+  const std::int64_t rows = t.ndim() == 2 ? t.dim(0) : 1, cols = t.ndim() == 2 ? t.dim(1) : t.numel();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    json row = json::array();
+    for (std::int64_t i = 0; i < cols; ++i) {
+      if (t.dtype() == DType::b8) row.push_back(t.get_int(r * cols + i) != 0);
+      else row.push_back(t.get_int(r * cols + i));
+    }
+    if (t.ndim() == 2) out.push_back(row);
+    else out = row;
+  }
+  return out;
+}
+
+}  // namespace
+
+BatchFile parse_batch_json(const std::string& text, const std::string& source) {
+  json doc;
+  try {
+    doc = json::parse(text);
+  } catch (const json::parse_error& e) {
+    CPSIM_INVALID(source, ": malformed JSON at byte ", e.byte, ": ", e.what());
+  }
+  if (!doc.is_object()) CPSIM_INVALID(source, ": expected a JSON object of batch keys");
+  BatchFile out;
+  std::int64_t seq_len = -1;
+  for (auto it = doc.begin(); it != doc.end(); ++it) {
+    const std::string& key = it.key();
+    if (key == "pad_token_id") {
+      if (!it->is_number_integer()) CPSIM_INVALID("pad_token_id: expected an integer");
+      out.pad_token_id = it->get<std::int64_t>();
+    } else if (key == "seq_len") {
+      if (!it->is_number_integer() || it->get<std::int64_t>() < 1) CPSIM_INVALID("seq_len: expected a positive integer");
+      seq_len = it->get<std::int64_t>();
+    } else {
+      out.batch[key] = tensor_from_json(*it, key);
+    }
+  }
+  normalize_batch_axis(out.batch);
+  if (seq_len >= 0) {
+    // Only lengths given: token ids are stand-ins (never used to decide padding).
+    std::int64_t rows = 1;
+    if (out.batch.count("seq_lens")) rows = out.batch.at("seq_lens").dim(0);
+    if (out.batch.count("input_ids")) {
+      if (out.batch.at("input_ids").dim(1) != seq_len)
+        CPSIM_INVALID("seq_len: ", seq_len, " disagrees with input_ids length ", out.batch.at("input_ids").dim(1));
+    } else {
+      Tensor ids({rows, seq_len}, DType::i64);
+      for (std::int64_t i = 0; i < ids.numel(); ++i) ids.data<std::int64_t>()[i] = 1 + (i * 7) % 31;
+      out.batch["input_ids"] = ids;
+    }
+  }
+  return out;
+}
+
+BatchFile read_batch_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) CPSIM_INVALID(path, ": cannot open the batch file");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_batch_json(ss.str(), path);
+}
+
+std::string batch_to_json(const Batch& batch, std::int64_t pad_token_id, bool pretty) {
+  json doc = json::object();
+  for (const auto& [key, t] : batch) doc[key] = tensor_to_json(t);
+  doc["pad_token_id"] = pad_token_id;
+  return pretty ? doc.dump(1) : doc.dump();
+}
+
+void write_batch_json(const std::string& path, const Batch& batch, std::int64_t pad_token_id) {
+  std::ofstream out(path);
+  if (!out) throw Error(path + ": cannot write");
+  out << batch_to_json(batch, pad_token_id, true) << "\n";
+}
+
+}  // namespace cpsim::verify

@@ -1,0 +1,141 @@
+#include "verify/cases.hpp"
+
+#include <algorithm>
+
+#include "verify/batch_io.hpp"
+#include "verify/random.hpp"
+
+namespace cpsim::verify {
+
+std::ostream& operator<<(std::ostream& os, const LayoutCase& c) {
+  return os << "cp=" << c.cp << " seed=" << c.seed << " batch=" << batch_to_json(c.batch, c.pad_token_id);
+}
+
+namespace {
+
+// Truth positions: offset inside the occupied run; a trailing pad run continues.
+void fill_positions(LayoutTruth& t, std::int64_t B, std::int64_t S) {
+  const auto* id = t.doc_ids.data<std::int64_t>();
+  auto* p = t.positions.data<std::int64_t>();
+  for (std::int64_t r = 0; r < B; ++r)
+    for (std::int64_t s = 0; s < S; ++s) {
+      const std::int64_t i = r * S + s;
+      if (s == 0) p[i] = 0;
+      else if (id[i] == id[i - 1]) p[i] = p[i - 1] + 1;
+      else p[i] = 0;
+    }
+  // The trailing doc-id-0 run (after at least one document) continues the count.
+  for (std::int64_t r = 0; r < B; ++r) {
+    std::int64_t s = S;
+    while (s > 0 && id[r * S + s - 1] == kPadDocId) --s;
+    if (s == 0) continue;
+    for (std::int64_t k = s; k < S; ++k) p[r * S + k] = p[r * S + k - 1] + 1;
+  }
+}
+
+}  // namespace
+
+LayoutCase build_case(const LayoutSpec& spec) {
+  const std::int64_t S = std::max(1, spec.seq_len);
+  const bool unpacked = spec.form == LayoutForm::unpacked;
+  const std::int64_t B = spec.form == LayoutForm::cu_seqlens ? 1
+                         : unpacked ? std::max<std::int64_t>(1, spec.row_pads.size())
+                                    : std::max<std::int64_t>(1, spec.rows.size());
+  LayoutTruth truth{Tensor({B, S}, DType::i64), Tensor({B, S}, DType::b8), Tensor({B, S}, DType::i64)};
+  auto* id = truth.doc_ids.data<std::int64_t>();
+  auto* pad = truth.padding.data<bool>();
+  std::fill(pad, pad + B * S, true);
+  LayoutCase out;
+  std::vector<std::vector<DocSpec>> docs(B);
+  for (std::int64_t r = 0; r < B; ++r) {
+    if (unpacked) {
+      auto [left, right] = r < static_cast<std::int64_t>(spec.row_pads.size()) ? spec.row_pads[r] : std::pair{0, 0};
+      if (spec.mask_kind == 2) left = right = 0;
+      const std::int64_t l = std::min<std::int64_t>(left, S), rp = std::min<std::int64_t>(right, S - l);
+      for (std::int64_t s = l; s < S - rp; ++s) {
+        id[r * S + s] = 1;
+        pad[r * S + s] = false;
+      }
+      continue;
+    }
+    std::int64_t pos = 0;
+    const auto& row = r < static_cast<std::int64_t>(spec.rows.size()) ? spec.rows[r] : std::vector<DocSpec>{};
+    for (const DocSpec& d : row) {
+      if (pos >= S) break;
+      DocSpec c = d;
+      if (spec.form == LayoutForm::seq_lens) c.extra = 0;
+      c.real = static_cast<int>(std::min<std::int64_t>(std::max(0, c.real), S - pos));
+      c.extra = static_cast<int>(std::min<std::int64_t>(std::max(0, c.extra), S - pos - c.real));
+      docs[r].push_back(c);
+      pos += c.real + c.extra;
+    }
+    if (spec.absorb_tail && spec.form != LayoutForm::seq_lens && !docs[r].empty())
+      docs[r].back().extra += static_cast<int>(S - pos);
+    pos = 0;
+    for (std::size_t i = 0; i < docs[r].size(); ++i) {
+      for (int k = 0; k < docs[r][i].real + docs[r][i].extra; ++k) {
+        id[r * S + pos + k] = static_cast<std::int64_t>(i + 1);
+        pad[r * S + pos + k] = k >= docs[r][i].real;
+      }
+      pos += docs[r][i].real + docs[r][i].extra;
+    }
+  }
+  fill_positions(truth, B, S);
+
+  Batch& b = out.batch;
+  SplitMix64 rng(spec.seed);
+  Tensor ids({B, S}, DType::i64), labels({B, S}, DType::i64);
+  for (std::int64_t i = 0; i < B * S; ++i) {
+    // Small vocabulary that contains the pad id: real EOS tokens equal to PAD occur.
+    ids.data<std::int64_t>()[i] = rng.below(6);
+    labels.data<std::int64_t>()[i] = pad[i] ? kIgnoreLabel : rng.below(6);
+  }
+  b["input_ids"] = ids;
+  b["labels"] = labels;
+  if (spec.form == LayoutForm::cu_seqlens) {
+    const auto& d = docs[0];
+    std::vector<std::int64_t> cu{0}, cu_padded{0};
+    for (const auto& doc : d) {
+      cu.push_back(cu.back() + doc.real);
+      cu_padded.push_back(cu_padded.back() + doc.real + doc.extra);
+    }
+    for (int k = 0; k < spec.cu_sentinels; ++k) {
+      cu.push_back(kSeqLensSentinel);
+      cu_padded.push_back(kSeqLensSentinel);
+    }
+    // cu_seqlens holds real lengths only when documents carry padding of their own.
+    b["cu_seqlens"] = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu.size())}, cu);
+    b["cu_seqlens_padded"] = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu_padded.size())}, cu_padded);
+  } else if (!unpacked) {
+    std::size_t D = 1;
+    for (const auto& d : docs) D = std::max(D, d.size());
+    Tensor lens({B, static_cast<std::int64_t>(D)}, DType::i64), padded = lens.clone();
+    for (std::int64_t r = 0; r < B; ++r)
+      for (std::size_t i = 0; i < D; ++i) {
+        const bool real = i < docs[r].size();
+        lens.data<std::int64_t>()[r * D + i] = real ? docs[r][i].real : kSeqLensSentinel;
+        padded.data<std::int64_t>()[r * D + i] = real ? docs[r][i].real + docs[r][i].extra : kSeqLensSentinel;
+      }
+    b["seq_lens"] = lens;
+    if (spec.form == LayoutForm::seq_lens_padded) b["seq_lens_padded"] = padded;
+  } else if (spec.mask_kind == 0) {
+    b["padding_mask"] = truth.padding.clone();
+  } else if (spec.mask_kind == 1) {
+    Tensor am({B, S}, DType::i64);
+    for (std::int64_t i = 0; i < B * S; ++i) am.data<std::int64_t>()[i] = pad[i] ? 0 : 1;
+    b["attention_mask"] = am;
+  }
+  if (spec.give_positions) b["position_ids"] = truth.positions.clone();
+  if (spec.give_loss_mask) {
+    Tensor lm({B, S}, DType::i64);
+    for (std::int64_t i = 0; i < B * S; ++i) lm.data<std::int64_t>()[i] = pad[i] ? 0 : 1;
+    b["loss_mask"] = lm;
+  }
+  out.pad_token_id = spec.pad_token_id;
+  out.cp = std::max(1, spec.cp);
+  out.seed = spec.seed;
+  out.truth = std::move(truth);
+  return out;
+}
+
+}  // namespace cpsim::verify

@@ -1,0 +1,55 @@
+// A verification case: one packed batch, the CP size to check it at, a seed for
+// the activations drawn on it, and (for generated batches) the layout it was built
+// from, which the layout property compares against.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <vector>
+
+#include "core/layout.hpp"
+
+namespace cpsim::verify {
+
+// Per-token truth [B, S], known by construction.
+struct LayoutTruth {
+  Tensor doc_ids, padding, positions;
+};
+
+struct LayoutCase {
+  Batch batch;
+  std::int64_t pad_token_id = 0;
+  int cp = 1;
+  std::uint64_t seed = 0;
+  std::optional<LayoutTruth> truth;
+};
+
+// Prints "cp=N seed=N batch=<BATCH JSON>", replayable with `cpsim check`.
+std::ostream& operator<<(std::ostream& os, const LayoutCase& c);
+
+// The plain description a generator draws, before it becomes a batch.
+struct DocSpec {
+  int real = 0;   // seq_lens entry
+  int extra = 0;  // seq_lens_padded - seq_lens
+};
+enum class LayoutForm { seq_lens_padded = 0, seq_lens = 1, cu_seqlens = 2, unpacked = 3 };
+struct LayoutSpec {
+  int cp = 1;
+  LayoutForm form = LayoutForm::seq_lens_padded;
+  int seq_len = 1;
+  std::vector<std::vector<DocSpec>> rows;      // packed forms
+  std::vector<std::pair<int, int>> row_pads;   // unpacked: (left, right) padding per row
+  int mask_kind = 0;          // unpacked: 0 padding_mask, 1 attention_mask, 2 none
+  bool absorb_tail = false;   // last document's padded length absorbs the row's tail
+  bool give_positions = false;
+  bool give_loss_mask = false;
+  int pad_token_id = 0;
+  int cu_sentinels = 0;       // trailing sentinel entries in cu_seqlens
+  std::uint64_t seed = 0;     // token ids and activations
+};
+
+// Clamps the spec to the row length and builds the batch and its truth.
+LayoutCase build_case(const LayoutSpec& spec);
+
+}  // namespace cpsim::verify

@@ -1,0 +1,43 @@
+#include "verify/generators.hpp"
+
+namespace cpsim::verify {
+
+rc::Gen<LayoutSpec> gen_layout_spec(int max_cp) {
+  using namespace rc;
+  return gen::mapcat(gen::pair(gen::inRange(1, max_cp + 1), gen::inRange(0, 4)), [](std::pair<int, int> cp_form) {
+    const int cp = cp_form.first;
+    const auto form = static_cast<LayoutForm>(cp_form.second);
+    // Short rows relative to c give shards shorter than a conv window and all-padding shards.
+    return gen::mapcat(gen::inRange(1, cp * 6 + 10), [cp, form](int S) {
+      const int L = (S + cp - 1) / cp;
+      // Lengths biased to the shard length (edges hit exactly), to 1, and to long spans.
+      auto len = gen::weightedOneOf<int>({{5, gen::inRange(0, 2 * L + 2)},
+                                          {2, gen::just(L)},
+                                          {2, gen::just(1)},
+                                          {1, gen::inRange(0, S + 1)}});
+      auto extra = gen::weightedOneOf<int>({{3, gen::just(0)}, {1, gen::inRange(1, 4)}});
+      auto doc = gen::build<DocSpec>(gen::set(&DocSpec::real, len), gen::set(&DocSpec::extra, extra));
+      auto rows = form == LayoutForm::cu_seqlens ? gen::just(1) : gen::inRange(1, 4);
+      return gen::mapcat(rows, [=](int B) {
+        return gen::build<LayoutSpec>(
+            gen::set(&LayoutSpec::cp, gen::just(cp)), gen::set(&LayoutSpec::form, gen::just(form)),
+            gen::set(&LayoutSpec::seq_len, gen::just(S)),
+            gen::set(&LayoutSpec::rows, gen::container<std::vector<std::vector<DocSpec>>>(
+                                            B, gen::resize(12, gen::container<std::vector<DocSpec>>(doc)))),
+            gen::set(&LayoutSpec::row_pads,
+                     gen::container<std::vector<std::pair<int, int>>>(
+                         B, gen::pair(gen::weightedOneOf<int>({{2, gen::just(0)}, {1, gen::inRange(0, S + 1)}}),
+                                      gen::weightedOneOf<int>({{2, gen::just(0)}, {1, gen::inRange(0, S + 1)}})))),
+            gen::set(&LayoutSpec::mask_kind, gen::inRange(0, 3)), gen::set(&LayoutSpec::absorb_tail, gen::arbitrary<bool>()),
+            gen::set(&LayoutSpec::give_positions, gen::arbitrary<bool>()),
+            gen::set(&LayoutSpec::give_loss_mask, gen::arbitrary<bool>()),
+            gen::set(&LayoutSpec::pad_token_id, gen::inRange(0, 6)), gen::set(&LayoutSpec::cu_sentinels, gen::inRange(0, 3)),
+            gen::set(&LayoutSpec::seed, gen::arbitrary<std::uint64_t>()));
+      });
+    });
+  });
+}
+
+rc::Gen<LayoutCase> gen_layout_case(int max_cp) { return rc::gen::map(gen_layout_spec(max_cp), build_case); }
+
+}  // namespace cpsim::verify

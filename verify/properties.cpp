@@ -1,0 +1,342 @@
+#include "verify/properties.hpp"
+
+#include <mutex>
+#include <sstream>
+
+#include "core/gather.hpp"
+#include "sim/launcher.hpp"
+#include "verify/random.hpp"
+#include "verify/reference.hpp"
+
+namespace cpsim::verify {
+
+namespace {
+
+// Accumulates mismatches for one property run.
+struct Tally {
+  std::string name;
+  int cp;
+  std::int64_t wrong = 0;
+  std::ostringstream why;
+  void expect(bool ok, const std::string& what) {
+    if (ok) return;
+    if (wrong == 0) why << what;
+    ++wrong;
+  }
+  void expect_equal(const Tensor& ref, const Tensor& got, const std::string& what) {
+    const std::int64_t w = count_wrong(ref, got);
+    if (w && wrong == 0) why << what << ": " << w << " wrong elements";
+    wrong += w;
+  }
+  PropertyResult result() const { return {name, cp, wrong == 0, static_cast<double>(wrong), why.str()}; }
+};
+
+PropertyResult failed(const std::string& name, int cp, const std::string& why) {
+  return {name, cp, false, 1.0, why};
+}
+
+std::vector<std::int64_t> row_of(const Tensor& t, std::int64_t row) {
+  const std::int64_t S = t.dim(1);
+  std::vector<std::int64_t> v(S);
+  for (std::int64_t s = 0; s < S; ++s) v[s] = t.get_int(row * S + s);
+  return v;
+}
+
+Batch normalized(const Batch& b) {
+  Batch out = b;
+  normalize_batch_axis(out);
+  return out;
+}
+
+sim::RunOptions run_options(const CheckOptions& o) { return {o.backend, o.timeout}; }
+
+}  // namespace
+
+DocIdsFn default_doc_ids() {
+  return [](const Batch& b, std::int64_t) { return global_doc_ids(b); };
+}
+ShardFn default_shard() {
+  return [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary) {
+    return shard_batch_at(rank, cp, b, std::nullopt, pad, primary);
+  };
+}
+GatherFn default_gather() { return gather_sequence; }
+AnchorFn default_anchor() { return all_gather_backward_anchor; }
+
+PropertyResult check_layout(const LayoutCase& c, const DocIdsFn& doc_ids_fn) {
+  Tally t{"layout", c.cp};
+  try {
+    const Batch b = normalized(c.batch);
+    const LayoutTruth truth = expected_layout(c);
+    const std::int64_t B = truth.doc_ids.dim(0), S = truth.doc_ids.dim(1);
+    const Tensor ids = doc_ids_fn(b, c.pad_token_id);
+    t.expect_equal(truth.doc_ids, ids, "doc ids");
+    const Layout layout = derive_layout(b);
+    t.expect_equal(truth.padding, layout.padding, "padding");
+    t.expect_equal(truth.positions, layout.positions, "positions");
+    for (std::int64_t r = 0; r < B && ids.shape() == truth.doc_ids.shape(); ++r) {
+      const auto row = row_of(ids, r);
+      // doc ids -> segments -> doc ids.
+      const auto cu = segment_cu_seqlens(row.data(), S);
+      t.expect(cu == reference_segments(row), "segments of row " + std::to_string(r));
+      for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
+        for (std::int64_t s = cu[k]; s < cu[k + 1]; ++s) t.expect(row[s] == row[cu[k]], "segment not constant");
+        if (k > 0) t.expect(row[cu[k]] != row[cu[k] - 1], "adjacent segments share an id");
+      }
+      // doc ids -> occupied lengths -> cu_seqlens -> doc ids: the same segments and padding.
+      std::vector<std::int64_t> lens;
+      for (std::size_t k = 0; k + 1 < cu.size(); ++k)
+        if (row[cu[k]] != kPadDocId) lens.push_back(cu[k + 1] - cu[k]);
+      std::vector<std::int64_t> cu_docs{0};
+      std::int64_t pos = 0;
+      bool contiguous = true;  // packed documents leave no pad run between them
+      for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
+        if (row[cu[k]] == kPadDocId) { contiguous = contiguous && k + 2 == cu.size(); continue; }
+        pos += cu[k + 1] - cu[k];
+        cu_docs.push_back(pos);
+      }
+      if (contiguous) {
+        const Tensor back = doc_ids_from_cu_seqlens(Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu_docs.size())}, cu_docs), S);
+        const auto back_row = row_of(back, 0);
+        t.expect(segment_cu_seqlens(back_row.data(), S) == cu, "cu_seqlens round trip of row " + std::to_string(r));
+        Tensor lens_t = Tensor::from<std::int64_t>({1, static_cast<std::int64_t>(lens.size())}, lens);
+        if (!lens.empty())
+          t.expect(row_of(doc_ids_from_seq_lens(lens_t, S), 0) == back_row, "seq_lens vs cu_seqlens of row " + std::to_string(r));
+      }
+    }
+    Tensor keep({B, S}, DType::b8);
+    for (std::int64_t i = 0; i < B * S; ++i) keep.data<bool>()[i] = !truth.padding.data<bool>()[i];
+    validate_document_positions(keep, layout.positions);
+    Batch unpacked = b;
+    unpack_row_layout(unpacked);
+    t.expect(!unpacked.count("seq_lens") && !unpacked.count("cu_seqlens"), "unpack kept packing metadata");
+    t.expect_equal(truth.padding, unpacked.at("padding_mask"), "unpacked padding_mask");
+    t.expect_equal(truth.positions, unpacked.at("position_ids"), "unpacked position_ids");
+    t.expect_equal(b.at("input_ids"), unpacked.at("input_ids"), "unpack changed input_ids");
+  } catch (const std::exception& e) {
+    return failed("layout", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result();
+}
+
+PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard) {
+  Tally t{"shard", c.cp};
+  try {
+    const Batch b = normalized(c.batch);
+    const std::int64_t S = sequence_length(b);
+    const ShardGeometry g = shard_geometry(S, c.cp);
+    const Batch ref = reference_padded_global(c, g.padded_len);
+    const LayoutTruth truth = expected_layout(c);
+    const std::int64_t B = truth.doc_ids.dim(0);
+    std::map<std::string, std::vector<Tensor>> parts;
+    std::vector<Tensor> local_ids;
+    for (int r = 0; r < c.cp; ++r) {
+      const ShardedBatch sb = shard(r, c.cp, b, c.pad_token_id, false);
+      const PackedContext& ctx = sb.context;
+      t.expect(ctx.local_seq_len() == g.local_len && ctx.seq_start() == g.start(r) && ctx.cp_size() == c.cp &&
+                   ctx.original_seq_len() == S && ctx.cp_enabled() == (c.cp > 1),
+               "packed context geometry of rank " + std::to_string(r));
+      for (const auto& [key, expected] : ref) {
+        if (!sb.local.count(key)) {
+          t.expect(false, "rank " + std::to_string(r) + " lost " + key);
+          continue;
+        }
+        if (key == "input_ids") t.expect_equal(expected, sb.local.at(key), "global input_ids of rank " + std::to_string(r));
+        else parts[key].push_back(sb.local.at(key));
+      }
+      const ShardedBatch primary = shard(r, c.cp, b, c.pad_token_id, true);
+      t.expect_equal(narrow(ref.at("input_ids"), 1, g.start(r), g.local_len), primary.local.at("input_ids"),
+                     "sharded input_ids of rank " + std::to_string(r));
+      local_ids.push_back(ctx.local_doc_ids());
+      for (std::int64_t row = 0; row < B; ++row) {
+        const auto padded_ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
+        const FlaCpContext want = reference_cp_context(padded_ids, c.cp, r);
+        t.expect(ctx.row_cu_seqlens(static_cast<int>(row)) == want.cu_seqlens,
+                 "row_cu_seqlens of rank " + std::to_string(r) + " row " + std::to_string(row));
+        const FlaCpContext got = build_fla_cp_context(ctx, static_cast<int>(row));
+        t.expect(got.cu_seqlens == want.cu_seqlens && got.pre_num_conv_tokens == want.pre_num_conv_tokens &&
+                     got.pre_num_ranks == want.pre_num_ranks && got.post_num_ranks == want.post_num_ranks &&
+                     got.is_first_rank == want.is_first_rank && got.is_last_rank == want.is_last_rank,
+                 "CP context of rank " + std::to_string(r) + " row " + std::to_string(row));
+      }
+    }
+    for (const auto& [key, shards] : parts) t.expect_equal(ref.at(key), cat(shards, 1), "concatenated " + key);
+    Tensor ref_ids({B, g.padded_len}, DType::i64);
+    for (std::int64_t row = 0; row < B; ++row) {
+      const auto ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
+      std::copy(ids.begin(), ids.end(), ref_ids.data<std::int64_t>() + row * g.padded_len);
+    }
+    t.expect_equal(ref_ids, cat(local_ids, 1), "concatenated local doc ids");
+  } catch (const std::exception& e) {
+    return failed("shard", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result();
+}
+
+namespace {
+
+// The global [B, P, ...] activation a case gathers, and each rank's slice of it.
+struct GatherSetup {
+  ShardGeometry g;
+  std::int64_t B;
+};
+GatherSetup gather_setup(const LayoutCase& c) {
+  const Batch b = normalized(c.batch);
+  return {shard_geometry(sequence_length(b), c.cp), batch_rows(b)};
+}
+
+}  // namespace
+
+PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
+  Tally t{"gather_forward", c.cp};
+  try {
+    const GatherSetup s = gather_setup(c);
+    const std::vector<std::pair<DType, Shape>> cases = {
+        {DType::f32, {s.B, s.g.padded_len, o.channels}}, {DType::f64, {s.B, s.g.padded_len, 2}},
+        {DType::bf16, {s.B, s.g.padded_len, o.channels}}, {DType::i32, {s.B, s.g.padded_len, 3}},
+        {DType::i64, {s.B, s.g.padded_len}},              {DType::b8, {s.B, s.g.padded_len, 2, 2}}};
+    for (const auto& [dt, shape] : cases) {
+      const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, static_cast<int>(dt)));
+      std::vector<Tensor> got(c.cp);
+      sim::run_ranks(c.cp, [&](Communicator& comm) {
+        const int r = comm.rank();
+        Var x(narrow(global, 1, s.g.start(r), s.g.local_len), is_floating(dt));
+        got[r] = gather(x, &comm, is_floating(dt)).value();
+      }, run_options(o));
+      for (int r = 0; r < c.cp; ++r)
+        t.expect_equal(global, got[r], std::string("gathered ") + dtype_name(dt) + " on rank " + std::to_string(r));
+    }
+  } catch (const std::exception& e) {
+    return failed("gather_forward", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result();
+}
+
+namespace {
+
+// Plain rank-order sum of upstream slices in the element type: the reference reduce-scatter.
+template <class T>
+Tensor reference_gather_grad(const std::vector<Tensor>& upstream, const std::vector<bool>& contributes,
+                             const ShardGeometry& g, int rank) {
+  const Tensor& u0 = upstream[0];
+  Shape shape = u0.shape();
+  shape[1] = g.local_len;
+  Tensor out(shape, u0.dtype());
+  const std::int64_t B = shape[0], inner = u0.numel() / (B * g.padded_len);
+  bool first = true;
+  for (std::size_t q = 0; q < upstream.size(); ++q) {
+    if (!contributes[q]) continue;
+    const T* u = upstream[q].data<T>();
+    T* o = out.data<T>();
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t s = 0; s < g.local_len; ++s)
+        for (std::int64_t k = 0; k < inner; ++k) {
+          const T v = u[(b * g.padded_len + g.start(rank) + s) * inner + k];
+          T& dst = o[(b * g.local_len + s) * inner + k];
+          dst = first ? v : static_cast<T>(dst + v);
+        }
+    first = false;
+  }
+  return out;
+}
+
+Tensor reference_grad(DType dt, const std::vector<Tensor>& upstream, const std::vector<bool>& contributes,
+                      const ShardGeometry& g, int rank) {
+  return dt == DType::f64 ? reference_gather_grad<double>(upstream, contributes, g, rank)
+                          : reference_gather_grad<float>(upstream, contributes, g, rank);
+}
+
+}  // namespace
+
+PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
+  Tally t{"gather_backward", c.cp};
+  try {
+    const GatherSetup s = gather_setup(c);
+    for (DType dt : {DType::f64, DType::f32}) {
+      const Shape shape{s.B, s.g.padded_len, o.channels};
+      const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, 11));
+      std::vector<Tensor> upstream;
+      for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor(shape, dt, mix_seed(c.seed, 100 + q)));
+      std::vector<Tensor> grads(c.cp);
+      sim::run_ranks(c.cp, [&](Communicator& comm) {
+        const int r = comm.rank();
+        Var x(narrow(global, 1, s.g.start(r), s.g.local_len), true);
+        backward(dot(gather(x, &comm, true), upstream[r]));
+        grads[r] = x.grad();
+      }, run_options(o));
+      const std::vector<bool> all(c.cp, true);
+      for (int r = 0; r < c.cp; ++r) {
+        if (!grads[r].defined()) {
+          t.expect(false, "rank " + std::to_string(r) + " got no gradient");
+          continue;
+        }
+        t.expect_equal(reference_grad(dt, upstream, all, s.g, r), grads[r],
+                       std::string(dtype_name(dt)) + " gradient of rank " + std::to_string(r));
+      }
+    }
+  } catch (const std::exception& e) {
+    return failed("gather_backward", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result();
+}
+
+PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
+  Tally t{"anchor", c.cp};
+  try {
+    const GatherSetup s = gather_setup(c);
+    const Shape shape{s.B, s.g.padded_len, o.channels};
+    const Tensor global = random_tensor(shape, DType::f64, mix_seed(c.seed, 21));
+    std::vector<Tensor> upstream;
+    std::vector<bool> uses(c.cp);  // whether rank q's loss depends on the gathered tensor
+    SplitMix64 rng(mix_seed(c.seed, 22));
+    int users = 0;
+    for (int q = 0; q < c.cp; ++q) {
+      upstream.push_back(random_tensor(shape, DType::f64, mix_seed(c.seed, 200 + q)));
+      uses[q] = rng.below(2) == 1;
+      users += uses[q];
+    }
+    auto step = [&](bool with_anchor, std::vector<Tensor>& grads) {
+      sim::run_ranks(c.cp, [&](Communicator& comm) {
+        const int r = comm.rank();
+        Var x(narrow(global, 1, s.g.start(r), s.g.local_len), true);
+        Var gathered = gather(x, &comm, true);
+        Var loss = uses[r] ? dot(gathered, upstream[r]) : constant_scalar(0.0);
+        if (with_anchor) loss = add(loss, anchor(gathered));
+        backward(loss);
+        grads[r] = x.grad();
+        comm.barrier();  // what the next training step would do
+      }, run_options(o));
+    };
+    std::vector<Tensor> grads(c.cp);
+    step(true, grads);
+    for (int r = 0; r < c.cp; ++r) {
+      if (!grads[r].defined()) {
+        t.expect(false, "with the anchor, rank " + std::to_string(r) + " got no gradient");
+        continue;
+      }
+      t.expect_equal(reference_grad(DType::f64, upstream, uses, s.g, r), grads[r],
+                     "gradient with the anchor on rank " + std::to_string(r));
+    }
+    if (c.cp > 1 && users > 0 && users < c.cp) {
+      std::string error;
+      try {
+        std::vector<Tensor> unused(c.cp);
+        step(false, unused);
+      } catch (const CollectiveError& e) {
+        error = e.what();
+      }
+      t.expect(error.find("reduce_scatter") != std::string::npos,
+               "without the anchor the skipped reduce_scatter was not reported" +
+                   (error.empty() ? std::string() : " (got: " + error + ")"));
+    }
+  } catch (const std::exception& e) {
+    return failed("anchor", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result();
+}
+
+std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o) {
+  return {check_layout(c), check_shard(c), check_gather_forward(c, o), check_gather_backward(c, o), check_anchor(c, o)};
+}
+
+}  // namespace cpsim::verify

@@ -1,0 +1,62 @@
+// The properties cpsim verifies (SPEC §5), as functions that tests and the CLI
+// call. Each compares a sharded result, gathered from every rank of a simulated
+// group, with an unsharded reference. The implementation under test is a
+// parameter (defaulting to the real one), so negative-control tests can hand a
+// deliberately broken variant to the same property and watch it fail.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/autograd.hpp"
+#include "core/shard.hpp"
+#include "verify/cases.hpp"
+
+namespace cpsim::verify {
+
+struct CheckOptions {
+  std::string backend = "threads";
+  int conv_width = 4;
+  int channels = 8;
+  std::chrono::milliseconds timeout{20000};
+};
+
+struct PropertyResult {
+  std::string property;
+  int cp = 1;
+  bool ok = false;
+  double error = 0;    // wrong elements, or relative RMSE for floating-point results
+  std::string detail;  // why it failed
+};
+
+using DocIdsFn = std::function<Tensor(const Batch& batch, std::int64_t pad_token_id)>;
+using ShardFn = std::function<ShardedBatch(int rank, int cp, const Batch& batch, std::int64_t pad_token_id,
+                                           bool shard_primary)>;
+using GatherFn = std::function<Var(const Var& x, Communicator* comm, bool differentiable)>;
+using AnchorFn = std::function<Var(const Var& gathered)>;
+
+DocIdsFn default_doc_ids();
+ShardFn default_shard();
+GatherFn default_gather();
+AnchorFn default_anchor();
+
+// Doc ids, padding, positions and the seq_lens <-> cu_seqlens <-> doc ids <-> segments round trips.
+PropertyResult check_layout(const LayoutCase& c, const DocIdsFn& doc_ids = default_doc_ids());
+// Shards concatenate to the padded global tensors; local doc ids, row_cu_seqlens and
+// the recurrent CP context tile each shard.
+PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard = default_shard());
+// gather_sequence forward is bitwise the global tensor, for every dtype.
+PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather = default_gather());
+// Backward: each rank's gradient is the rank-order sum of every rank's upstream slice.
+PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather = default_gather());
+// Ranks whose loss ignores the gathered tensor: with the anchor backward completes with the
+// right gradients; without it the simulator reports the skipped collective (never hangs).
+PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather = default_gather(),
+                            const AnchorFn& anchor = default_anchor());
+
+// Every property, in the order `cpsim check` reports them.
+std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o);
+
+}  // namespace cpsim::verify
