@@ -2,6 +2,7 @@
 // variant of the code it checks, and must find (and shrink) a counterexample.
 #include <gmock/gmock.h>
 
+#include "core/conv.hpp"
 #include "core/gather.hpp"
 #include "tests/property_harness.hpp"
 #include "verify/generators.hpp"
@@ -64,6 +65,46 @@ Var gather_backward_slices(const Var& x, Communicator* comm, bool differentiable
 // A zero with no backward edge: ranks that ignore the gather skip its backward again.
 Var anchor_without_edge(const Var& gathered) { return constant_scalar(0.0, gathered.value().dtype()); }
 
+// History slots hold positions r*L-W .. r*L-2: one position too early.
+Var halo_one_position_off(const Var& x, Communicator* comm, int width, HaloExchange e) {
+  const std::int64_t L = x.value().dim(1), H = width - 1;
+  const Tensor wider = convolution_history(Var(x.value()), comm, width + 1, e).value();
+  return Var(cat({narrow(wider, 1, 0, H), narrow(wider, 1, H + 1, L)}, 1));
+}
+
+// Correct forward; backward sends the nearest history gradient two ranks back instead of one.
+Var halo_gradient_to_wrong_rank(const Var& x, Communicator* comm, int width, HaloExchange e) {
+  const std::int64_t L = x.value().dim(1), H = width - 1;
+  const Tensor window = convolution_history(Var(x.value()), comm, width, e).value();
+  return record(window, "halo_gradient_to_wrong_rank", {x}, [comm, L, H](const Tensor& g) {
+    Tensor dx = narrow(g, 1, H, L);
+    if (!is_distributed(comm) || H == 0) return std::vector<Tensor>{dx};
+    const std::int64_t n = std::min(L, H);
+    const int r = comm->rank(), c = comm->size();
+    Tensor send = narrow(g, 1, H - n, n), recv(send.shape(), g.dtype());
+    const int dst = r - 2 >= 0 ? r - 2 : -1, src = r + 2 < c ? r + 2 : -1;
+    comm->send_recv(send.raw(), send.numel(), dst, recv.raw(), recv.numel(), src, g.dtype());
+    if (src >= 0) {
+      Tensor tail = narrow(dx, 1, L - n, n);
+      add_inplace(tail, recv);
+      dx = cat({narrow(dx, 1, 0, L - n), tail}, 1);
+    }
+    return std::vector<Tensor>{dx};
+  });
+}
+
+// Taps are never cut at document boundaries.
+Var conv_ignoring_documents(const Var& x, const Tensor& ids, const Var& w, const Var& b) {
+  return packed_causal_conv(x, Tensor(ids.shape(), DType::i64), w, b);
+}
+
+CheckOptions wide_conv() {
+  CheckOptions o;
+  o.conv_width = *rc::gen::inRange(2, 9);
+  o.channels = 2;
+  return o;
+}
+
 void expect_found(const std::string& report) {
   EXPECT_FALSE(report.empty()) << "the property passed every case against a broken implementation";
   EXPECT_THAT(report, HasSubstr("cp=")) << "the counterexample is not printed as a batch";
@@ -103,6 +144,34 @@ TEST(NegativeControls, GatherBackwardCatchesABackwardThatSlicesInsteadOfSumming)
 TEST(NegativeControls, AnchorCatchesAnAnchorWithoutABackwardEdge) {
   expect_found(expect_counterexample("anchor vs anchor without edge", [](const LayoutCase& c) {
     const auto r = check_anchor(c, CheckOptions{}, default_gather(), anchor_without_edge);
+    RC_ASSERT(r.ok);
+  }));
+}
+
+TEST(NegativeControls, HaloForwardCatchesAHistoryOnePositionOff) {
+  expect_found(expect_counterexample("halo_forward vs one position off", [](const LayoutCase& c) {
+    const auto r = check_halo_forward(c, wide_conv(), halo_one_position_off);
+    RC_ASSERT(r.ok);
+  }));
+}
+
+TEST(NegativeControls, HaloBackwardCatchesAGradientSentToTheWrongRank) {
+  expect_found(expect_counterexample("halo_backward vs wrong rank", [](const LayoutCase& c) {
+    const auto r = check_halo_backward(c, wide_conv(), halo_gradient_to_wrong_rank);
+    RC_ASSERT(r.ok);
+  }));
+}
+
+TEST(NegativeControls, ConvForwardCatchesTapsThatIgnoreDocumentBoundaries) {
+  expect_found(expect_counterexample("conv_forward vs ignored boundaries", [](const LayoutCase& c) {
+    const auto r = check_conv_forward(c, wide_conv(), default_halo(), conv_ignoring_documents);
+    RC_ASSERT(r.ok);
+  }));
+}
+
+TEST(NegativeControls, ConvBackwardCatchesAGradientSentToTheWrongRank) {
+  expect_found(expect_counterexample("conv_backward vs wrong rank", [](const LayoutCase& c) {
+    const auto r = check_conv_backward(c, wide_conv(), halo_gradient_to_wrong_rank);
     RC_ASSERT(r.ok);
   }));
 }

@@ -85,3 +85,28 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
                         "real token equal to PAD", "rows with different document counts"})
     EXPECT_GT(seen[k], 0) << "the generator never drew: " << k;
 }
+
+namespace {
+CheckOptions conv_options() {
+  CheckOptions o;
+  o.conv_width = *rc::gen::inRange(1, 9);
+  o.channels = *rc::gen::inRange(1, 4);
+  return o;
+}
+}  // namespace
+
+CPSIM_PROP(Properties, HaloForwardIsTheZeroPaddedPreviousGlobalPositions, (const LayoutCase& c)) {
+  assert_holds(check_halo_forward(c, conv_options()));
+}
+
+CPSIM_PROP(Properties, HaloBackwardReturnsEachGradientToItsOwner, (const LayoutCase& c)) {
+  assert_holds(check_halo_backward(c, conv_options()));
+}
+
+CPSIM_PROP(Properties, ShardedConvForwardMatchesTheUnshardedConv, (const LayoutCase& c)) {
+  assert_holds(check_conv_forward(c, conv_options()));
+}
+
+CPSIM_PROP(Properties, ShardedConvBackwardMatchesTheUnshardedConv, (const LayoutCase& c)) {
+  assert_holds(check_conv_backward(c, conv_options()));
+}

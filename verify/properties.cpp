@@ -1,8 +1,10 @@
 #include "verify/properties.hpp"
 
+#include <limits>
 #include <mutex>
 #include <sstream>
 
+#include "core/conv.hpp"
 #include "core/gather.hpp"
 #include "sim/launcher.hpp"
 #include "verify/random.hpp"
@@ -61,6 +63,8 @@ ShardFn default_shard() {
   };
 }
 GatherFn default_gather() { return gather_sequence; }
+HaloFn default_halo() { return convolution_history; }
+ConvFn default_conv() { return packed_causal_conv; }
 AnchorFn default_anchor() { return all_gather_backward_anchor; }
 
 PropertyResult check_layout(const LayoutCase& c, const DocIdsFn& doc_ids_fn) {
@@ -335,8 +339,172 @@ PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const Ga
   return t.result();
 }
 
+namespace {
+
+constexpr HaloExchange kExchanges[] = {HaloExchange::all_gather, HaloExchange::send_recv};
+
+std::string exchange_tag(HaloExchange e) { return std::string(" (") + halo_exchange_name(e) + " exchange)"; }
+
+// Relative RMSE against a tolerance; tracks the worst error of a property.
+struct ErrorTally {
+  std::string name;
+  int cp;
+  double worst = 0;
+  std::string why;
+  void expect_close(const Tensor& ref, const Tensor& got, double tol, const std::string& what) {
+    const double e = got.defined() ? relative_rmse(ref, got) : std::numeric_limits<double>::infinity();
+    if (e > tol && why.empty()) why = what + ": relative RMSE " + std::to_string(e);
+    worst = std::max(worst, e);
+  }
+  PropertyResult result(double tol) const { return {name, cp, worst <= tol && why.empty(), worst, why}; }
+};
+
+}  // namespace
+
+PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
+  Tally t{"halo_forward", c.cp};
+  try {
+    const GatherSetup s = gather_setup(c);
+    const Tensor x = masked_activation(c, s.g.padded_len, o.channels, mix_seed(c.seed, 31));
+    for (HaloExchange e : kExchanges) {
+      std::vector<Tensor> got(c.cp);
+      sim::run_ranks(c.cp, [&](Communicator& comm) {
+        const int r = comm.rank();
+        got[r] = halo(Var(narrow(x, 1, s.g.start(r), s.g.local_len), true), &comm, o.conv_width, e).value();
+      }, run_options(o));
+      for (int r = 0; r < c.cp; ++r)
+        t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[r],
+                       "history of rank " + std::to_string(r) + exchange_tag(e));
+    }
+  } catch (const std::exception& e) {
+    return failed("halo_forward", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result();
+}
+
+PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
+  ErrorTally t{"halo_backward", c.cp};
+  try {
+    const GatherSetup s = gather_setup(c);
+    const std::int64_t L = s.g.local_len, H = o.conv_width - 1, P = s.g.padded_len, C = o.channels;
+    const Tensor x = masked_activation(c, P, C, mix_seed(c.seed, 32));
+    std::vector<Tensor> upstream;
+    for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor({s.B, L + H, C}, DType::f64, mix_seed(c.seed, 300 + q)));
+    // Reference: every window slot's gradient lands on the global position it came from.
+    Tensor owner_grad({s.B, P, C}, DType::f64);
+    for (int q = 0; q < c.cp; ++q)
+      for (std::int64_t b = 0; b < s.B; ++b)
+        for (std::int64_t i = 0; i < L + H; ++i) {
+          const std::int64_t p = s.g.start(q) - H + i;
+          if (p < 0) continue;
+          for (std::int64_t k = 0; k < C; ++k) {
+            const std::int64_t at = (b * P + p) * C + k;
+            owner_grad.set(at, owner_grad.get(at) + upstream[q].get((b * (L + H) + i) * C + k));
+          }
+        }
+    for (HaloExchange e : kExchanges) {
+      std::vector<Tensor> grads(c.cp);
+      sim::run_ranks(c.cp, [&](Communicator& comm) {
+        const int r = comm.rank();
+        Var xr(narrow(x, 1, s.g.start(r), L), true);
+        backward(dot(halo(xr, &comm, o.conv_width, e), upstream[r]));
+        grads[r] = xr.grad();
+      }, run_options(o));
+      for (int r = 0; r < c.cp; ++r)
+        t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[r], kConvTolerance,
+                       "input gradient of rank " + std::to_string(r) + exchange_tag(e));
+    }
+  } catch (const std::exception& e) {
+    return failed("halo_backward", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result(kConvTolerance);
+}
+
+namespace {
+
+struct ConvRun {
+  ConvReference ref;
+  std::vector<std::vector<Tensor>> y, dx;  // [exchange][rank]
+  std::vector<Tensor> dw, dbias;           // [exchange], summed over ranks in rank order
+};
+
+ConvRun run_conv(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  const GatherSetup s = gather_setup(c);
+  const std::int64_t P = s.g.padded_len, L = s.g.local_len, C = o.channels, W = o.conv_width;
+  const Tensor x = masked_activation(c, P, C, mix_seed(c.seed, 41));
+  const Tensor ids = reference_padded_doc_ids(c, P);
+  const Tensor w = random_tensor({C, W}, DType::f64, mix_seed(c.seed, 42));
+  const Tensor bias = random_tensor({C}, DType::f64, mix_seed(c.seed, 43));
+  const Tensor gy = random_tensor({s.B, P, C}, DType::f64, mix_seed(c.seed, 44));
+  ConvRun run;
+  run.ref = reference_conv(x, ids, w, bias, gy);
+  for (HaloExchange e : kExchanges) {
+    std::vector<Tensor> y(c.cp), dx(c.cp), dw(c.cp), db(c.cp);
+    sim::run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      Var xr(narrow(x, 1, s.g.start(r), L), true), wr(w.clone(), true), br(bias.clone(), true);
+      const Var window = halo(xr, &comm, static_cast<int>(W), e);
+      const Var out = conv(window, window_doc_ids(ids, s.g.start(r), L, static_cast<int>(W)), wr, br);
+      backward(dot(out, narrow(gy, 1, s.g.start(r), L)));
+      y[r] = out.value();
+      dx[r] = xr.grad();
+      dw[r] = wr.grad();
+      db[r] = br.grad();
+    }, run_options(o));
+    Tensor dw_sum = dw[0].defined() ? dw[0].clone() : Tensor();
+    Tensor db_sum = db[0].defined() ? db[0].clone() : Tensor();
+    for (int r = 1; r < c.cp; ++r) {
+      if (dw_sum.defined() && dw[r].defined()) add_inplace(dw_sum, dw[r]);
+      if (db_sum.defined() && db[r].defined()) add_inplace(db_sum, db[r]);
+    }
+    run.y.push_back(y);
+    run.dx.push_back(dx);
+    run.dw.push_back(dw_sum);
+    run.dbias.push_back(db_sum);
+  }
+  return run;
+}
+
+}  // namespace
+
+PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  ErrorTally t{"conv_forward", c.cp};
+  try {
+    const ConvRun run = run_conv(c, o, halo, conv);
+    for (std::size_t e = 0; e < run.y.size(); ++e)
+      t.expect_close(run.ref.y, cat(run.y[e], 1), kConvTolerance, "conv output" + exchange_tag(kExchanges[e]));
+  } catch (const std::exception& e) {
+    return failed("conv_forward", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result(kConvTolerance);
+}
+
+PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  ErrorTally t{"conv_backward", c.cp};
+  try {
+    const ConvRun run = run_conv(c, o, halo, conv);
+    for (std::size_t e = 0; e < run.dx.size(); ++e) {
+      bool all = true;
+      for (const auto& g : run.dx[e]) all = all && g.defined();
+      const std::string tag = exchange_tag(kExchanges[e]);
+      if (!all) {
+        t.expect_close(run.ref.dx, Tensor(), kConvTolerance, "dx undefined on a rank" + tag);
+        continue;
+      }
+      t.expect_close(run.ref.dx, cat(run.dx[e], 1), kConvTolerance, "dx" + tag);
+      t.expect_close(run.ref.dw, run.dw[e], kConvTolerance, "dw summed over ranks" + tag);
+      t.expect_close(run.ref.dbias, run.dbias[e], kConvTolerance, "dbias summed over ranks" + tag);
+    }
+  } catch (const std::exception& e) {
+    return failed("conv_backward", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result(kConvTolerance);
+}
+
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o) {
-  return {check_layout(c), check_shard(c), check_gather_forward(c, o), check_gather_backward(c, o), check_anchor(c, o)};
+  return {check_layout(c),         check_shard(c),           check_gather_forward(c, o), check_gather_backward(c, o),
+          check_anchor(c, o),      check_halo_forward(c, o), check_halo_backward(c, o),  check_conv_forward(c, o),
+          check_conv_backward(c, o)};
 }
 
 }  // namespace cpsim::verify

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/autograd.hpp"
+#include "core/halo.hpp"
 #include "core/shard.hpp"
 #include "verify/cases.hpp"
 
@@ -37,7 +38,12 @@ using ShardFn = std::function<ShardedBatch(int rank, int cp, const Batch& batch,
 using GatherFn = std::function<Var(const Var& x, Communicator* comm, bool differentiable)>;
 using AnchorFn = std::function<Var(const Var& gathered)>;
 
+using HaloFn = std::function<Var(const Var& x_masked, Communicator* comm, int width, HaloExchange exchange)>;
+using ConvFn = std::function<Var(const Var& x_window, const Tensor& window_doc_ids, const Var& weight, const Var& bias)>;
+
 DocIdsFn default_doc_ids();
+HaloFn default_halo();
+ConvFn default_conv();
 ShardFn default_shard();
 GatherFn default_gather();
 AnchorFn default_anchor();
@@ -55,6 +61,19 @@ PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o,
 // right gradients; without it the simulator reports the skipped collective (never hangs).
 PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather = default_gather(),
                             const AnchorFn& anchor = default_anchor());
+
+// Halo forward is bitwise the zero-padded previous W-1 global positions (both exchanges).
+PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = default_halo());
+// Halo backward returns each history gradient to the rank that owns the position.
+PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = default_halo());
+// Sharded packed causal conv matches the unsharded reference (relative RMSE <= 1e-12).
+PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = default_halo(),
+                                  const ConvFn& conv = default_conv());
+// dx per rank, dw and dbias summed over ranks, match the unsharded reference.
+PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = default_halo(),
+                                   const ConvFn& conv = default_conv());
+
+inline constexpr double kConvTolerance = 1e-12;
 
 // Every property, in the order `cpsim check` reports them.
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o);

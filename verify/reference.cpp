@@ -95,3 +95,68 @@ std::int64_t count_wrong(const Tensor& ref, const Tensor& got) {
 }
 
 }  // namespace cpsim::verify
+
+#include "verify/random.hpp"
+
+namespace cpsim::verify {
+
+Tensor reference_padded_doc_ids(const LayoutCase& c, std::int64_t P) {
+  const LayoutTruth t = expected_layout(c);
+  const std::int64_t B = t.doc_ids.dim(0);
+  Tensor out({B, P}, DType::i64);
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto row = reference_padded_doc_ids_row(t, static_cast<int>(b), P);
+    for (std::int64_t s = 0; s < P; ++s) out.data<std::int64_t>()[b * P + s] = row[s];
+  }
+  return out;
+}
+
+Tensor masked_activation(const LayoutCase& c, std::int64_t P, std::int64_t C, std::uint64_t seed) {
+  const LayoutTruth t = expected_layout(c);
+  const std::int64_t B = t.padding.dim(0), S = t.padding.dim(1);
+  Tensor x = random_tensor({B, P, C}, DType::f64, seed);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t s = 0; s < P; ++s)
+      if (s >= S || t.padding.get_int(b * S + s))
+        for (std::int64_t k = 0; k < C; ++k) x.set((b * P + s) * C + k, 0.0);
+  return x;
+}
+
+Tensor reference_history(const Tensor& g, std::int64_t start, std::int64_t L, int width) {
+  const std::int64_t B = g.dim(0), P = g.dim(1), C = g.dim(2), H = width - 1;
+  Tensor out({B, L + H, C}, g.dtype());
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < L + H; ++i) {
+      const std::int64_t p = start - H + i;
+      if (p < 0 || p >= P) continue;
+      for (std::int64_t k = 0; k < C; ++k) out.set((b * (L + H) + i) * C + k, g.get((b * P + p) * C + k));
+    }
+  return out;
+}
+
+ConvReference reference_conv(const Tensor& x, const Tensor& ids, const Tensor& w, const Tensor& bias, const Tensor& gy) {
+  const std::int64_t B = x.dim(0), P = x.dim(1), C = x.dim(2), W = w.dim(1);
+  ConvReference r{Tensor({B, P, C}, DType::f64), Tensor({B, P, C}, DType::f64), Tensor({C, W}, DType::f64),
+                  Tensor({C}, DType::f64)};
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < P; ++t) {
+      std::int64_t seg = t;  // start of t's segment
+      while (seg > 0 && ids.get_int(b * P + seg - 1) == ids.get_int(b * P + t)) --seg;
+      for (std::int64_t c = 0; c < C; ++c) {
+        double acc = bias.defined() ? bias.get(c) : 0.0;
+        const double g = gy.defined() ? gy.get((b * P + t) * C + c) : 0.0;
+        if (bias.defined()) r.dbias.set(c, r.dbias.get(c) + g);
+        for (std::int64_t j = 0; j < W; ++j) {
+          const std::int64_t p = t - (W - 1) + j;
+          if (p < seg) continue;
+          acc += w.get(c * W + j) * x.get((b * P + p) * C + c);
+          r.dx.set((b * P + p) * C + c, r.dx.get((b * P + p) * C + c) + w.get(c * W + j) * g);
+          r.dw.set(c * W + j, r.dw.get(c * W + j) + x.get((b * P + p) * C + c) * g);
+        }
+        r.y.set((b * P + t) * C + c, acc);
+      }
+    }
+  return r;
+}
+
+}  // namespace cpsim::verify
