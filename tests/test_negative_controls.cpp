@@ -175,3 +175,15 @@ TEST(NegativeControls, ConvBackwardCatchesAGradientSentToTheWrongRank) {
     RC_ASSERT(r.ok);
   }));
 }
+
+// The design the seeds rest on: under the load-balanced zigzag sharding (rank r
+// holds chunks r and 2c-1-r), naive left-to-right state passing is wrong, and the
+// property finds and shrinks a counterexample.
+TEST(NegativeControls, RecurrenceUnderZigzagShardingIsCaught) {
+  const std::string report = expect_counterexample("recurrence_forward under zigzag sharding", [](const LayoutCase& c) {
+    const auto r = check_recurrence_forward(c, CheckOptions{}, default_recurrence(), Sharding::zigzag);
+    RC_ASSERT(r.ok);
+  });
+  expect_found(report);
+  std::cout << "zigzag counterexample:\n" << report << "\n";
+}

@@ -110,3 +110,11 @@ CPSIM_PROP(Properties, ShardedConvForwardMatchesTheUnshardedConv, (const LayoutC
 CPSIM_PROP(Properties, ShardedConvBackwardMatchesTheUnshardedConv, (const LayoutCase& c)) {
   assert_holds(check_conv_backward(c, conv_options()));
 }
+
+CPSIM_PROP(Properties, CpRecurrenceForwardMatchesTheUnshardedRecurrence, (const LayoutCase& c)) {
+  assert_holds(check_recurrence_forward(c, CheckOptions{}));
+}
+
+CPSIM_PROP(Properties, CpRecurrenceGradientsMatchTheUnshardedRecurrence, (const LayoutCase& c)) {
+  assert_holds(check_recurrence_backward(c, CheckOptions{}));
+}

@@ -25,20 +25,21 @@ struct CheckArgs {
   std::vector<int> cp_sizes{1, 2, 3, 4, 8};
   std::string backend = "threads";
   int conv_width = 4, channels = 8;
+  int heads = 2, key_dim = 4, value_dim = 4;
   std::uint64_t seed = 0;
   bool json = false;
 };
 
 void print_table(const std::string& name, const std::vector<PropertyResult>& results, const std::vector<int>& cps) {
   std::cout << name << "\n";
-  std::cout << "  " << std::left << std::setw(18) << "property";
+  std::cout << "  " << std::left << std::setw(21) << "property";
   for (int cp : cps) std::cout << std::setw(16) << ("cp=" + std::to_string(cp));
   std::cout << "\n";
   std::vector<std::string> order;
   for (const auto& r : results)
     if (std::find(order.begin(), order.end(), r.property) == order.end()) order.push_back(r.property);
   for (const auto& prop : order) {
-    std::cout << "  " << std::setw(18) << prop;
+    std::cout << "  " << std::setw(21) << prop;
     for (int cp : cps)
       for (const auto& r : results)
         if (r.property == prop && r.cp == cp) {
@@ -57,6 +58,9 @@ int run_check(const CheckArgs& a) {
   o.backend = a.backend;
   o.conv_width = a.conv_width;
   o.channels = a.channels;
+  o.heads = a.heads;
+  o.key_dim = a.key_dim;
+  o.value_dim = a.value_dim;
   // Load and validate every batch first: invalid input is exit 2 before any work.
   std::vector<BatchFile> files;
   for (const auto& path : a.batches) {
@@ -169,6 +173,9 @@ int main(int argc, char** argv) {
   c->add_option("--backend", check.backend, "threads")->check(CLI::IsMember(sim::simulated_backends()));
   c->add_option("--conv-width", check.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
   c->add_option("--channels", check.channels, "activation channels")->check(CLI::Range(1, 4096));
+  c->add_option("--heads", check.heads, "recurrence heads H")->check(CLI::Range(1, 64));
+  c->add_option("--key-dim", check.key_dim, "recurrence key size K")->check(CLI::Range(1, 256));
+  c->add_option("--value-dim", check.value_dim, "recurrence value size V")->check(CLI::Range(1, 256));
   c->add_option("--seed", check.seed, "seed of the activations");
   c->add_flag("--json", check.json, "one JSON object instead of a table");
   FuzzArgs fuzz;

@@ -6,6 +6,7 @@
 
 #include "core/conv.hpp"
 #include "core/gather.hpp"
+#include "core/recurrence.hpp"
 #include "sim/launcher.hpp"
 #include "verify/random.hpp"
 #include "verify/reference.hpp"
@@ -63,6 +64,7 @@ ShardFn default_shard() {
   };
 }
 GatherFn default_gather() { return gather_sequence; }
+RecurrenceFn default_recurrence() { return gated_delta_rule; }
 HaloFn default_halo() { return convolution_history; }
 ConvFn default_conv() { return packed_causal_conv; }
 AnchorFn default_anchor() { return all_gather_backward_anchor; }
@@ -501,10 +503,104 @@ PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, c
   return t.result(kConvTolerance);
 }
 
+namespace {
+
+// out[:, i] = t[:, perm[i]].
+Tensor permute_sequence(const Tensor& t, const std::vector<std::int64_t>& perm) {
+  std::vector<Tensor> cols;
+  for (std::int64_t p : perm) cols.push_back(narrow(t, 1, p, 1));
+  return cat(cols, 1);
+}
+
+struct RecurrenceRun {
+  RecurrenceReference ref;
+  Tensor o, dq, dk, dv, dbeta, dg;  // gathered, in global order
+  bool grads_defined = true;
+};
+
+RecurrenceRun run_recurrence(const LayoutCase& c, const CheckOptions& opt, const RecurrenceFn& fn, Sharding sharding) {
+  const Batch b = normalized(c.batch);
+  const std::int64_t S = sequence_length(b), B = batch_rows(b);
+  const ShardGeometry g = shard_geometry(S, c.cp, sharding == Sharding::zigzag ? 2 : 1);
+  const std::int64_t P = g.padded_len, L = g.local_len;
+  const Tensor ids = reference_padded_doc_ids(c, P);
+  const RecurrenceInputs in = random_recurrence_inputs(B, P, opt.heads, opt.key_dim, opt.value_dim, mix_seed(c.seed, 51));
+  const Tensor d_o = random_tensor({B, P, opt.heads, opt.value_dim}, DType::f64, mix_seed(c.seed, 52));
+  RecurrenceRun run;
+  run.ref = reference_recurrence(in, ids, d_o);
+  // Sequence order the ranks see: identity, or zigzag chunks r and 2c-1-r.
+  std::vector<std::int64_t> perm(P), inverse(P);
+  for (std::int64_t i = 0; i < P; ++i) perm[i] = i;
+  if (sharding == Sharding::zigzag) {
+    const std::int64_t chunk = P / (2 * c.cp);
+    std::int64_t at = 0;
+    for (int r = 0; r < c.cp; ++r)
+      for (std::int64_t ch : {static_cast<std::int64_t>(r), static_cast<std::int64_t>(2 * c.cp - 1 - r)})
+        for (std::int64_t i = 0; i < chunk; ++i) perm[at++] = ch * chunk + i;
+  }
+  for (std::int64_t i = 0; i < P; ++i) inverse[perm[i]] = i;
+  const Tensor ids_p = permute_sequence(ids, perm);
+  const Tensor q = permute_sequence(in.q, perm), k = permute_sequence(in.k, perm), v = permute_sequence(in.v, perm),
+               beta = permute_sequence(in.beta, perm), gg = permute_sequence(in.g, perm),
+               up = permute_sequence(d_o, perm);
+  std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), db(c.cp), dg(c.cp);
+  sim::run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    auto mine = [&](const Tensor& t) { return Var(narrow(t, 1, g.start(r), L), true); };
+    Var vq = mine(q), vk = mine(k), vv = mine(v), vb = mine(beta), vg = mine(gg);
+    const PackedContext ctx(ids_p, g.start(r), c.cp, S);
+    const Var out = fn(vq, vk, vv, vb, vg, ctx, &comm);
+    backward(dot(out, narrow(up, 1, g.start(r), L)));
+    o[r] = out.value();
+    dq[r] = vq.grad(), dk[r] = vk.grad(), dv[r] = vv.grad(), db[r] = vb.grad(), dg[r] = vg.grad();
+  }, run_options(opt));
+  auto global = [&](const std::vector<Tensor>& parts) {
+    for (const auto& t : parts)
+      if (!t.defined()) {
+        run.grads_defined = false;
+        return Tensor();
+      }
+    return permute_sequence(cat(parts, 1), inverse);
+  };
+  run.o = global(o);
+  run.dq = global(dq), run.dk = global(dk), run.dv = global(dv), run.dbeta = global(db), run.dg = global(dg);
+  return run;
+}
+
+}  // namespace
+
+PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
+                                        Sharding sharding) {
+  ErrorTally t{"recurrence_forward", c.cp};
+  try {
+    const RecurrenceRun run = run_recurrence(c, o, fn, sharding);
+    t.expect_close(run.ref.o, run.o, kRecurrenceTolerance, "recurrence output o");
+  } catch (const std::exception& e) {
+    return failed("recurrence_forward", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result(kRecurrenceTolerance);
+}
+
+PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
+                                         Sharding sharding) {
+  ErrorTally t{"recurrence_backward", c.cp};
+  try {
+    const RecurrenceRun run = run_recurrence(c, o, fn, sharding);
+    t.expect_close(run.ref.dq, run.dq, kRecurrenceTolerance, "dq");
+    t.expect_close(run.ref.dk, run.dk, kRecurrenceTolerance, "dk");
+    t.expect_close(run.ref.dv, run.dv, kRecurrenceTolerance, "dv");
+    t.expect_close(run.ref.dbeta, run.dbeta, kRecurrenceTolerance, "dbeta");
+    t.expect_close(run.ref.dg, run.dg, kRecurrenceTolerance, "dg");
+  } catch (const std::exception& e) {
+    return failed("recurrence_backward", c.cp, std::string("threw: ") + e.what());
+  }
+  return t.result(kRecurrenceTolerance);
+}
+
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o) {
   return {check_layout(c),         check_shard(c),           check_gather_forward(c, o), check_gather_backward(c, o),
           check_anchor(c, o),      check_halo_forward(c, o), check_halo_backward(c, o),  check_conv_forward(c, o),
-          check_conv_backward(c, o)};
+          check_conv_backward(c, o),      check_recurrence_forward(c, o), check_recurrence_backward(c, o)};
 }
 
 }  // namespace cpsim::verify

@@ -21,6 +21,7 @@ struct CheckOptions {
   std::string backend = "threads";
   int conv_width = 4;
   int channels = 8;
+  int heads = 2, key_dim = 4, value_dim = 4;  // recurrence
   std::chrono::milliseconds timeout{20000};
 };
 
@@ -41,7 +42,14 @@ using AnchorFn = std::function<Var(const Var& gathered)>;
 using HaloFn = std::function<Var(const Var& x_masked, Communicator* comm, int width, HaloExchange exchange)>;
 using ConvFn = std::function<Var(const Var& x_window, const Tensor& window_doc_ids, const Var& weight, const Var& bias)>;
 
+using RecurrenceFn = std::function<Var(const Var& q, const Var& k, const Var& v, const Var& beta, const Var& g,
+                                       const PackedContext& context, Communicator* comm)>;
+// How the sequence is split across ranks: contiguous (SPEC §2), or the load-balanced
+// zigzag (rank r holds chunks r and 2c-1-r) that recurrent layers cannot use.
+enum class Sharding { contiguous, zigzag };
+
 DocIdsFn default_doc_ids();
+RecurrenceFn default_recurrence();
 HaloFn default_halo();
 ConvFn default_conv();
 ShardFn default_shard();
@@ -74,6 +82,16 @@ PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, c
                                    const ConvFn& conv = default_conv());
 
 inline constexpr double kConvTolerance = 1e-12;
+inline constexpr double kRecurrenceTolerance = 1e-10;
+
+// The CP gated delta rule: outputs o match the unsharded recurrence.
+PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o,
+                                        const RecurrenceFn& fn = default_recurrence(),
+                                        Sharding sharding = Sharding::contiguous);
+// Gradients of q, k, v, beta, g match the unsharded recurrence.
+PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o,
+                                         const RecurrenceFn& fn = default_recurrence(),
+                                         Sharding sharding = Sharding::contiguous);
 
 // Every property, in the order `cpsim check` reports them.
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o);

@@ -160,3 +160,105 @@ ConvReference reference_conv(const Tensor& x, const Tensor& ids, const Tensor& w
 }
 
 }  // namespace cpsim::verify
+
+namespace cpsim::verify {
+
+RecurrenceInputs random_recurrence_inputs(std::int64_t B, std::int64_t P, std::int64_t H, std::int64_t K,
+                                          std::int64_t V, std::uint64_t seed) {
+  RecurrenceInputs in{random_tensor({B, P, H, K}, DType::f64, mix_seed(seed, 1)),
+                      random_tensor({B, P, H, K}, DType::f64, mix_seed(seed, 2)),
+                      random_tensor({B, P, H, V}, DType::f64, mix_seed(seed, 3)),
+                      random_tensor({B, P, H}, DType::f64, mix_seed(seed, 4)),
+                      random_tensor({B, P, H, K}, DType::f64, mix_seed(seed, 5))};
+  // Keys normalised (as KDA does), beta in (0, 1), log-decay g in [-1, 0].
+  for (std::int64_t i = 0; i < B * P * H; ++i) {
+    double n = 0;
+    for (std::int64_t a = 0; a < K; ++a) n += in.k.get(i * K + a) * in.k.get(i * K + a);
+    n = std::sqrt(n) + 1e-6;
+    for (std::int64_t a = 0; a < K; ++a) in.k.set(i * K + a, in.k.get(i * K + a) / n);
+    in.beta.set(i, 0.05 + 0.45 * (in.beta.get(i) + 1.0));
+    for (std::int64_t a = 0; a < K; ++a) in.g.set(i * K + a, -0.5 * (in.g.get(i * K + a) + 1.0));
+  }
+  return in;
+}
+
+RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tensor& ids, const Tensor& d_o) {
+  const std::int64_t B = in.q.dim(0), P = in.q.dim(1), H = in.q.dim(2), K = in.q.dim(3), V = in.v.dim(3);
+  RecurrenceReference r{Tensor({B, P, H, V}, DType::f64), Tensor(in.q.shape(), DType::f64),
+                        Tensor(in.k.shape(), DType::f64), Tensor(in.v.shape(), DType::f64),
+                        Tensor(in.beta.shape(), DType::f64), Tensor(in.g.shape(), DType::f64)};
+  auto Q = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.q.get(((b * P + t) * H + h) * K + a); };
+  auto Kk = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.k.get(((b * P + t) * H + h) * K + a); };
+  auto Vv = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.v.get(((b * P + t) * H + h) * V + a); };
+  auto Bt = [&](std::int64_t b, std::int64_t t, std::int64_t h) { return in.beta.get((b * P + t) * H + h); };
+  auto Gg = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.g.get(((b * P + t) * H + h) * K + a); };
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h) {
+      // Forward, keeping S_t for every t (S[t+1] is the state after token t).
+      std::vector<std::vector<double>> S(P + 1, std::vector<double>(K * V, 0.0));
+      std::vector<bool> starts(P, false);
+      for (std::int64_t t = 0; t < P; ++t) {
+        starts[t] = t == 0 || ids.get_int(b * P + t) != ids.get_int(b * P + t - 1);
+        const std::vector<double> prev = starts[t] ? std::vector<double>(K * V, 0.0) : S[t];
+        std::vector<double> A(K * V), u(V, 0.0);
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < V; ++j) A[i * V + j] = std::exp(Gg(b, t, h, i)) * prev[i * V + j];
+        for (std::int64_t j = 0; j < V; ++j)
+          for (std::int64_t i = 0; i < K; ++i) u[j] += Kk(b, t, h, i) * A[i * V + j];
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < V; ++j)
+            S[t + 1][i * V + j] = A[i * V + j] + Bt(b, t, h) * Kk(b, t, h, i) * (Vv(b, t, h, j) - u[j]);
+        for (std::int64_t j = 0; j < V; ++j) {
+          double o = 0;
+          for (std::int64_t i = 0; i < K; ++i) o += S[t + 1][i * V + j] * Q(b, t, h, i);
+          r.o.set(((b * P + t) * H + h) * V + j, o);
+        }
+      }
+      if (!d_o.defined()) continue;
+      // Backward, token by token from the end; dS is the gradient of S_t.
+      std::vector<double> dS(K * V, 0.0);
+      for (std::int64_t t = P - 1; t >= 0; --t) {
+        const std::vector<double> prev = starts[t] ? std::vector<double>(K * V, 0.0) : S[t];
+        const double beta = Bt(b, t, h);
+        std::vector<double> A(K * V), u(V, 0.0), e(V, 0.0);
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < V; ++j) A[i * V + j] = std::exp(Gg(b, t, h, i)) * prev[i * V + j];
+        for (std::int64_t j = 0; j < V; ++j)
+          for (std::int64_t i = 0; i < K; ++i) u[j] += Kk(b, t, h, i) * A[i * V + j];
+        for (std::int64_t i = 0; i < K; ++i) {
+          double dq = 0;
+          for (std::int64_t j = 0; j < V; ++j) {
+            const double g_o = d_o.get(((b * P + t) * H + h) * V + j);
+            dq += S[t + 1][i * V + j] * g_o;
+            dS[i * V + j] += Q(b, t, h, i) * g_o;
+          }
+          r.dq.set(((b * P + t) * H + h) * K + i, dq);
+        }
+        for (std::int64_t j = 0; j < V; ++j)
+          for (std::int64_t i = 0; i < K; ++i) e[j] += Kk(b, t, h, i) * dS[i * V + j];
+        double dbeta = 0;
+        for (std::int64_t j = 0; j < V; ++j) {
+          dbeta += e[j] * (Vv(b, t, h, j) - u[j]);
+          r.dv.set(((b * P + t) * H + h) * V + j, beta * e[j]);
+        }
+        r.dbeta.set((b * P + t) * H + h, dbeta);
+        std::vector<double> dprev(K * V);
+        for (std::int64_t i = 0; i < K; ++i) {
+          double dk = 0, dg = 0;
+          for (std::int64_t j = 0; j < V; ++j) {
+            const double du = -beta * e[j];
+            dk += beta * dS[i * V + j] * (Vv(b, t, h, j) - u[j]) + A[i * V + j] * du;
+            const double dA = dS[i * V + j] + Kk(b, t, h, i) * du;
+            dg += dA * A[i * V + j];
+            dprev[i * V + j] = starts[t] ? 0.0 : std::exp(Gg(b, t, h, i)) * dA;
+          }
+          r.dk.set(((b * P + t) * H + h) * K + i, dk);
+          r.dg.set(((b * P + t) * H + h) * K + i, dg);
+        }
+        dS = dprev;
+      }
+    }
+  return r;
+}
+
+}  // namespace cpsim::verify

@@ -49,3 +49,21 @@ ConvReference reference_conv(const Tensor& x, const Tensor& doc_ids, const Tenso
                              const Tensor& gy);
 
 }  // namespace cpsim::verify
+
+namespace cpsim::verify {
+
+// Inputs of one recurrence layer over the whole (padded) sequence, float64.
+struct RecurrenceInputs {
+  Tensor q, k, v, beta, g;  // [B,P,H,K], [B,P,H,K], [B,P,H,V], [B,P,H], [B,P,H,K]
+};
+RecurrenceInputs random_recurrence_inputs(std::int64_t B, std::int64_t P, std::int64_t H, std::int64_t K,
+                                          std::int64_t V, std::uint64_t seed);
+
+struct RecurrenceReference {
+  Tensor o, dq, dk, dv, dbeta, dg;
+};
+// Token-by-token gated delta rule with a reset at every segment start of `doc_ids`
+// [B, P]; backward for upstream d_o (undefined: forward only).
+RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tensor& doc_ids, const Tensor& d_o);
+
+}  // namespace cpsim::verify
