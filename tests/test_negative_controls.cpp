@@ -4,6 +4,7 @@
 
 #include "core/conv.hpp"
 #include "core/gather.hpp"
+#include "tests/broken_recurrence.hpp"
 #include "tests/property_harness.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
@@ -186,4 +187,30 @@ TEST(NegativeControls, RecurrenceUnderZigzagShardingIsCaught) {
   });
   expect_found(report);
   std::cout << "zigzag counterexample:\n" << report << "\n";
+}
+
+namespace {
+void expect_recurrence_fault_found(cpsim::testing::RecurrenceFault fault, const std::string& name) {
+  const auto broken = [fault](const Var& q, const Var& k, const Var& v, const Var& b, const Var& g,
+                              const PackedContext& ctx, Communicator* comm) {
+    return cpsim::testing::broken_recurrence(fault, q, k, v, b, g, ctx, comm);
+  };
+  expect_found(expect_counterexample(name, [&](const LayoutCase& c) {
+    const auto r = check_recurrence_forward(c, CheckOptions{}, broken);
+    RC_ASSERT(r.ok);
+  }));
+}
+}  // namespace
+
+TEST(NegativeControls, RecurrenceCatchesAFoldInTheWrongOrder) {
+  expect_recurrence_fault_found(cpsim::testing::RecurrenceFault::fold_in_wrong_order, "fold in the wrong order");
+}
+
+TEST(NegativeControls, RecurrenceCatchesAMissingResetAtASegmentStartInsideAShard) {
+  expect_recurrence_fault_found(cpsim::testing::RecurrenceFault::no_reset_inside_shard, "no reset inside a shard");
+}
+
+TEST(NegativeControls, RecurrenceCatchesTheFirstInsteadOfTheLastLocalSegment) {
+  expect_recurrence_fault_found(cpsim::testing::RecurrenceFault::first_segment_transition,
+                                "first instead of last local segment");
 }
