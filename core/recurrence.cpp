@@ -146,6 +146,19 @@ struct RowState {
   std::vector<Mat> S0, M_first;  // [H]
 };
 
+// X (K x V) <- A X + X_ext for one exchanged block [K, K+V] = [A | X_ext]:
+// the forward fold (A = M) and the backward fold (A = M^T) alike.
+void apply_transition(const double* blk, Mat& X, std::int64_t K, std::int64_t V) {
+  Mat next(K * V, 0.0);
+  for (std::int64_t i = 0; i < K; ++i)
+    for (std::int64_t j = 0; j < V; ++j) {
+      double acc = blk[i * (K + V) + K + j];
+      for (std::int64_t m = 0; m < K; ++m) acc += blk[i * (K + V) + m] * X[m * V + j];
+      next[i * V + j] = acc;
+    }
+  X = std::move(next);
+}
+
 Tensor exchange(Communicator* comm, const Tensor& mine) {
   if (!is_distributed(comm)) return mine.reshape({1, mine.numel()});
   Tensor all({comm->size(), mine.numel()}, DType::f64);
@@ -197,15 +210,7 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
     for (std::int64_t h = 0; h < d.H; ++h) {
       Mat& S = rows[b].S0[h];
       for (int j = r - ctx[b].pre_num_ranks; j < r; ++j) {  // fold left to right
-        const double* blk = all.data<double>() + (j * d.B + b) * block + h * KV;
-        Mat next(d.K * d.V, 0.0);
-        for (std::int64_t i = 0; i < d.K; ++i)
-          for (std::int64_t jj = 0; jj < d.V; ++jj) {
-            double acc = blk[i * (d.K + d.V) + d.K + jj];
-            for (std::int64_t m = 0; m < d.K; ++m) acc += blk[i * (d.K + d.V) + m] * S[m * d.V + jj];
-            next[i * d.V + jj] = acc;
-          }
-        S = next;
+        apply_transition(all.data<double>() + (j * d.B + b) * block + h * KV, S, d.K, d.V);
       }
       transition(in, b, h, cu[0], cu[1], rows[b].M_first[h], S_ext);
       for (std::size_t s = 0; s + 1 < cu.size(); ++s) {
@@ -249,23 +254,15 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
       for (std::int64_t h = 0; h < d.H; ++h) {
         Mat dS(d.K * d.V, 0.0);
         for (int j = r + ctx[b].post_num_ranks; j > r; --j) {
-          const double* blk = all_b.data<double>() + (j * d.B + b) * block + h * KV;
-          Mat next(d.K * d.V, 0.0);
-          for (std::int64_t i = 0; i < d.K; ++i)
-            for (std::int64_t jj = 0; jj < d.V; ++jj) {
-              double acc = blk[i * (d.K + d.V) + d.K + jj];
-              for (std::int64_t m = 0; m < d.K; ++m) acc += blk[i * (d.K + d.V) + m] * dS[m * d.V + jj];
-              next[i * d.V + jj] = acc;
-            }
-          dS = next;
+          apply_transition(all_b.data<double>() + (j * d.B + b) * block + h * KV, dS, d.K, d.V);
         }
-        // Replace the last segment's token gradients: subtract step 1's, add the full ones.
+        // Add the last segment's response to the arriving dS alone (backward is linear
+        // in its incoming gradients; step 1 already covered d_o).
         Tensor zq(Q.shape(), DType::f64), zk(Q.shape(), DType::f64), zv(Vt.shape(), DType::f64),
             zb(Bt.shape(), DType::f64), zg(Q.shape(), DType::f64);
         const Grads extra{zq.data<double>(), zk.data<double>(), zv.data<double>(), zb.data<double>(), zg.data<double>()};
         const Mat S_init = last == 0 ? rows[b].S0[h] : Mat(d.K * d.V, 0.0);
         Tensor zero_do(d_o.shape(), DType::f64);
-        // The difference is the response to dS alone (backward is linear in the incoming gradients).
         run_backward(in2, b, h, cu[last], cu[last + 1], S_init, zero_do.data<double>(), dS, extra);
         add_inplace(gq, zq);
         add_inplace(gk, zk);
