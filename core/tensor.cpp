@@ -160,6 +160,7 @@ Tensor narrow(const Tensor& t, int dim, std::int64_t start, std::int64_t len) {
 
 Tensor cat(const std::vector<Tensor>& parts, int dim) {
   CPSIM_ENFORCE(!parts.empty(), "cat of nothing");
+  for (const auto& p : parts) CPSIM_ENFORCE(p.defined(), "cat of an undefined tensor");
   Shape s = parts[0].shape();
   std::int64_t total = 0;
   for (const auto& p : parts) {

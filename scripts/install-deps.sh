@@ -3,7 +3,7 @@
 # Idempotent: does nothing (and needs no root) when everything is present.
 set -euo pipefail
 packages=(cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
-          libgloo-dev nlohmann-json3-dev libcli11-dev libfmt-dev redis-server)
+          libgloo-dev libhiredis-dev nlohmann-json3-dev libcli11-dev libfmt-dev redis-server)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

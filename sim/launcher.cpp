@@ -5,7 +5,9 @@
 #include <mutex>
 #include <thread>
 
+#include "sim/gloo_communicator.hpp"
 #include "sim/threads_communicator.hpp"
+#include "sim/world.hpp"
 
 namespace cpsim::sim {
 
@@ -17,6 +19,7 @@ struct GroupHandle {
   std::function<std::unique_ptr<Communicator>(int)> make;
   std::function<void(int)> finish;
   std::function<void(int, const std::string&)> fail;
+  std::function<void()> done = [] {};  // after every rank has stopped
 };
 
 GroupHandle make_group(const std::string& backend, int n, std::chrono::milliseconds timeout) {
@@ -25,15 +28,22 @@ GroupHandle make_group(const std::string& backend, int n, std::chrono::milliseco
     return {[group](int r) { return group->communicator(r); }, [group](int r) { group->finish(r); },
             [group](int r, const std::string& w) { group->fail(r, w); }};
   }
-  throw Unsupported("backend '" + backend + "' is not available for in-process ranks (have: threads)");
+  if (backend == "gloo") {
+    auto group = acquire_gloo_group(n, timeout);
+    return {[group, timeout](int r) { return group->communicator(r, timeout); },
+            [group](int r) { group->finish(r); }, [group](int r, const std::string& w) { group->fail(r, w); },
+            [group] { release_gloo_group(group); }};
+  }
+  throw Unsupported("backend '" + backend + "' is not available for in-process ranks (have: threads, gloo)");
 }
 
 }  // namespace
 
-std::vector<std::string> simulated_backends() { return {"threads"}; }
+std::vector<std::string> simulated_backends() { return {"threads", "gloo"}; }
 
-void run_ranks(int n, const RankFn& fn, const RunOptions& options) {
+void run_ranks(int n, const RankFn& fn, const RunOptions& options, const RankOutputs& outputs) {
   CPSIM_ENFORCE(n >= 1, "run_ranks needs at least one rank");
+  if (options.backend == "gloo" && current_world()) return run_in_world(n, fn, options.timeout, outputs);
   GroupHandle group = make_group(options.backend, n, options.timeout);
   std::mutex mutex;
   std::exception_ptr first;
@@ -62,6 +72,7 @@ void run_ranks(int n, const RankFn& fn, const RunOptions& options) {
     });
   }
   for (auto& t : threads) t.join();
+  group.done();
   if (first) std::rethrow_exception(first);
 }
 

@@ -7,25 +7,6 @@
 
 namespace cpsim::sim {
 
-std::string describe_call(const CallRecord& c) {
-  std::ostringstream os;
-  os << collective_name(c.kind) << " #" << c.seq << " (";
-  switch (c.kind) {
-    case CollectiveKind::send_recv:
-      os << "send " << c.count << " to " << (c.dst < 0 ? std::string("nobody") : "rank " + std::to_string(c.dst))
-         << ", recv " << c.recv_count << " from "
-         << (c.src < 0 ? std::string("nobody") : "rank " + std::to_string(c.src)) << ", " << dtype_name(c.dtype);
-      break;
-    case CollectiveKind::barrier: os << "no data"; break;
-    case CollectiveKind::broadcast:
-      os << "count " << c.count << ", " << dtype_name(c.dtype) << ", root " << c.root;
-      break;
-    default: os << "count " << c.count << ", " << dtype_name(c.dtype);
-  }
-  os << ")";
-  return os.str();
-}
-
 namespace {
 
 class ThreadsCommunicator final : public Communicator {
@@ -142,35 +123,6 @@ void ThreadsGroup::poison_locked(const std::string& why) {
   throw CollectiveError(*poison_);
 }
 
-std::optional<std::string> ThreadsGroup::mismatch_locked(std::uint64_t seq) const {
-  const CallRecord& a = ranks_[0].call;
-  const int n = size();
-  for (int q = 1; q < n; ++q) {
-    const CallRecord& b = ranks_[q].call;
-    if (b.kind != a.kind) return "ranks entered different collectives at #" + std::to_string(seq);
-    if (b.kind == CollectiveKind::barrier) continue;
-    if (b.dtype != a.dtype) return std::string(collective_name(a.kind)) + " #" + std::to_string(seq) + " with different dtypes";
-    if (b.kind != CollectiveKind::send_recv && b.count != a.count)
-      return std::string(collective_name(a.kind)) + " #" + std::to_string(seq) + " with different sizes";
-    if (b.kind == CollectiveKind::broadcast && b.root != a.root)
-      return "broadcast #" + std::to_string(seq) + " with different roots";
-  }
-  if (a.kind == CollectiveKind::send_recv) {
-    for (int q = 0; q < n; ++q) {
-      const CallRecord& c = ranks_[q].call;
-      if (c.dst >= n || c.src >= n || c.dst < -1 || c.src < -1)
-        return "send_recv #" + std::to_string(seq) + ": rank " + std::to_string(q) + " names a peer outside the group";
-      if (c.src >= 0 && (ranks_[c.src].call.dst != q || ranks_[c.src].call.count != c.recv_count))
-        return "send_recv #" + std::to_string(seq) + ": rank " + std::to_string(q) + " receives " +
-               std::to_string(c.recv_count) + " from rank " + std::to_string(c.src) + ", which does not send that to it";
-      if (c.dst >= 0 && ranks_[c.dst].call.src != q)
-        return "send_recv #" + std::to_string(seq) + ": rank " + std::to_string(q) + " sends to rank " +
-               std::to_string(c.dst) + ", which does not receive from it";
-    }
-  }
-  return std::nullopt;
-}
-
 void ThreadsGroup::run(int rank, CallRecord call, std::chrono::milliseconds timeout,
                        const std::function<void(const std::vector<CallRecord>&)>& read,
                        const std::function<void()>& after) {
@@ -202,10 +154,9 @@ void ThreadsGroup::run(int rank, CallRecord call, std::chrono::milliseconds time
       poison_locked("timeout: rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) +
                     " ms in " + describe_call(call) + " for ranks that never arrived");
   }
-  if (auto why = mismatch_locked(call.seq)) poison_locked("collective mismatch: " + *why);
-
   std::vector<CallRecord> calls;
   for (const auto& s : ranks_) calls.push_back(s.call);
+  if (auto why = find_mismatch(calls)) poison_locked("collective mismatch: " + *why);
   lock.unlock();
   read(calls);
   lock.lock();

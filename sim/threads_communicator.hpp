@@ -18,22 +18,10 @@
 #include <vector>
 
 #include "core/communicator.hpp"
+#include "sim/call_check.hpp"
 
 namespace cpsim::sim {
 
-// One rank's call as the rendezvous sees it.
-struct CallRecord {
-  CollectiveKind kind = CollectiveKind::barrier;
-  std::uint64_t seq = 0;  // 1-based sequence number of this rank's calls
-  std::size_t count = 0;  // elements (for send_recv: elements sent)
-  DType dtype = DType::f32;
-  int root = -1;
-  int dst = -1, src = -1;
-  std::size_t recv_count = 0;
-  const void* send = nullptr;
-  void* recv = nullptr;
-};
-std::string describe_call(const CallRecord& call);
 
 class ThreadsGroup : public std::enable_shared_from_this<ThreadsGroup> {
  public:
@@ -62,7 +50,6 @@ class ThreadsGroup : public std::enable_shared_from_this<ThreadsGroup> {
     std::string failure;
   };
   std::string states_locked() const;
-  std::optional<std::string> mismatch_locked(std::uint64_t seq) const;
   [[noreturn]] void poison_locked(const std::string& why);
 
   std::chrono::milliseconds timeout_;

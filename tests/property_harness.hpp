@@ -64,3 +64,15 @@ std::string expect_counterexample(const std::string& name, Testable&& testable, 
   void cpsim_prop_##Suite##_##Name ArgList;                                     \
   TEST(Suite, Name) { ::cpsim::testing::check_property(&cpsim_prop_##Suite##_##Name); } \
   void cpsim_prop_##Suite##_##Name ArgList
+
+// A property over layouts run on every simulated backend: a test of the
+// value-parameterised suite `Suite` (a ::testing::TestWithParam<std::string>
+// whose parameter is the backend name). The body sees `backend` and `c`.
+#define CPSIM_BACKEND_PROP(Suite, Name)                                                       \
+  void cpsim_prop_##Suite##_##Name(const std::string& backend, const ::cpsim::verify::LayoutCase& c); \
+  TEST_P(Suite, Name) {                                                                       \
+    const std::string backend = GetParam();                                                   \
+    ::cpsim::testing::check_property(                                                         \
+        [backend](const ::cpsim::verify::LayoutCase& c) { cpsim_prop_##Suite##_##Name(backend, c); }); \
+  }                                                                                           \
+  void cpsim_prop_##Suite##_##Name(const std::string& backend, const ::cpsim::verify::LayoutCase& c)

@@ -2,6 +2,7 @@
 #include "tests/property_harness.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
+#include "sim/launcher.hpp"
 
 #include <map>
 #include <set>
@@ -13,7 +14,24 @@ namespace {
 void assert_holds(const PropertyResult& r) {
   if (!r.ok) RC_FAIL(r.property + " failed at cp=" + std::to_string(r.cp) + ": " + r.detail);
 }
+CheckOptions on(const std::string& backend) {
+  CheckOptions o;
+  o.backend = backend;
+  return o;
+}
+// Convolution shapes drawn per case: every width 1-8, a few channels.
+CheckOptions conv_options(const std::string& backend) {
+  CheckOptions o = on(backend);
+  o.conv_width = *rc::gen::inRange(1, 9);
+  o.channels = *rc::gen::inRange(1, 4);
+  return o;
+}
 }  // namespace
+
+// The properties that run ranks: one suite, instantiated once per simulated backend.
+class Distributed : public ::testing::TestWithParam<std::string> {};
+INSTANTIATE_TEST_SUITE_P(Backends, Distributed, ::testing::ValuesIn(sim::simulated_backends()),
+                         [](const auto& info) { return info.param; });
 
 CPSIM_PROP(Properties, LayoutRoundTripsAndDerivedPositionsAreValid, (const LayoutCase& c)) {
   assert_holds(check_layout(c));
@@ -23,16 +41,16 @@ CPSIM_PROP(Properties, ShardsConcatenateToThePaddedGlobalTensorsAndTileTheContex
   assert_holds(check_shard(c));
 }
 
-CPSIM_PROP(Properties, GatherForwardIsBitwiseTheGlobalTensorForEveryDtype, (const LayoutCase& c)) {
-  assert_holds(check_gather_forward(c, CheckOptions{}));
+CPSIM_BACKEND_PROP(Distributed, GatherForwardIsBitwiseTheGlobalTensorForEveryDtype) {
+  assert_holds(check_gather_forward(c, on(backend)));
 }
 
-CPSIM_PROP(Properties, GatherBackwardIsTheRankOrderSumOfUpstreamSlices, (const LayoutCase& c)) {
-  assert_holds(check_gather_backward(c, CheckOptions{}));
+CPSIM_BACKEND_PROP(Distributed, GatherBackwardIsTheRankOrderSumOfUpstreamSlices) {
+  assert_holds(check_gather_backward(c, on(backend)));
 }
 
-CPSIM_PROP(Properties, AnchorCompletesBackwardAndItsAbsenceIsReportedNotHung, (const LayoutCase& c)) {
-  assert_holds(check_anchor(c, CheckOptions{}));
+CPSIM_BACKEND_PROP(Distributed, AnchorCompletesBackwardAndItsAbsenceIsReportedNotHung) {
+  assert_holds(check_anchor(c, on(backend)));
 }
 
 // The generator must draw every layout class SPEC §5 lists; counted over a fixed sample.
@@ -86,35 +104,26 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
     EXPECT_GT(seen[k], 0) << "the generator never drew: " << k;
 }
 
-namespace {
-CheckOptions conv_options() {
-  CheckOptions o;
-  o.conv_width = *rc::gen::inRange(1, 9);
-  o.channels = *rc::gen::inRange(1, 4);
-  return o;
-}
-}  // namespace
-
-CPSIM_PROP(Properties, HaloForwardIsTheZeroPaddedPreviousGlobalPositions, (const LayoutCase& c)) {
-  assert_holds(check_halo_forward(c, conv_options()));
+CPSIM_BACKEND_PROP(Distributed, HaloForwardIsTheZeroPaddedPreviousGlobalPositions) {
+  assert_holds(check_halo_forward(c, conv_options(backend)));
 }
 
-CPSIM_PROP(Properties, HaloBackwardReturnsEachGradientToItsOwner, (const LayoutCase& c)) {
-  assert_holds(check_halo_backward(c, conv_options()));
+CPSIM_BACKEND_PROP(Distributed, HaloBackwardReturnsEachGradientToItsOwner) {
+  assert_holds(check_halo_backward(c, conv_options(backend)));
 }
 
-CPSIM_PROP(Properties, ShardedConvForwardMatchesTheUnshardedConv, (const LayoutCase& c)) {
-  assert_holds(check_conv_forward(c, conv_options()));
+CPSIM_BACKEND_PROP(Distributed, ShardedConvForwardMatchesTheUnshardedConv) {
+  assert_holds(check_conv_forward(c, conv_options(backend)));
 }
 
-CPSIM_PROP(Properties, ShardedConvBackwardMatchesTheUnshardedConv, (const LayoutCase& c)) {
-  assert_holds(check_conv_backward(c, conv_options()));
+CPSIM_BACKEND_PROP(Distributed, ShardedConvBackwardMatchesTheUnshardedConv) {
+  assert_holds(check_conv_backward(c, conv_options(backend)));
 }
 
-CPSIM_PROP(Properties, CpRecurrenceForwardMatchesTheUnshardedRecurrence, (const LayoutCase& c)) {
-  assert_holds(check_recurrence_forward(c, CheckOptions{}));
+CPSIM_BACKEND_PROP(Distributed, CpRecurrenceForwardMatchesTheUnshardedRecurrence) {
+  assert_holds(check_recurrence_forward(c, on(backend)));
 }
 
-CPSIM_PROP(Properties, CpRecurrenceGradientsMatchTheUnshardedRecurrence, (const LayoutCase& c)) {
-  assert_holds(check_recurrence_backward(c, CheckOptions{}));
+CPSIM_BACKEND_PROP(Distributed, CpRecurrenceGradientsMatchTheUnshardedRecurrence) {
+  assert_holds(check_recurrence_backward(c, on(backend)));
 }

@@ -208,7 +208,7 @@ PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, 
         const int r = comm.rank();
         Var x(narrow(global, 1, s.g.start(r), s.g.local_len), is_floating(dt));
         got[r] = gather(x, &comm, is_floating(dt)).value();
-      }, run_options(o));
+      }, run_options(o), {&got});
       for (int r = 0; r < c.cp; ++r)
         t.expect_equal(global, got[r], std::string("gathered ") + dtype_name(dt) + " on rank " + std::to_string(r));
     }
@@ -269,7 +269,7 @@ PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o,
         Var x(narrow(global, 1, s.g.start(r), s.g.local_len), true);
         backward(dot(gather(x, &comm, true), upstream[r]));
         grads[r] = x.grad();
-      }, run_options(o));
+      }, run_options(o), {&grads});
       const std::vector<bool> all(c.cp, true);
       for (int r = 0; r < c.cp; ++r) {
         if (!grads[r].defined()) {
@@ -311,7 +311,7 @@ PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const Ga
         backward(loss);
         grads[r] = x.grad();
         comm.barrier();  // what the next training step would do
-      }, run_options(o));
+      }, run_options(o), {&grads});
     };
     std::vector<Tensor> grads(c.cp);
     step(true, grads);
@@ -373,7 +373,7 @@ PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, co
       sim::run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
         got[r] = halo(Var(narrow(x, 1, s.g.start(r), s.g.local_len), true), &comm, o.conv_width, e).value();
-      }, run_options(o));
+      }, run_options(o), {&got});
       for (int r = 0; r < c.cp; ++r)
         t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[r],
                        "history of rank " + std::to_string(r) + exchange_tag(e));
@@ -411,7 +411,7 @@ PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, c
         Var xr(narrow(x, 1, s.g.start(r), L), true);
         backward(dot(halo(xr, &comm, o.conv_width, e), upstream[r]));
         grads[r] = xr.grad();
-      }, run_options(o));
+      }, run_options(o), {&grads});
       for (int r = 0; r < c.cp; ++r)
         t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[r], kConvTolerance,
                        "input gradient of rank " + std::to_string(r) + exchange_tag(e));
@@ -452,7 +452,7 @@ ConvRun run_conv(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo,
       dx[r] = xr.grad();
       dw[r] = wr.grad();
       db[r] = br.grad();
-    }, run_options(o));
+    }, run_options(o), {&y, &dx, &dw, &db});
     Tensor dw_sum = dw[0].defined() ? dw[0].clone() : Tensor();
     Tensor db_sum = db[0].defined() ? db[0].clone() : Tensor();
     for (int r = 1; r < c.cp; ++r) {
@@ -553,7 +553,7 @@ RecurrenceRun run_recurrence(const LayoutCase& c, const CheckOptions& opt, const
     backward(dot(out, narrow(up, 1, g.start(r), L)));
     o[r] = out.value();
     dq[r] = vq.grad(), dk[r] = vk.grad(), dv[r] = vv.grad(), db[r] = vb.grad(), dg[r] = vg.grad();
-  }, run_options(opt));
+  }, run_options(opt), {&o, &dq, &dk, &dv, &db, &dg});
   auto global = [&](const std::vector<Tensor>& parts) {
     for (const auto& t : parts)
       if (!t.defined()) {

@@ -1,5 +1,6 @@
-// The threads backend: exact collectives on rank-distinct inputs, and every
-// distributed bug turned into a CollectiveError on every rank, never a hang.
+// The simulated backends (threads, gloo), one parameterised suite: exact
+// collectives on rank-distinct inputs, and every distributed bug turned into a
+// CollectiveError on every rank, never a hang.
 #include <gmock/gmock.h>
 
 #include <atomic>
@@ -14,12 +15,10 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 namespace {
-sim::RunOptions fast(std::chrono::milliseconds t = 5000ms) { return {"threads", t}; }
-
 template <class F>
-std::string collective_error(int n, F f, std::chrono::milliseconds t = 5000ms) {
+std::string collective_error(const std::string& backend, int n, F f, std::chrono::milliseconds t) {
   try {
-    sim::run_ranks(n, f, fast(t));
+    sim::run_ranks(n, f, {backend, t});
   } catch (const CollectiveError& e) {
     return e.what();
   }
@@ -28,10 +27,22 @@ std::string collective_error(int n, F f, std::chrono::milliseconds t = 5000ms) {
 }
 }  // namespace
 
-class Collectives : public ::testing::TestWithParam<std::tuple<int, int>> {};
+// The parameter is the backend name.
+class Backend : public ::testing::TestWithParam<std::string> {
+ protected:
+  sim::RunOptions fast(std::chrono::milliseconds t = 5000ms) const { return {GetParam(), t}; }
+  template <class F>
+  std::string collective_error(int n, F f, std::chrono::milliseconds t = 5000ms) const {
+    return ::collective_error(GetParam(), n, f, t);
+  }
+};
+INSTANTIATE_TEST_SUITE_P(Simulated, Backend, ::testing::ValuesIn(sim::simulated_backends()),
+                         [](const auto& info) { return info.param; });
+
+class Collectives : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
 
 TEST_P(Collectives, AreExactOnRankDistinctInputs) {
-  const auto [n, count] = GetParam();
+  const auto [backend, n, count] = GetParam();
   sim::run_ranks(n, [&, n = n, count = count](Communicator& comm) {
     const int r = comm.rank();
     std::vector<double> send(count * n), recv(count * n);
@@ -53,13 +64,18 @@ TEST_P(Collectives, AreExactOnRankDistinctInputs) {
     comm.send_recv(out.data(), count, r + 1 < n ? r + 1 : -1, in.data(), count, r > 0 ? r - 1 : -1, DType::f32);
     for (int i = 0; i < count; ++i) ASSERT_EQ(in[i], r > 0 ? static_cast<float>(r - 1) : -1.0f);
     comm.barrier();
-  }, fast());
+  }, {backend, 5000ms});
 }
 
 INSTANTIATE_TEST_SUITE_P(SizesAndCounts, Collectives,
-                         ::testing::Combine(::testing::Values(1, 2, 3, 5, 16), ::testing::Values(0, 1, 7)));
+                         ::testing::Combine(::testing::ValuesIn(sim::simulated_backends()),
+                                            ::testing::Values(1, 2, 3, 5, 16), ::testing::Values(0, 1, 7)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) +
+                                  "ranks_count" + std::to_string(std::get<2>(info.param));
+                         });
 
-TEST(ThreadsBackend, ReduceScatterSumsInRankOrderDeterministically) {
+TEST_P(Backend, ReduceScatterSumsInRankOrderDeterministically) {
   // (1e16 + 1) - 1e16 depends on order; rank order gives 0 + ... consistently.
   std::vector<double> first, second;
   for (auto* out : {&first, &second}) {
@@ -71,14 +87,14 @@ TEST(ThreadsBackend, ReduceScatterSumsInRankOrderDeterministically) {
       comm.reduce_scatter(send.data(), &got, 1, DType::f64);
       std::lock_guard<std::mutex> lock(m);
       if (comm.rank() == 0) out->push_back(got);
-    });
+    }, fast());
   }
   ASSERT_EQ(first.size(), 1u);
   EXPECT_EQ(first, second);
   EXPECT_EQ(first[0], (1e16 + 1.0) + -1e16);
 }
 
-TEST(ThreadsBackend, DifferentCollectivesAtOneSequenceNumberAreReported) {
+TEST_P(Backend, DifferentCollectivesAtOneSequenceNumberAreReported) {
   const std::string why = collective_error(3, [](Communicator& comm) {
     comm.barrier();
     double x = 1, y[3];
@@ -89,7 +105,7 @@ TEST(ThreadsBackend, DifferentCollectivesAtOneSequenceNumberAreReported) {
                          HasSubstr("rank 1: in reduce_scatter #2"), HasSubstr("rank 2: in all_gather #2")));
 }
 
-TEST(ThreadsBackend, DifferentSizesOrDtypesAreReported) {
+TEST_P(Backend, DifferentSizesOrDtypesAreReported) {
   EXPECT_THAT(collective_error(2, [](Communicator& comm) {
     double buf[4] = {};
     comm.all_reduce(buf, comm.rank() == 0 ? 4 : 3, DType::f64);
@@ -100,7 +116,7 @@ TEST(ThreadsBackend, DifferentSizesOrDtypesAreReported) {
   }), AllOf(HasSubstr("different dtypes"), HasSubstr("float64"), HasSubstr("int64")));
 }
 
-TEST(ThreadsBackend, MispairedSendRecvIsReported) {
+TEST_P(Backend, MispairedSendRecvIsReported) {
   EXPECT_THAT(collective_error(3, [](Communicator& comm) {
     float out = 1, in = 0;
     // Rank 0 sends to 1, but rank 1 expects data from rank 2.
@@ -109,7 +125,7 @@ TEST(ThreadsBackend, MispairedSendRecvIsReported) {
   }), HasSubstr("send_recv #1"));
 }
 
-TEST(ThreadsBackend, ARankThatNeverArrivesTimesOutOnEveryRank) {
+TEST_P(Backend, ARankThatNeverArrivesTimesOutOnEveryRank) {
   std::atomic<bool> release{false};
   const auto start = std::chrono::steady_clock::now();
   const std::string why = collective_error(3, [&](Communicator& comm) {
@@ -129,7 +145,7 @@ TEST(ThreadsBackend, ARankThatNeverArrivesTimesOutOnEveryRank) {
   EXPECT_THAT(why, AllOf(HasSubstr("timeout"), HasSubstr("barrier #1"), HasSubstr("rank 2: not in a collective")));
 }
 
-TEST(ThreadsBackend, ARankThatThrowsFailsItsPeersAndIsRethrown) {
+TEST_P(Backend, ARankThatThrowsFailsItsPeersAndIsRethrown) {
   std::atomic<int> peers_failed{0};
   try {
     sim::run_ranks(4, [&](Communicator& comm) {
@@ -148,7 +164,7 @@ TEST(ThreadsBackend, ARankThatThrowsFailsItsPeersAndIsRethrown) {
   EXPECT_EQ(peers_failed, 3);
 }
 
-TEST(ThreadsBackend, ARankThatReturnsEarlyIsReportedImmediately) {
+TEST_P(Backend, ARankThatReturnsEarlyIsReportedImmediately) {
   const auto start = std::chrono::steady_clock::now();
   const std::string why = collective_error(2, [](Communicator& comm) {
     comm.barrier();
@@ -158,7 +174,7 @@ TEST(ThreadsBackend, ARankThatReturnsEarlyIsReportedImmediately) {
   EXPECT_THAT(why, AllOf(HasSubstr("rank 1 returned without joining barrier #2"), HasSubstr("rank 0: in barrier #2")));
 }
 
-TEST(ThreadsBackend, PerCallTimeoutOverridesTheDefault) {
+TEST_P(Backend, PerCallTimeoutOverridesTheDefault) {
   const auto start = std::chrono::steady_clock::now();
   std::atomic<bool> release{false};
   collective_error(2, [&](Communicator& comm) {

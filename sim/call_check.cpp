@@ -1,0 +1,57 @@
+#include "sim/call_check.hpp"
+
+#include <sstream>
+
+namespace cpsim::sim {
+
+std::string describe_call(const CallRecord& c) {
+  std::ostringstream os;
+  os << collective_name(c.kind) << " #" << c.seq << " (";
+  switch (c.kind) {
+    case CollectiveKind::send_recv:
+      os << "send " << c.count << " to " << (c.dst < 0 ? std::string("nobody") : "rank " + std::to_string(c.dst))
+         << ", recv " << c.recv_count << " from "
+         << (c.src < 0 ? std::string("nobody") : "rank " + std::to_string(c.src)) << ", " << dtype_name(c.dtype);
+      break;
+    case CollectiveKind::barrier: os << "no data"; break;
+    case CollectiveKind::broadcast:
+      os << "count " << c.count << ", " << dtype_name(c.dtype) << ", root " << c.root;
+      break;
+    default: os << "count " << c.count << ", " << dtype_name(c.dtype);
+  }
+  os << ")";
+  return os.str();
+}
+
+std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls) {
+  const CallRecord& a = calls.at(0);
+  const int n = static_cast<int>(calls.size());
+  const std::string at = " #" + std::to_string(a.seq);
+  for (int q = 1; q < n; ++q) {
+    const CallRecord& b = calls[q];
+    if (b.kind != a.kind) return "ranks entered different collectives at" + at;
+    if (b.kind == CollectiveKind::barrier) continue;
+    if (b.dtype != a.dtype) return std::string(collective_name(a.kind)) + at + " with different dtypes";
+    if (b.kind != CollectiveKind::send_recv && b.count != a.count)
+      return std::string(collective_name(a.kind)) + at + " with different sizes";
+    if (b.kind == CollectiveKind::broadcast && b.root != a.root) return "broadcast" + at + " with different roots";
+  }
+  if (a.kind == CollectiveKind::broadcast && (a.root < 0 || a.root >= n))
+    return "broadcast" + at + " from root " + std::to_string(a.root) + ", outside the group";
+  if (a.kind == CollectiveKind::send_recv) {
+    for (int q = 0; q < n; ++q) {
+      const CallRecord& c = calls[q];
+      if (c.dst >= n || c.src >= n || c.dst < -1 || c.src < -1)
+        return "send_recv" + at + ": rank " + std::to_string(q) + " names a peer outside the group";
+      if (c.src >= 0 && (calls[c.src].dst != q || calls[c.src].count != c.recv_count))
+        return "send_recv" + at + ": rank " + std::to_string(q) + " receives " + std::to_string(c.recv_count) +
+               " from rank " + std::to_string(c.src) + ", which does not send that to it";
+      if (c.dst >= 0 && calls[c.dst].src != q)
+        return "send_recv" + at + ": rank " + std::to_string(q) + " sends to rank " + std::to_string(c.dst) +
+               ", which does not receive from it";
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace cpsim::sim

@@ -1,0 +1,35 @@
+// What every simulated backend checks before it moves a byte: the calls all ranks
+// made at one sequence number must be the same collective with the same sizes,
+// dtypes and roots, and send_recv peers must pair up. The threads backend compares
+// the records in shared memory; the gloo backend exchanges them over the wire.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/communicator.hpp"
+
+namespace cpsim::sim {
+
+// One rank's call as the rendezvous sees it.
+struct CallRecord {
+  CollectiveKind kind = CollectiveKind::barrier;
+  std::uint64_t seq = 0;  // 1-based sequence number of this rank's calls
+  std::size_t count = 0;  // elements (for send_recv: elements sent)
+  DType dtype = DType::f32;
+  int root = -1;
+  int dst = -1, src = -1;
+  std::size_t recv_count = 0;
+  const void* send = nullptr;
+  void* recv = nullptr;
+};
+
+// "all_gather #3 (count 8, float64)".
+std::string describe_call(const CallRecord& call);
+
+// Why the calls of one sequence number (index = rank) cannot run together, or nothing.
+std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls);
+
+}  // namespace cpsim::sim

@@ -1,0 +1,168 @@
+// The `gloo` backend: every collective runs over Gloo's TCP transport, between
+// threads of one process (in-process mode) or between processes on one or many
+// hosts (process mode, sim/world.hpp). Both modes share GlooRank.
+//
+// Before any byte moves, each call is checked: the ranks exchange a small record
+// of the call (kind, sequence number, count, dtype, root, peers) all-to-all, so
+// mismatched collectives, mispaired send_recv, a rank that returned or threw and a
+// rank that never arrives become the same CollectiveErrors the threads backend
+// gives, naming every rank's call, on every rank. That exchange is also what
+// barrier() is (an all-to-all barrier).
+//
+// Reductions gather every rank's contribution (gloo allgather / alltoall) and add
+// them in rank order with sum_in_order, so results are bitwise the threads ones.
+//
+// Two ways a group ends:
+//   stopped  a mismatch, or a rank that threw or returned, seen by every rank in
+//            the same exchange: the transport is clean, the group is reused;
+//   broken   a timeout or a lost connection: this rank records why in the store
+//            (key failed/<rank>), closes its connections so its peers fail at
+//            once, and every later call throws. Peers that lose a connection read
+//            the records to name the rank that failed.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/communicator.hpp"
+#include "sim/call_check.hpp"
+
+namespace gloo {
+class Context;
+namespace rendezvous {
+class Store;
+}
+namespace transport {
+class Device;
+}
+}  // namespace gloo
+
+namespace cpsim::sim {
+
+using Store = gloo::rendezvous::Store;
+
+// A rendezvous store from its spec: "memory" (this process only), "file:DIR"
+// (a directory every process can reach) or "redis://HOST:PORT". Throws
+// InvalidInput on a malformed spec.
+std::shared_ptr<Store> open_store(const std::string& spec);
+
+// Failure records (key failed/<rank> of a job) that cpsim launch writes for a
+// process that died carry this tag; they are the root cause and are named first.
+inline constexpr const char* kLaunchRecordTag = "(seen by cpsim launch)";
+
+// Whether `key` is in the store now (no waiting).
+bool store_has(Store& store, const std::string& key);
+
+// The TCP device ranks listen on. `host` is an address or host name to bind; empty
+// means CPSIM_GLOO_HOST, else the interface CPSIM_GLOO_IFNAME, else this host's name.
+std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& host);
+
+// Connects rank `rank` of `size` through `store` (every rank calls it with the
+// same store contents); throws CollectiveError if peers do not come in time.
+// The first call ignores SIGPIPE if nothing handles it, so that a dead peer is
+// an error on the write, not the end of this process.
+std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
+                                            const std::shared_ptr<gloo::transport::Device>& device,
+                                            std::chrono::milliseconds timeout);
+
+class GlooRank : public std::enable_shared_from_this<GlooRank> {
+ public:
+  // `records` holds the failure records of the job (keys failed/<rank>); it may
+  // be shared with other groups of the same job.
+  GlooRank(std::shared_ptr<gloo::Context> context, int rank, int size, std::shared_ptr<Store> records,
+           std::chrono::milliseconds timeout);
+  ~GlooRank();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // A run starts: sequence numbers restart at 1 and a stopped group runs again.
+  void begin(std::chrono::milliseconds timeout);
+  // A view of this rank for the operators; valid while this GlooRank lives.
+  std::unique_ptr<Communicator> communicator();
+  // The rank's function returned: the last exchange tells waiting peers.
+  void finish();
+  // The rank's function threw `what` outside any exchange: tells the peers, so
+  // each fails with "rank R threw: what". Never throws.
+  void fail(const std::string& what) noexcept;
+
+  bool broken() const { return !broken_.empty(); }
+  const std::string& broken_reason() const { return broken_; }
+
+  // One call of the protocol; used by the communicator view.
+  enum class Status : std::uint8_t { call, returned, threw };
+  std::vector<CallRecord> exchange(const CallRecord& mine, Status status, const std::string& text,
+                                   std::chrono::milliseconds timeout);
+  // Moves data after a successful exchange; a transport failure breaks the group.
+  template <class F>
+  void transport(const CallRecord& call, F&& f);
+
+  std::chrono::milliseconds pick(CallOptions o) const { return o.timeout.count() > 0 ? o.timeout : timeout_; }
+  gloo::Context& context() { return *context_; }
+  const std::shared_ptr<gloo::Context>& context_ptr() const { return context_; }
+
+ private:
+  [[noreturn]] void break_group(const std::string& why, const std::vector<int>& suspects,
+                                std::chrono::milliseconds timeout);
+  std::string records_of(const std::vector<int>& suspects, std::chrono::milliseconds timeout);
+
+  std::shared_ptr<gloo::Context> context_;
+  int rank_, size_;
+  std::shared_ptr<Store> records_;
+  std::chrono::milliseconds timeout_;
+  std::uint64_t seq_ = 0;
+  std::string stopped_;  // why this run stopped (empty: in step)
+  std::string broken_;   // why the group is broken (empty: usable)
+};
+
+// Runs f; gloo and other transport exceptions break the group with a message
+// naming the call.
+template <class F>
+void GlooRank::transport(const CallRecord& call, F&& f) {
+  try {
+    f();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::vector<int> everyone;
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_) everyone.push_back(q);
+    const std::string what = e.what();
+    const bool timed_out = what.find("imed out") != std::string::npos;
+    break_group((timed_out ? "timeout: rank " + std::to_string(rank_) + " waited for its peers in "
+                           : "rank " + std::to_string(rank_) + " lost its peers during ") +
+                    describe_call(call) + " (gloo: " + what + ")",
+                everyone, timeout_);
+  }
+}
+
+// In-process groups: n ranks as threads of this process, each with its own Gloo
+// context over loopback TCP, rendezvous through an in-memory store. Groups are
+// kept per size and reused across runs; a broken group is replaced.
+class GlooThreadsGroup {
+ public:
+  GlooThreadsGroup(int size, std::chrono::milliseconds timeout);
+  ~GlooThreadsGroup();
+  int size() const { return size_; }
+  // Called on rank r's thread: connects it on first use, then begins a run.
+  std::unique_ptr<Communicator> communicator(int rank, std::chrono::milliseconds timeout);
+  void finish(int rank);
+  void fail(int rank, const std::string& what);
+  bool broken() const;
+
+ private:
+  int size_;
+  std::chrono::milliseconds connect_timeout_;
+  std::shared_ptr<Store> store_;
+  std::vector<std::shared_ptr<GlooRank>> ranks_;
+};
+
+// A group of `n` ranks for one run_ranks call, from the pool or new; give it back
+// with release_gloo_group once every rank has stopped.
+std::shared_ptr<GlooThreadsGroup> acquire_gloo_group(int n, std::chrono::milliseconds timeout);
+void release_gloo_group(const std::shared_ptr<GlooThreadsGroup>& group);
+
+}  // namespace cpsim::sim

@@ -1,0 +1,293 @@
+// Multi-process Gloo jobs through the command line: cpsim launch with the file
+// store and with a real Redis server, and what happens when a rank is killed or
+// stops answering. Also where a process finds its rank.
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <regex>
+#include <thread>
+
+#include "core/error.hpp"
+#include "sim/world.hpp"
+#include "tests/subprocess.hpp"
+
+using namespace cpsim;
+using namespace std::chrono_literals;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using cpsim::testing::run_process;
+
+namespace {
+
+const std::string kCpsim = CPSIM_BINARY;
+const std::string kExample = std::string(CPSIM_SOURCE_DIR) + "/examples/spec_example.json";
+
+int count_of(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// "cpsim launch: rank R pid P" lines, as launch prints them.
+struct Pids {
+  std::mutex mutex;
+  std::map<int, pid_t> by_rank;
+  void see(const std::string& line) {
+    static const std::regex re("cpsim launch: rank ([0-9]+) pid ([0-9]+)");
+    std::smatch m;
+    if (!std::regex_search(line, m, re)) return;
+    std::lock_guard<std::mutex> lock(mutex);
+    by_rank[std::stoi(m[1])] = std::stoi(m[2]);
+  }
+  pid_t wait_for(int rank, std::chrono::milliseconds limit) {
+    const auto end = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < end) {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (by_rank.count(rank)) return by_rank[rank];
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    return -1;
+  }
+};
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+bool port_answers(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  close(fd);
+  return ok;
+}
+
+}  // namespace
+
+TEST(Launch, FourProcessesCheckABatchAndOnlyRankZeroReports) {
+  const auto r = run_process({kCpsim, "launch", "-n", "4", "--", "cpsim", "check", kExample, "--backend", "gloo"}, 120s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_EQ(count_of(r.out, "all properties hold"), 1) << r.out;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("cp=4"), Not(HasSubstr("cp=1")), Not(HasSubstr("FAIL"))));
+  EXPECT_THAT(r.err, AllOf(HasSubstr("rank 3 pid"), HasSubstr("exit status 0")));
+}
+
+TEST(Launch, AFileStoreInAGivenDirectoryServesSeveralGroupSizes) {
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-test-store-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  const auto r = run_process({kCpsim, "launch", "-n", "3", "--store", "file:" + dir.string(), "--", "cpsim", "check",
+                              kExample, "--cp", "1,2,3", "--json"},
+                             120s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("\"ok\": true"), HasSubstr("\"cp\": 3"), HasSubstr("\"cp\": 2")));
+  EXPECT_FALSE(std::filesystem::is_empty(dir)) << "the rendezvous never used the directory";
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Launch, FuzzAcrossProcessesAgreesWithItself) {
+  const auto r = run_process({kCpsim, "launch", "-n", "3", "--", "cpsim", "fuzz", "--cases", "25", "--seed", "7"}, 180s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("cp 1-3"), HasSubstr("3 processes"), HasSubstr("every property holds")));
+}
+
+TEST(Launch, CpLargerThanTheJobIsAUsageError) {
+  const auto r = run_process({kCpsim, "launch", "-n", "2", "--", "cpsim", "check", kExample, "--cp", "4"}, 60s);
+  EXPECT_EQ(r.status, 2) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--cp 4 needs 4 processes; this job has 2"));
+}
+
+TEST(Launch, AMultiProcessJobRefusesTheThreadsBackend) {
+  const auto r = run_process({kCpsim, "check", kExample, "--backend", "threads"}, 30s, {},
+                             {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"CPSIM_STORE", "file:/tmp/unused"}});
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.err, AllOf(HasSubstr("rank 0 of 2"), HasSubstr("--backend gloo")));
+}
+
+// A real redis-server on loopback: the one .ci/run starts (CPSIM_TEST_REDIS=HOST:PORT),
+// else one this test starts on a free port.
+TEST(Launch, RedisRendezvous) {
+  std::string address;
+  pid_t server = -1;
+  if (const char* env = std::getenv("CPSIM_TEST_REDIS"); env && *env) {
+    address = env;
+  } else {
+    if (std::system("command -v redis-server >/dev/null 2>&1") != 0)
+      GTEST_SKIP() << "no redis-server here and CPSIM_TEST_REDIS is not set (.ci/run sets it)";
+    const int port = free_port();
+    server = fork();
+    if (server == 0) {
+      execlp("redis-server", "redis-server", "--port", std::to_string(port).c_str(), "--bind", "127.0.0.1", "--save",
+             "", "--appendonly", "no", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    for (int i = 0; i < 200 && !port_answers(port); ++i) std::this_thread::sleep_for(25ms);
+    address = "127.0.0.1:" + std::to_string(port);
+  }
+  const auto r = run_process({kCpsim, "launch", "-n", "3", "--store", "redis://" + address, "--", "cpsim", "check",
+                              kExample, "--cp", "2,3"},
+                             120s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("all properties hold"));
+  EXPECT_THAT(r.err, HasSubstr("store redis://" + address));
+  // The job's keys are in that server: the rendezvous really went through Redis.
+  const auto colon = address.rfind(':');
+  const auto keys = run_process({"redis-cli", "-h", address.substr(0, colon), "-p", address.substr(colon + 1), "--scan",
+                                 "--pattern", "launch-*"},
+                                30s);
+  EXPECT_THAT(keys.out, HasSubstr("launch-")) << keys.err;
+  if (server > 0) {
+    kill(server, SIGTERM);
+    waitpid(server, nullptr, 0);
+  }
+}
+
+// Kill one rank mid-job: the others fail within their timeout with an error that
+// names it, and launch reports it and exits with the worst status. Never a hang.
+TEST(Launch, AKilledRankFailsTheOthersWithinTheTimeout) {
+  Pids pids;
+  std::atomic<pid_t> victim{-1};
+  std::chrono::steady_clock::time_point killed_at;
+  std::thread killer([&] {
+    victim = pids.wait_for(1, 60s);
+    if (victim <= 0) return;
+    std::this_thread::sleep_for(1500ms);  // well inside the run: 10^6 cases take hours
+    killed_at = std::chrono::steady_clock::now();
+    kill(victim, SIGKILL);
+  });
+  const auto r = run_process(
+      {kCpsim, "launch", "-n", "3", "--", "cpsim", "fuzz", "--cases", "1000000", "--timeout", "5"}, 120s,
+      [&](const std::string& line) { pids.see(line); });
+  killer.join();
+  ASSERT_GT(victim, 0) << r.err;
+  const auto after_kill = std::chrono::steady_clock::now() - killed_at;
+  EXPECT_LT(after_kill, 5s + 3s) << "the others did not fail within the timeout";
+  EXPECT_EQ(r.status, 128 + SIGKILL) << r.err;
+  const std::string named = "rank 1 (pid " + std::to_string(victim) + ") was killed by signal 9";
+  EXPECT_THAT(r.err, AllOf(HasSubstr("cpsim: rank 0: error:"), HasSubstr("cpsim: rank 2: error:"), HasSubstr(named),
+                           Not(HasSubstr("did not exit in time"))));
+  // Each survivor's own error names the dead rank (launch's record, read from the store).
+  for (const char* survivor : {"cpsim: rank 0: error:", "cpsim: rank 2: error:"}) {
+    const auto at = r.err.find(survivor);
+    ASSERT_NE(at, std::string::npos);
+    const auto end = r.err.find("cpsim", at + 10);
+    EXPECT_THAT(r.err.substr(at, end - at), HasSubstr(named)) << r.err;
+  }
+}
+
+// A rank that stops answering (SIGSTOP): the others time out and name it; launch
+// kills it after the grace period.
+TEST(Launch, AStuckRankTimesOutTheOthersAndLaunchKillsIt) {
+  Pids pids;
+  std::atomic<pid_t> victim{-1};
+  std::thread stopper([&] {
+    victim = pids.wait_for(2, 60s);
+    if (victim <= 0) return;
+    std::this_thread::sleep_for(1500ms);
+    kill(victim, SIGSTOP);
+  });
+  const auto r = run_process({kCpsim, "launch", "-n", "3", "--grace", "1", "--", "cpsim", "fuzz", "--cases", "1000000",
+                              "--timeout", "1"},
+                             120s, [&](const std::string& line) { pids.see(line); });
+  stopper.join();
+  ASSERT_GT(victim, 0) << r.err;
+  EXPECT_LT(r.elapsed, 30s);
+  EXPECT_EQ(r.status, 128 + SIGKILL) << r.err;
+  EXPECT_THAT(r.err, AllOf(HasSubstr("timeout: rank"), HasSubstr("cpsim: rank 0: error:"),
+                           HasSubstr("rank 2 (pid " + std::to_string(victim) + ") did not exit in time; killing it")));
+}
+
+// ---------------------------------------------------------------------------
+// Where a process finds its rank.
+
+namespace {
+struct Env {
+  std::vector<std::string> keys;
+  void set(const std::string& k, const std::string& v) {
+    setenv(k.c_str(), v.c_str(), 1);
+    keys.push_back(k);
+  }
+  ~Env() {
+    for (const auto& k : keys) unsetenv(k.c_str());
+  }
+};
+const char* kAllRankVariables[] = {"RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID",
+                                   "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "CPSIM_STORE",
+                                   "CPSIM_JOB_ID", "OMPI_MCA_ess_base_jobid"};
+void clear_rank_variables() {
+  for (const char* k : kAllRankVariables) unsetenv(k);
+}
+}  // namespace
+
+TEST(WorldEnvironment, NoLauncherMeansOneProcess) {
+  clear_rank_variables();
+  EXPECT_FALSE(sim::world_from_environment());
+}
+
+TEST(WorldEnvironment, TorchrunStyleVariablesWinOverSlurmAndOpenMpi) {
+  clear_rank_variables();
+  Env e;
+  e.set("SLURM_PROCID", "5");
+  e.set("SLURM_NTASKS", "8");
+  e.set("SLURM_JOB_ID", "123");
+  e.set("OMPI_COMM_WORLD_RANK", "1");
+  e.set("OMPI_COMM_WORLD_SIZE", "2");
+  auto w = sim::world_from_environment();
+  ASSERT_TRUE(w);
+  EXPECT_EQ(w->rank, 5);
+  EXPECT_EQ(w->size, 8);
+  EXPECT_EQ(w->source, "Slurm");
+  EXPECT_EQ(w->job, "slurm-123.0");
+  e.set("RANK", "3");
+  e.set("WORLD_SIZE", "4");
+  e.set("CPSIM_STORE", "redis://10.0.0.1:6379");
+  e.set("CPSIM_JOB_ID", "run-42");
+  w = sim::world_from_environment();
+  ASSERT_TRUE(w);
+  EXPECT_EQ(w->rank, 3);
+  EXPECT_EQ(w->size, 4);
+  EXPECT_EQ(w->store, "redis://10.0.0.1:6379");
+  EXPECT_EQ(w->job, "run-42");
+}
+
+TEST(WorldEnvironment, OpenMpiVariables) {
+  clear_rank_variables();
+  Env e;
+  e.set("OMPI_COMM_WORLD_RANK", "1");
+  e.set("OMPI_COMM_WORLD_SIZE", "2");
+  const auto w = sim::world_from_environment();
+  ASSERT_TRUE(w);
+  EXPECT_EQ(w->rank, 1);
+  EXPECT_EQ(w->size, 2);
+  EXPECT_EQ(w->source, "Open MPI");
+}
+
+TEST(WorldEnvironment, ARankOutsideTheJobIsInvalid) {
+  clear_rank_variables();
+  Env e;
+  e.set("RANK", "4");
+  e.set("WORLD_SIZE", "4");
+  EXPECT_THROW(sim::world_from_environment(), InvalidInput);
+  e.set("RANK", "x");
+  EXPECT_THROW(sim::world_from_environment(), InvalidInput);
+}
