@@ -117,9 +117,13 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
   try {
     context->connectFullMesh(store, dev);
   } catch (const std::exception& e) {
+    const std::string what = e.what();
+    const bool stale = what.find("already set") != std::string::npos;
     throw CollectiveError("rank " + std::to_string(rank) + " of " + std::to_string(size) +
-                          " could not connect to its peers within " + std::to_string(timeout.count()) +
-                          " ms (gloo: " + e.what() + ")");
+                          (stale ? " found the keys of an earlier run in the store; give every run its own "
+                                   "CPSIM_JOB_ID or store directory"
+                                 : " could not connect to its peers within " + std::to_string(timeout.count()) + " ms") +
+                          " (gloo: " + what + ")");
   }
   return context;
 }

@@ -111,6 +111,15 @@ TEST(Launch, FuzzAcrossProcessesAgreesWithItself) {
   EXPECT_THAT(r.out, AllOf(HasSubstr("cp 1-3"), HasSubstr("3 processes"), HasSubstr("every property holds")));
 }
 
+// run_ranks across processes: outputs reach every process, a rank's own failure is
+// rethrown everywhere, a mismatch is reported everywhere and the job goes on
+// (tests/world_probe.cpp, one process per rank).
+TEST(Launch, RunRanksAcrossProcessesKeepsEveryProcessInStep) {
+  const auto r = run_process({kCpsim, "launch", "-n", "3", "--", CPSIM_WORLD_PROBE}, 120s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  for (int q = 0; q < 3; ++q) EXPECT_THAT(r.out, HasSubstr("probe ok rank " + std::to_string(q))) << r.err;
+}
+
 TEST(Launch, CpLargerThanTheJobIsAUsageError) {
   const auto r = run_process({kCpsim, "launch", "-n", "2", "--", "cpsim", "check", kExample, "--cp", "4"}, 60s);
   EXPECT_EQ(r.status, 2) << r.out << r.err;
