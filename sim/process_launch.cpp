@@ -125,8 +125,8 @@ int launch_processes(const LaunchOptions& o, std::ostream& log) {
         c.how = describe_exit(wstatus, c.status);
         if (c.status != 0 && running > 0) {
           // Peers that lose this process read why from the store.
-          const std::string why = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(pid) + ") " + c.how +
-                                  " " + kLaunchRecordTag;
+          const std::string what = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(pid) + ") " + c.how;
+          const std::string why = what + " " + kLaunchRecordTag;
           try {
             records.set("failed/" + std::to_string(c.rank), std::vector<char>(why.begin(), why.end()));
           } catch (const std::exception&) {
@@ -134,7 +134,7 @@ int launch_processes(const LaunchOptions& o, std::ostream& log) {
           if (first_failed < 0) {
             first_failed = c.rank;
             deadline = Clock::now() + o.grace;
-            log << "cpsim launch: " << why << "; the others have " << o.grace.count() / 1000.0
+            log << "cpsim launch: " << what << "; the others have " << o.grace.count() / 1000.0
                 << " s to exit\n" << std::flush;
           }
         }

@@ -180,7 +180,7 @@ TEST(Launch, AKilledRankFailsTheOthersWithinTheTimeout) {
   std::thread killer([&] {
     victim = pids.wait_for(1, 60s);
     if (victim <= 0) return;
-    std::this_thread::sleep_for(1500ms);  // well inside the run: 10^6 cases take hours
+    std::this_thread::sleep_for(2500ms);  // connected and well inside the run: 10^6 cases take hours
     killed_at = std::chrono::steady_clock::now();
     kill(victim, SIGKILL);
   });
@@ -212,7 +212,7 @@ TEST(Launch, AStuckRankTimesOutTheOthersAndLaunchKillsIt) {
   std::thread stopper([&] {
     victim = pids.wait_for(2, 60s);
     if (victim <= 0) return;
-    std::this_thread::sleep_for(1500ms);
+    std::this_thread::sleep_for(2500ms);
     kill(victim, SIGSTOP);
   });
   const auto r = run_process({kCpsim, "launch", "-n", "3", "--grace", "1", "--", "cpsim", "fuzz", "--cases", "1000000",

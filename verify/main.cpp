@@ -33,6 +33,9 @@ struct JobArgs {
   bool multi = false;
 };
 
+// "cpsim: ", or "cpsim: rank R: " in a multi-process job.
+std::string error_prefix = "cpsim: ";
+
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -48,6 +51,7 @@ void join_job(JobArgs& a) {
                      " (from " + world->source + "); a multi-process job runs on --backend gloo, not " + a.backend);
   if (!a.store.empty()) world->store = a.store;
   world->timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout * 1000));
+  error_prefix = "cpsim: rank " + std::to_string(world->rank) + ": ";
   sim::join_world(*world);
   a.multi = true;
   a.rank = world->rank;
@@ -313,7 +317,8 @@ int main(int argc, char** argv) {
     std::cerr << "cpsim: invalid input: " << e.what() << "\n";
     return kExitUsage;
   } catch (const std::exception& e) {
-    std::cerr << "cpsim: error: " << e.what() << "\n";
+    const std::string line = error_prefix + "error: " + e.what() + "\n";
+    (void)!write(STDERR_FILENO, line.data(), line.size());  // one write: ranks do not interleave
     return kExitFailed;
   }
   return kExitUsage;

@@ -17,6 +17,7 @@ namespace {
 
 // Accumulates mismatches for one property run.
 struct Tally {
+  Tally(std::string n, int c) : name(std::move(n)), cp(c) {}
   std::string name;
   int cp;
   std::int64_t wrong = 0;
@@ -349,6 +350,7 @@ std::string exchange_tag(HaloExchange e) { return std::string(" (") + halo_excha
 
 // Relative RMSE against a tolerance; tracks the worst error of a property.
 struct ErrorTally {
+  ErrorTally(std::string n, int c) : name(std::move(n)), cp(c) {}
   std::string name;
   int cp;
   double worst = 0;
