@@ -11,6 +11,7 @@
 #include <gloo/transport/unbound_buffer.h>
 
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -509,17 +510,40 @@ bool GlooThreadsGroup::broken() const {
 }
 
 namespace {
+
+// Idle groups, most recently used last. An in-process group of n ranks holds
+// n(n-1) socket descriptors (both ends of every pair live here), so the pool keeps
+// at most a quarter of this process's descriptor limit and closes the least
+// recently used groups beyond it.
 std::mutex pool_mutex;
-std::map<int, std::vector<std::shared_ptr<GlooThreadsGroup>>> pool;
+std::vector<std::shared_ptr<GlooThreadsGroup>> pool;
+
+std::size_t descriptors(const GlooThreadsGroup& g) { return static_cast<std::size_t>(g.size()) * (g.size() - 1) + 1; }
+
+std::size_t descriptor_budget() {
+  static const std::size_t budget = [] {
+    rlimit lim{};
+    if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return std::size_t{256};
+    if (lim.rlim_cur < lim.rlim_max) {  // take what the system allows: groups of 16 ranks need 240 each
+      rlimit raised = lim;
+      raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? std::max<rlim_t>(lim.rlim_cur, 65536) : lim.rlim_max;
+      if (setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+    }
+    return static_cast<std::size_t>(std::min<rlim_t>(lim.rlim_cur, 1 << 20) / 4);
+  }();
+  return budget;
+}
+
 }  // namespace
 
 std::shared_ptr<GlooThreadsGroup> acquire_gloo_group(int n, std::chrono::milliseconds timeout) {
+  descriptor_budget();
   {
     std::lock_guard<std::mutex> lock(pool_mutex);
-    auto& idle = pool[n];
-    if (!idle.empty()) {
-      auto group = idle.back();
-      idle.pop_back();
+    for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
+      if ((*it)->size() != n) continue;
+      auto group = *it;
+      pool.erase(std::next(it).base());
       return group;
     }
   }
@@ -528,8 +552,16 @@ std::shared_ptr<GlooThreadsGroup> acquire_gloo_group(int n, std::chrono::millise
 
 void release_gloo_group(const std::shared_ptr<GlooThreadsGroup>& group) {
   if (group->broken()) return;  // its contexts close with it; the next run connects anew
+  std::vector<std::shared_ptr<GlooThreadsGroup>> closing;  // closed outside the lock
   std::lock_guard<std::mutex> lock(pool_mutex);
-  pool[group->size()].push_back(group);
+  pool.push_back(group);
+  std::size_t held = 0;
+  for (const auto& g : pool) held += descriptors(*g);
+  while (held > descriptor_budget() && pool.size() > 1) {
+    held -= descriptors(*pool.front());
+    closing.push_back(pool.front());
+    pool.erase(pool.begin());
+  }
 }
 
 }  // namespace cpsim::sim
