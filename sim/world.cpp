@@ -123,6 +123,21 @@ void leave_world() {
   world.reset();
 }
 
+void expect_same_job(std::uint64_t fingerprint) {
+  CPSIM_ENFORCE(world, "expect_same_job before join_world");
+  const int n = world->config.size;
+  std::vector<std::uint64_t> all(n);
+  world->all->begin(world->config.timeout);
+  world->all->communicator()->all_gather(&fingerprint, all.data(), 1, DType::i64);
+  std::string differ;
+  for (int q = 1; q < n; ++q)
+    if (all[q] != all[0]) differ += (differ.empty() ? "" : ", ") + std::to_string(q);
+  if (!differ.empty())
+    CPSIM_INVALID(differ.find(',') == std::string::npos ? "rank " : "ranks ", differ,
+                  differ.find(',') == std::string::npos ? " runs" : " run",
+                  " a different job than rank 0: the command line or the batch files differ");
+}
+
 std::optional<WorldInfo> current_world() {
   if (!world) return std::nullopt;
   return WorldInfo{world->config.rank, world->config.size, world->failure};

@@ -41,6 +41,11 @@ void join_world(const WorldConfig& config);
 // Leaves the job (closes the connections); a no-op when not joined.
 void leave_world();
 
+// Every process must run the same job: same command, same batch bytes. Each passes
+// a fingerprint of its own; throws InvalidInput naming the ranks that differ from
+// rank 0 (say, a batch file that changed on one host), on every process.
+void expect_same_job(std::uint64_t fingerprint);
+
 struct WorldInfo {
   int rank = 0, size = 1;
   std::string failure;  // non-empty once a timeout or lost peer broke the job

@@ -120,6 +120,30 @@ TEST(Launch, RunRanksAcrossProcessesKeepsEveryProcessInStep) {
   for (int q = 0; q < 3; ++q) EXPECT_THAT(r.out, HasSubstr("probe ok rank " + std::to_string(q))) << r.err;
 }
 
+// Processes started by hand with different batches (a file that changed on one
+// host) must not compare unrelated results: every rank refuses.
+TEST(Launch, ProcessesWithDifferentBatchesRefuseToRun) {
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-test-differ-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::vector<std::pair<std::string, std::string>> env = {
+      {"WORLD_SIZE", "2"}, {"CPSIM_STORE", "file:" + dir.string()}, {"CPSIM_JOB_ID", "differ"},
+      {"CPSIM_GLOO_HOST", "127.0.0.1"}};
+  cpsim::testing::ProcessResult other;
+  std::thread rank1([&] {
+    auto e = env;
+    e.push_back({"RANK", "1"});
+    other = run_process({kCpsim, "check", std::string(CPSIM_SOURCE_DIR) + "/examples/packed_two_rows.json"}, 60s, {}, e);
+  });
+  env.push_back({"RANK", "0"});
+  const auto r = run_process({kCpsim, "check", kExample}, 60s, {}, env);
+  rank1.join();
+  EXPECT_EQ(r.status, 2) << r.err;
+  EXPECT_EQ(other.status, 2) << other.err;
+  EXPECT_THAT(r.err, HasSubstr("cpsim: rank 0: invalid input: rank 1 runs a different job than rank 0"));
+  EXPECT_THAT(other.err, HasSubstr("cpsim: rank 1: invalid input: rank 1 runs a different job"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Launch, CpLargerThanTheJobIsAUsageError) {
   const auto r = run_process({kCpsim, "launch", "-n", "2", "--", "cpsim", "check", kExample, "--cp", "4"}, 60s);
   EXPECT_EQ(r.status, 2) << r.out << r.err;

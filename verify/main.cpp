@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdio>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -33,6 +34,14 @@ struct JobArgs {
   bool multi = false;
 };
 
+// FNV-1a of the command line (and, for check, the batch files): the processes of
+// one job must agree on it.
+std::uint64_t fingerprint = 14695981039346656037ull;
+void fingerprint_bytes(const std::string& bytes) {
+  for (unsigned char ch : bytes) fingerprint = (fingerprint ^ ch) * 1099511628211ull;
+  fingerprint = (fingerprint ^ 0xff) * 1099511628211ull;  // separator
+}
+
 // "cpsim: ", or "cpsim: rank R: " in a multi-process job.
 std::string error_prefix = "cpsim: ";
 
@@ -53,6 +62,7 @@ void join_job(JobArgs& a) {
   world->timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout * 1000));
   error_prefix = "cpsim: rank " + std::to_string(world->rank) + ": ";
   sim::join_world(*world);
+  sim::expect_same_job(fingerprint);
   a.multi = true;
   a.rank = world->rank;
   a.size = world->size;
@@ -127,6 +137,8 @@ int run_check(CheckArgs a) {
   // Load and validate every batch first: invalid input is exit 2 before any work.
   std::vector<BatchFile> files;
   for (const auto& path : a.batches) {
+    std::ifstream in(path, std::ios::binary);
+    fingerprint_bytes(std::string(std::istreambuf_iterator<char>(in), {}));
     BatchFile f = read_batch_file(path);
     derive_layout(f.batch);
     files.push_back(std::move(f));
@@ -264,6 +276,7 @@ void add_job_options(CLI::App* cmd, JobArgs& job) {
 int main(int argc, char** argv) {
   // A peer that dies closes its sockets; writing to them must be an error, not a signal.
   std::signal(SIGPIPE, SIG_IGN);
+  for (int i = 1; i < argc; ++i) fingerprint_bytes(argv[i]);
   CLI::App app{"cpsim: verify contiguous context parallelism over packed sequences"};
   app.require_subcommand(1);
   CheckArgs check;
@@ -314,7 +327,8 @@ int main(int argc, char** argv) {
     std::cerr << "cpsim: " << e.what() << "\n";
     return kExitUsage;
   } catch (const InvalidInput& e) {
-    std::cerr << "cpsim: invalid input: " << e.what() << "\n";
+    const std::string line = error_prefix + "invalid input: " + e.what() + "\n";
+    (void)!write(STDERR_FILENO, line.data(), line.size());
     return kExitUsage;
   } catch (const std::exception& e) {
     const std::string line = error_prefix + "error: " + e.what() + "\n";
