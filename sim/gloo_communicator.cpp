@@ -180,8 +180,13 @@ std::string rank_list(const std::vector<int>& ranks) {
 }  // namespace
 
 GlooRank::GlooRank(std::shared_ptr<gloo::Context> context, int rank, int size, std::shared_ptr<Store> records,
-                   std::chrono::milliseconds timeout)
-    : context_(std::move(context)), rank_(rank), size_(size), records_(std::move(records)), timeout_(timeout) {
+                   std::chrono::milliseconds timeout, bool processes)
+    : context_(std::move(context)),
+      rank_(rank),
+      size_(size),
+      records_(std::move(records)),
+      timeout_(timeout),
+      processes_(processes) {
   CPSIM_ENFORCE(size_ == 1 || context_, "a Gloo group of ", size_, " ranks needs a context");
 }
 
@@ -196,7 +201,8 @@ void GlooRank::begin(std::chrono::milliseconds timeout) {
 std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::milliseconds timeout) {
   if (!records_ || suspects.empty()) return "";
   // A peer writes its record before it closes its connections, and cpsim launch
-  // writes one for a process that died; give them a moment to land.
+  // writes one for a process that died; give them a moment to land, and wait the
+  // whole moment for launch's record, which names the process that died.
   const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout, 2000ms);
   for (;;) {
     std::string died, lost;  // records cpsim launch wrote for dead processes come first
@@ -210,7 +216,8 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
       } catch (const std::exception&) {
       }
     }
-    if (!died.empty() || !lost.empty()) return died + lost;
+    // Peers' records only say they lost someone too; the root cause is worth the wait.
+    if (!died.empty() || (!lost.empty() && (!processes_ || Clock::now() >= deadline))) return died + lost;
     if (Clock::now() >= deadline) break;
     std::this_thread::sleep_for(20ms);
   }
@@ -489,7 +496,7 @@ std::unique_ptr<Communicator> GlooThreadsGroup::communicator(int rank, std::chro
   if (!ranks_[rank]) {
     std::shared_ptr<gloo::Context> context;
     if (size_ > 1) context = connect_gloo(rank, size_, *store_, gloo_device("127.0.0.1"), connect_timeout_);
-    ranks_[rank] = std::make_shared<GlooRank>(context, rank, size_, store_, timeout);
+    ranks_[rank] = std::make_shared<GlooRank>(context, rank, size_, store_, timeout, false);
   }
   ranks_[rank]->begin(timeout);
   return ranks_[rank]->communicator();

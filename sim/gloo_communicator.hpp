@@ -70,9 +70,10 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
 class GlooRank : public std::enable_shared_from_this<GlooRank> {
  public:
   // `records` holds the failure records of the job (keys failed/<rank>); it may
-  // be shared with other groups of the same job.
+  // be shared with other groups of the same job. With `processes`, peers are
+  // processes that a launcher may report dead: a lost peer waits for that record.
   GlooRank(std::shared_ptr<gloo::Context> context, int rank, int size, std::shared_ptr<Store> records,
-           std::chrono::milliseconds timeout);
+           std::chrono::milliseconds timeout, bool processes);
   ~GlooRank();
 
   int rank() const { return rank_; }
@@ -113,6 +114,7 @@ class GlooRank : public std::enable_shared_from_this<GlooRank> {
   int rank_, size_;
   std::shared_ptr<Store> records_;
   std::chrono::milliseconds timeout_;
+  bool processes_;
   std::uint64_t seq_ = 0;
   std::string stopped_;  // why this run stopped (empty: in step)
   std::string broken_;   // why the group is broken (empty: usable)
