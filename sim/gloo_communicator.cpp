@@ -171,6 +171,16 @@ std::chrono::milliseconds remaining(Clock::time_point deadline) {
   return std::max(1ms, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
 }
 
+// "in all_gather #3 (...)", "returned (after 2 calls)" or "threw: ...".
+std::string state_of(const CallRecord& c, GlooRank::Status status, const std::string& text) {
+  switch (status) {
+    case GlooRank::Status::call: return "in " + describe_call(c);
+    case GlooRank::Status::returned: return "returned (after " + std::to_string(c.seq - 1) + " calls)";
+    case GlooRank::Status::threw: return "threw: " + text;
+  }
+  return "?";
+}
+
 std::string rank_list(const std::vector<int>& ranks) {
   std::string s;
   for (int q : ranks) s += (s.empty() ? "" : ", ") + std::to_string(q);
@@ -281,8 +291,10 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
       std::ostringstream states;
       for (int q = 0; q < size_; ++q) {
         states << "\n  rank " << q << ": ";
-        if (q == rank_) states << "in " << describe_call(me);
-        else if (arrived[q]) states << "in " << describe_call(from_wire(in[q]));
+        if (q == rank_) states << state_of(me, status, text);
+        else if (arrived[q])
+          states << state_of(from_wire(in[q]), static_cast<Status>(in[q].status),
+                             std::string(in[q].text, strnlen(in[q].text, sizeof(in[q].text))));
         else {
           missing.push_back(q);
           states << "not in a collective (never arrived at " << collective_name(me.kind) << " #" << me.seq << ")";
@@ -315,10 +327,7 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
   auto states = [&] {
     std::ostringstream os;
     for (int q = 0; q < size_; ++q) {
-      os << "\n  rank " << q << ": ";
-      if (statuses[q] == Status::call) os << "in " << describe_call(calls[q]);
-      else if (statuses[q] == Status::returned) os << "returned (after " << calls[q].seq - 1 << " calls)";
-      else os << "threw: " << texts[q];
+      os << "\n  rank " << q << ": " << state_of(calls[q], statuses[q], texts[q]);
     }
     return os.str();
   };
