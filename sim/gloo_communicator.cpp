@@ -301,7 +301,7 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
         }
       }
       const std::string what = e.what();
-      const bool timed_out = what.find("imed out") != std::string::npos || Clock::now() >= deadline;
+      const bool timed_out = is_gloo_timeout(what) || Clock::now() >= deadline;
       std::string why;
       if (timed_out)
         why = "timeout: rank " + std::to_string(rank_) + " waited " + std::to_string(timeout.count()) + " ms in " +

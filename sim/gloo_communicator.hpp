@@ -52,6 +52,9 @@ std::shared_ptr<Store> open_store(const std::string& spec);
 // process that died carry this tag; they are the root cause and are named first.
 inline constexpr const char* kLaunchRecordTag = "(seen by cpsim launch)";
 
+// Whether a Gloo exception reports a timeout (rather than a lost connection).
+inline bool is_gloo_timeout(const std::string& what) { return what.find("imed out") != std::string::npos; }
+
 // Whether `key` is in the store now (no waiting).
 bool store_has(Store& store, const std::string& key);
 
@@ -133,7 +136,7 @@ void GlooRank::transport(const CallRecord& call, F&& f) {
     for (int q = 0; q < size_; ++q)
       if (q != rank_) everyone.push_back(q);
     const std::string what = e.what();
-    const bool timed_out = what.find("imed out") != std::string::npos;
+    const bool timed_out = is_gloo_timeout(what);
     break_group((timed_out ? "timeout: rank " + std::to_string(rank_) + " waited for its peers in "
                            : "rank " + std::to_string(rank_) + " lost its peers during ") +
                     describe_call(call) + " (gloo: " + what + ")",

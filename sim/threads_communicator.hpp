@@ -22,7 +22,6 @@
 
 namespace cpsim::sim {
 
-
 class ThreadsGroup : public std::enable_shared_from_this<ThreadsGroup> {
  public:
   ThreadsGroup(int size, std::chrono::milliseconds timeout);

@@ -93,13 +93,15 @@ BatchFile parse_batch_json(const std::string& text, const std::string& source) {
   return out;
 }
 
-BatchFile read_batch_file(const std::string& path) {
+std::string read_batch_text(const std::string& path) {
   std::ifstream in(path);
   if (!in) CPSIM_INVALID(path, ": cannot open the batch file");
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_batch_json(ss.str(), path);
+  return ss.str();
 }
+
+BatchFile read_batch_file(const std::string& path) { return parse_batch_json(read_batch_text(path), path); }
 
 std::string batch_to_json(const Batch& batch, std::int64_t pad_token_id, bool pretty) {
   json doc = json::object();

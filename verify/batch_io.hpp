@@ -16,6 +16,8 @@ struct BatchFile {
 };
 
 BatchFile parse_batch_json(const std::string& text, const std::string& source = "batch");
+// The bytes of a batch file; InvalidInput when it cannot be opened.
+std::string read_batch_text(const std::string& path);
 BatchFile read_batch_file(const std::string& path);
 std::string batch_to_json(const Batch& batch, std::int64_t pad_token_id, bool pretty = false);
 void write_batch_json(const std::string& path, const Batch& batch, std::int64_t pad_token_id);

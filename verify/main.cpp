@@ -5,7 +5,6 @@
 #include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -34,6 +33,10 @@ struct JobArgs {
   bool multi = false;
 };
 
+std::chrono::milliseconds milliseconds_of(double seconds) {
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
+}
+
 // FNV-1a of the command line (and, for check, the batch files): the processes of
 // one job must agree on it.
 std::uint64_t fingerprint = 14695981039346656037ull;
@@ -44,6 +47,12 @@ void fingerprint_bytes(const std::string& bytes) {
 
 // "cpsim: ", or "cpsim: rank R: " in a multi-process job.
 std::string error_prefix = "cpsim: ";
+
+// One line on stderr in one write, so the lines of several ranks do not interleave.
+void report_error(const std::string& what) {
+  const std::string line = error_prefix + what + "\n";
+  (void)!write(STDERR_FILENO, line.data(), line.size());
+}
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -59,7 +68,7 @@ void join_job(JobArgs& a) {
     throw UsageError("this process is rank " + std::to_string(world->rank) + " of " + std::to_string(world->size) +
                      " (from " + world->source + "); a multi-process job runs on --backend gloo, not " + a.backend);
   if (!a.store.empty()) world->store = a.store;
-  world->timeout = std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout * 1000));
+  world->timeout = milliseconds_of(a.timeout);
   error_prefix = "cpsim: rank " + std::to_string(world->rank) + ": ";
   sim::join_world(*world);
   sim::expect_same_job(fingerprint);
@@ -76,9 +85,7 @@ int finish_job(const JobArgs& a, int status) {
   sim::leave_world();
   std::cout.clear();
   if (world && !world->failure.empty()) {
-    // One write, so the lines of several ranks do not interleave.
-    const std::string line = "cpsim: rank " + std::to_string(a.rank) + ": error: " + world->failure + "\n";
-    (void)!write(STDERR_FILENO, line.data(), line.size());
+    report_error("error: " + world->failure);
     return kExitFailed;
   }
   return status;
@@ -87,10 +94,6 @@ int finish_job(const JobArgs& a, int status) {
 bool job_broken() {
   const auto world = sim::current_world();
   return world && !world->failure.empty();
-}
-
-std::chrono::milliseconds timeout_of(const JobArgs& a) {
-  return std::chrono::milliseconds(static_cast<std::int64_t>(a.timeout * 1000));
 }
 
 struct CheckArgs {
@@ -137,15 +140,15 @@ int run_check(CheckArgs a) {
   // Load and validate every batch first: invalid input is exit 2 before any work.
   std::vector<BatchFile> files;
   for (const auto& path : a.batches) {
-    std::ifstream in(path, std::ios::binary);
-    fingerprint_bytes(std::string(std::istreambuf_iterator<char>(in), {}));
-    BatchFile f = read_batch_file(path);
+    const std::string text = read_batch_text(path);
+    fingerprint_bytes(text);
+    BatchFile f = parse_batch_json(text, path);
     derive_layout(f.batch);
     files.push_back(std::move(f));
   }
   join_job(a.job);
   o.backend = a.job.backend;
-  o.timeout = timeout_of(a.job);
+  o.timeout = milliseconds_of(a.job.timeout);
   if (a.job.multi) {
     if (!a.cp_given) a.cp_sizes = {a.job.size};
     for (int cp : a.cp_sizes)
@@ -216,7 +219,7 @@ int run_fuzz(FuzzArgs a) {
   join_job(a.job);
   CheckOptions o;
   o.backend = a.job.backend;
-  o.timeout = timeout_of(a.job);
+  o.timeout = milliseconds_of(a.job.timeout);
   o.conv_width = a.conv_width;
   if (a.job.multi) a.max_cp = std::min(a.max_cp, a.job.size);
   std::optional<LayoutCase> smallest;
@@ -320,19 +323,17 @@ int main(int argc, char** argv) {
     if (c->parsed()) return run_check(check);
     if (f->parsed()) return run_fuzz(fuzz);
     if (l->parsed()) {
-      launch.grace = std::chrono::milliseconds(static_cast<std::int64_t>(grace * 1000));
+      launch.grace = milliseconds_of(grace);
       return sim::launch_processes(launch, std::cerr);
     }
   } catch (const UsageError& e) {
-    std::cerr << "cpsim: " << e.what() << "\n";
+    report_error(e.what());
     return kExitUsage;
   } catch (const InvalidInput& e) {
-    const std::string line = error_prefix + "invalid input: " + e.what() + "\n";
-    (void)!write(STDERR_FILENO, line.data(), line.size());
+    report_error(std::string("invalid input: ") + e.what());
     return kExitUsage;
   } catch (const std::exception& e) {
-    const std::string line = error_prefix + "error: " + e.what() + "\n";
-    (void)!write(STDERR_FILENO, line.data(), line.size());  // one write: ranks do not interleave
+    report_error(std::string("error: ") + e.what());
     return kExitFailed;
   }
   return kExitUsage;
