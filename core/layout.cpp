@@ -6,9 +6,6 @@ namespace cpsim {
 
 namespace {
 
-const char* const kSequenceKeys[] = {"input_ids", "labels",   "position_ids",  "padding_mask",
-                                     "loss_mask", "attention_mask"};
-
 bool has(const Batch& b, const std::string& key) { return b.count(key) != 0; }
 
 void require_int(const Tensor& t, const std::string& key) {
@@ -97,10 +94,12 @@ PackedLengths packed_lengths(const Batch& b, std::int64_t rows) {
       CPSIM_INVALID("seq_lens_padded: shape ", shape_str(b.at("seq_lens_padded").shape()),
                     " differs from seq_lens ", shape_str(b.at("seq_lens").shape()));
   } else {
-    real_key = "cu_seqlens";
-    out.real = {read_cu(b.at("cu_seqlens"), real_key)};
+    // Either cu_seqlens key alone serves as both the real and the occupied lengths.
+    real_key = has(b, "cu_seqlens") ? "cu_seqlens" : "cu_seqlens_padded";
     out.occupied_key = has(b, "cu_seqlens_padded") ? "cu_seqlens_padded" : "cu_seqlens";
-    out.occupied = has(b, "cu_seqlens_padded") ? std::vector<std::vector<std::int64_t>>{read_cu(b.at("cu_seqlens_padded"), out.occupied_key)} : out.real;
+    out.real = {read_cu(b.at(real_key), real_key)};
+    out.occupied = real_key == out.occupied_key ? out.real
+                                                : std::vector<std::vector<std::int64_t>>{read_cu(b.at(out.occupied_key), out.occupied_key)};
   }
   if (static_cast<std::int64_t>(out.real.size()) != rows)
     CPSIM_INVALID(real_key, ": ", out.real.size(), " rows, but the batch has ", rows);
@@ -116,7 +115,19 @@ PackedLengths packed_lengths(const Batch& b, std::int64_t rows) {
   return out;
 }
 
-bool is_packed(const Batch& b) { return has(b, "seq_lens") || has(b, "cu_seqlens"); }
+bool is_packed(const Batch& b) {
+  return has(b, "seq_lens") || has(b, "cu_seqlens") || has(b, "cu_seqlens_padded");
+}
+
+// Packing keys that stand only beside another.
+void check_packing_keys(const Batch& b, std::int64_t rows) {
+  if (has(b, "seq_lens_padded") && !has(b, "seq_lens"))
+    CPSIM_INVALID("seq_lens_padded: given without seq_lens (the real lengths); give both, or seq_lens alone");
+  const bool thd = !has(b, "seq_lens") && (has(b, "cu_seqlens") || has(b, "cu_seqlens_padded"));
+  if (thd && rows != 1)
+    CPSIM_INVALID(has(b, "cu_seqlens") ? "cu_seqlens" : "cu_seqlens_padded",
+                  ": describes one packed row, but the batch has ", rows, " rows");
+}
 
 // Offset inside the run of equal doc ids; the trailing doc-id-0 run continues
 // the last position.
@@ -145,13 +156,18 @@ void normalize_batch_axis(Batch& batch) {
   }
 }
 
+bool is_length_key(const std::string& key) {
+  return key == "seq_lens" || key == "seq_lens_padded" || key == "cu_seqlens" || key == "cu_seqlens_padded";
+}
+
 std::int64_t sequence_length(const Batch& batch) {
   std::int64_t S = -1, B = -1;
   std::string first;
-  for (const char* key : kSequenceKeys) {
-    if (!has(batch, key)) continue;
-    const Tensor& t = batch.at(key);
-    if (t.ndim() != 2) CPSIM_INVALID(key, ": expected shape [batch, sequence], got ", shape_str(t.shape()));
+  // input_ids first, so that shape errors name the other key.
+  auto visit = [&](const std::string& key, const Tensor& t) {
+    if (t.ndim() != 2)
+      CPSIM_INVALID(key, ": expected shape [batch, sequence], got ", shape_str(t.shape()),
+                    " (every key but the packing lengths is a [batch, sequence] token stream)");
     if (S < 0) {
       S = t.dim(1);
       B = t.dim(0);
@@ -159,15 +175,21 @@ std::int64_t sequence_length(const Batch& batch) {
     } else if (t.dim(0) != B || t.dim(1) != S) {
       CPSIM_INVALID(key, ": shape ", shape_str(t.shape()), " disagrees with ", first, " [", B, ", ", S, "]");
     }
-  }
+  };
+  if (has(batch, "input_ids")) visit("input_ids", batch.at("input_ids"));
+  for (const auto& [key, t] : batch)
+    if (key != "input_ids" && !is_length_key(key)) visit(key, t);
   if (S < 0) CPSIM_INVALID("input_ids: missing (no [batch, sequence] key in the batch)");
+  if (S == 0) CPSIM_INVALID(first, ": empty sequence (shape ", shape_str({B, S}), ")");
+  if (B == 0) CPSIM_INVALID(first, ": no rows (shape ", shape_str({B, S}), ")");
   return S;
 }
 
 std::int64_t batch_rows(const Batch& batch) {
   sequence_length(batch);
-  for (const char* key : kSequenceKeys)
-    if (has(batch, key)) return batch.at(key).dim(0);
+  if (has(batch, "input_ids")) return batch.at("input_ids").dim(0);
+  for (const auto& [key, t] : batch)
+    if (!is_length_key(key)) return t.dim(0);
   return 0;
 }
 
@@ -197,6 +219,7 @@ std::vector<std::int64_t> segment_cu_seqlens(const Tensor& doc_ids_row) {
 
 Tensor global_doc_ids(const Batch& batch) {
   const std::int64_t S = sequence_length(batch), B = batch_rows(batch);
+  check_packing_keys(batch, B);
   if (is_packed(batch)) {
     const PackedLengths pl = packed_lengths(batch, B);
     return doc_ids_from_rows(pl.occupied, S, pl.occupied_key);
@@ -216,8 +239,7 @@ Layout derive_layout(const Batch& batch) {
   const std::int64_t S = sequence_length(batch), B = batch_rows(batch);
   for (const char* key : {"input_ids", "labels", "position_ids"})
     if (has(batch, key)) require_int(batch.at(key), key);
-  if (has(batch, "cu_seqlens") && !has(batch, "seq_lens") && B != 1)
-    CPSIM_INVALID("cu_seqlens: describes one packed row, but the batch has ", B, " rows");
+  check_packing_keys(batch, B);
   Layout out;
   out.doc_ids = global_doc_ids(batch);
   out.padding = Tensor({B, S}, DType::b8);

@@ -30,7 +30,12 @@ struct Layout {
 // 1-D tensors ([S], THD collators) become [1, S]; cu_seqlens stay 1-D.
 void normalize_batch_axis(Batch& batch);
 
-// S of a batch: the common second dimension of its [B, S] keys (checked).
+// The packing lengths (seq_lens, seq_lens_padded, cu_seqlens, cu_seqlens_padded);
+// every other key of a batch is a [B, S] token stream.
+bool is_length_key(const std::string& key);
+
+// S of a batch: the common second dimension of its [B, S] keys (checked: every
+// key but the packing lengths must be [B, S]; S and B at least 1).
 std::int64_t sequence_length(const Batch& batch);
 std::int64_t batch_rows(const Batch& batch);
 

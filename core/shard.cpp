@@ -61,28 +61,25 @@ ShardedBatch shard_batch_at(int rank, int cp_size, Batch batch, std::optional<Te
   sequence_length(batch);  // loss_mask shape check
 
   // Position ids continue last+1, ... into the padded tail.
-  const Tensor& pos = batch.at("position_ids");
-  Tensor padded_pos = pad_sequence_dim(pos, g.padded_len, 0.0);
-  for (std::int64_t r = 0; r < pos.dim(0); ++r) {
-    std::int64_t next = S > 0 ? pos.get_int(r * S + S - 1) + 1 : 0;
-    for (std::int64_t t = S; t < g.padded_len; ++t) padded_pos.set(r * g.padded_len + t, static_cast<double>(next++));
-  }
+  Tensor padded_pos = pad_sequence_dim(batch.at("position_ids"), g.padded_len, 0.0);  // int64 (derive_layout)
+  auto* p = padded_pos.data<std::int64_t>();
+  for (std::int64_t r = 0; r < padded_pos.dim(0); ++r)
+    for (std::int64_t t = S; t < g.padded_len; ++t) p[r * g.padded_len + t] = p[r * g.padded_len + t - 1] + 1;
   batch["position_ids"] = padded_pos;
 
+  // SPEC §2 fill values; every other [B, S] key (token_type_ids, say) is padded with 0.
   const std::map<std::string, double> fill = {{"input_ids", static_cast<double>(pad_token_id)},
                                               {"labels", static_cast<double>(kIgnoreLabel)},
                                               {"padding_mask", 1.0},
                                               {"loss_mask", 0.0},
                                               {"attention_mask", 0.0}};
-  for (const auto& [key, value] : fill) {
-    auto it = batch.find(key);
-    if (it == batch.end()) continue;
-    it->second = pad_sequence_dim(it->second, g.padded_len, value);
-  }
   for (auto& [key, t] : batch) {
-    if (key == "input_ids" && !shard_primary) continue;
-    if (t.ndim() == 2 && t.dim(1) == g.padded_len) t = narrow(t, 1, g.start(rank), g.local_len);
+    if (key == "position_ids") continue;  // padded above
+    const auto f = fill.find(key);
+    t = pad_sequence_dim(t, g.padded_len, f == fill.end() ? 0.0 : f->second);
+    if (key != "input_ids" || shard_primary) t = narrow(t, 1, g.start(rank), g.local_len);
   }
+  batch["position_ids"] = narrow(batch.at("position_ids"), 1, g.start(rank), g.local_len);
   return {std::move(batch), PackedContext(std::move(doc_ids), g.start(rank), cp_size, S)};
 }
 

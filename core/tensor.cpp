@@ -80,7 +80,12 @@ void Tensor::check_type(DType want) const {
   CPSIM_ENFORCE(want == dtype_, "tensor is ", dtype_name(dtype_), ", accessed as ", dtype_name(want));
 }
 
+void Tensor::check_index(std::int64_t flat) const {
+  CPSIM_ENFORCE(flat >= 0 && flat < numel(), "element ", flat, " of a tensor of shape ", shape_str(shape_));
+}
+
 double Tensor::get(std::int64_t flat) const {
+  check_index(flat);
   return visit_dtype(dtype_, [&](auto tag) {
     using T = decltype(tag);
     return to_f64(reinterpret_cast<const T*>(raw())[flat]);
@@ -88,6 +93,7 @@ double Tensor::get(std::int64_t flat) const {
 }
 
 void Tensor::set(std::int64_t flat, double v) {
+  check_index(flat);
   visit_dtype(dtype_, [&](auto tag) {
     using T = decltype(tag);
     reinterpret_cast<T*>(raw())[flat] = from_f64<T>(v);
@@ -95,6 +101,7 @@ void Tensor::set(std::int64_t flat, double v) {
 }
 
 std::int64_t Tensor::get_int(std::int64_t flat) const {
+  check_index(flat);
   switch (dtype_) {
     case DType::i64: return data<std::int64_t>()[flat];
     case DType::i32: return data<std::int32_t>()[flat];

@@ -101,7 +101,8 @@ class Tensor {
   void* raw() { return storage_ ? storage_->data() + offset_ : nullptr; }
   const void* raw() const { return storage_ ? storage_->data() + offset_ : nullptr; }
 
-  // Element access through double / int64, for any dtype (slow; tests and I/O).
+  // Element access through double / int64, for any dtype, bounds-checked (slow;
+  // tests, references and I/O).
   double get(std::int64_t flat) const;
   void set(std::int64_t flat, double v);
   std::int64_t get_int(std::int64_t flat) const;
@@ -114,6 +115,7 @@ class Tensor {
 
  private:
   void check_type(DType want) const;
+  void check_index(std::int64_t flat) const;
   Shape shape_;
   DType dtype_ = DType::f32;
   std::shared_ptr<std::vector<std::byte>> storage_;

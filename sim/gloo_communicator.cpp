@@ -103,9 +103,56 @@ std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& host) {
   return device;
 }
 
+namespace {
+
+// The records cpsim launch wrote for dead processes among ranks [0, size), one per line.
+std::string launch_records(Store& records, int size, int except) {
+  std::string died;
+  for (int q = 0; q < size; ++q) {
+    if (q == except || !store_has(records, "failed/" + std::to_string(q))) continue;
+    try {
+      const auto v = records.get("failed/" + std::to_string(q));
+      const std::string line(v.begin(), v.end());
+      if (line.find(kLaunchRecordTag) != std::string::npos) died += "\n  " + line;
+    } catch (const std::exception&) {
+    }
+  }
+  return died;
+}
+
+// Every rank announces itself, then waits for the others, watching the failure
+// records: a peer that died before it came is named at once, not after the timeout.
+void await_peers(int rank, int size, Store& store, Store& records, std::chrono::milliseconds timeout) {
+  const std::string me = "present/" + std::to_string(rank);
+  store.set(me, std::vector<char>{'1'});
+  const auto deadline = Clock::now() + timeout;
+  std::vector<bool> here(size, false);
+  here[rank] = true;
+  for (;;) {
+    std::vector<int> missing;
+    for (int q = 0; q < size; ++q)
+      if (!here[q] && !(here[q] = store_has(store, "present/" + std::to_string(q)))) missing.push_back(q);
+    if (missing.empty()) return;
+    const std::string died = launch_records(records, size, rank);
+    std::string names;
+    for (int q : missing) names += (names.empty() ? "" : ", ") + std::to_string(q);
+    if (!died.empty())
+      throw CollectiveError("rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                            " could not connect: rank" + (missing.size() > 1 ? "s " : " ") + names +
+                            " never came" + died);
+    if (Clock::now() >= deadline)
+      throw CollectiveError("rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                            " could not connect to its peers within " + std::to_string(timeout.count()) +
+                            " ms: rank" + (missing.size() > 1 ? "s " : " ") + names + " never came");
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
+}  // namespace
+
 std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
                                             const std::shared_ptr<gloo::transport::Device>& device,
-                                            std::chrono::milliseconds timeout) {
+                                            std::chrono::milliseconds timeout, Store* records) {
   // Writing to a peer that died must fail the write, not kill this process.
   static std::once_flag sigpipe;
   std::call_once(sigpipe, [] {
@@ -116,7 +163,10 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
   context->setTimeout(timeout);
   auto dev = device;
   try {
+    if (records) await_peers(rank, size, store, *records, timeout);
     context->connectFullMesh(store, dev);
+  } catch (const CollectiveError&) {
+    throw;
   } catch (const std::exception& e) {
     const std::string what = e.what();
     const bool stale = what.find("already set") != std::string::npos;
@@ -124,7 +174,7 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
                           (stale ? " found the keys of an earlier run in the store; give every run its own "
                                    "CPSIM_JOB_ID or store directory"
                                  : " could not connect to its peers within " + std::to_string(timeout.count()) + " ms") +
-                          " (gloo: " + what + ")");
+                          " (gloo: " + what + ")" + (records ? launch_records(*records, size, rank) : ""));
   }
   return context;
 }
@@ -213,16 +263,25 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
   // A peer writes its record before it closes its connections, and cpsim launch
   // writes one for a process that died; give them a moment to land, and wait the
   // whole moment for launch's record, which names the process that died.
+  //
+  // The rank that died need not be a suspect: this rank may have heard from it
+  // before it died and lost only a peer that lost it too (whose record says so).
+  // So launch's records are read for every rank of the group, the suspects'
+  // own records only for them.
   const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout, 2000ms);
   for (;;) {
     std::string died, lost;  // records cpsim launch wrote for dead processes come first
-    for (int q : suspects) {
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      const bool suspect = std::find(suspects.begin(), suspects.end(), q) != suspects.end();
+      if (!suspect && !processes_) continue;  // in-process ranks are never killed alone
       const std::string key = "failed/" + std::to_string(q);
       if (!store_has(*records_, key)) continue;
       try {
         const auto v = records_->get(key);
         const std::string line(v.begin(), v.end());
-        (line.find(kLaunchRecordTag) != std::string::npos ? died : lost) += "\n  " + line;
+        if (line.find(kLaunchRecordTag) != std::string::npos) died += "\n  " + line;
+        else if (suspect) lost += "\n  " + line;
       } catch (const std::exception&) {
       }
     }

@@ -64,11 +64,13 @@ std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& host);
 
 // Connects rank `rank` of `size` through `store` (every rank calls it with the
 // same store contents); throws CollectiveError if peers do not come in time.
+// With `records` (the job's failure records, process mode), ranks first announce
+// themselves and a peer that cpsim launch saw die is named at once.
 // The first call ignores SIGPIPE if nothing handles it, so that a dead peer is
 // an error on the write, not the end of this process.
 std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
                                             const std::shared_ptr<gloo::transport::Device>& device,
-                                            std::chrono::milliseconds timeout);
+                                            std::chrono::milliseconds timeout, Store* records = nullptr);
 
 class GlooRank : public std::enable_shared_from_this<GlooRank> {
  public:

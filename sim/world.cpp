@@ -82,7 +82,7 @@ struct World {
   }
   std::shared_ptr<GlooRank> connect(int n, const std::string& name) {
     std::shared_ptr<gloo::Context> context;
-    if (n > 1) context = connect_gloo(config.rank, n, *prefixed(name), gloo_device(""), config.timeout);
+    if (n > 1) context = connect_gloo(config.rank, n, *prefixed(name), gloo_device(""), config.timeout, job.get());
     return std::make_shared<GlooRank>(context, config.rank, n, job, config.timeout, true);
   }
   std::shared_ptr<GlooRank> group(int n) {

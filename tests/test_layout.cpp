@@ -161,3 +161,51 @@ TEST(LayoutErrors, PositionsThatBreakTheRule) {
   b["position_ids"] = i64({1, 8}, {0, 1, 2, 3, 1, 2, 0, 0});
   EXPECT_THAT(invalid([&] { derive_layout(b); }), AllOf(HasSubstr("position_ids row 0 index 4")));
 }
+
+// Either cu_seqlens key alone is both the real and the occupied lengths: a THD
+// batch with only cu_seqlens_padded keeps its two documents apart (EOS = PAD).
+TEST(Layout, CuSeqlensPaddedAloneServesAsBoth) {
+  Batch b{{"input_ids", i64({17}, {7, 7, 7, 7, 7, 0, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0, 0})},
+          {"cu_seqlens_padded", i64({3}, {0, 6, 13})}};
+  normalize_batch_axis(b);
+  const Layout l = derive_layout(b);
+  EXPECT_EQ(values(l.doc_ids), (std::vector<std::int64_t>{1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0}));
+  EXPECT_EQ(values(l.padding), (std::vector<std::int64_t>{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1}));
+  EXPECT_EQ(segment_cu_seqlens(l.doc_ids), (std::vector<std::int64_t>{0, 6, 13, 17}));
+  EXPECT_EQ(values(global_doc_ids(b)), values(l.doc_ids));
+  // cu_seqlens alone gives the same layout.
+  Batch c{{"input_ids", b.at("input_ids")}, {"cu_seqlens", i64({3}, {0, 6, 13})}};
+  EXPECT_EQ(values(derive_layout(c).doc_ids), values(l.doc_ids));
+  unpack_row_layout(b);
+  EXPECT_FALSE(b.count("cu_seqlens_padded"));
+  EXPECT_EQ(values(b.at("padding_mask")), values(l.padding));
+}
+
+TEST(LayoutErrors, SeqLensPaddedWithoutSeqLens) {
+  Batch b{{"input_ids", i64({1, 4}, {1, 2, 3, 4})}, {"seq_lens_padded", i64({1, 2}, {2, 2})}};
+  EXPECT_THAT(invalid([&] { derive_layout(b); }), AllOf(HasSubstr("seq_lens_padded"), HasSubstr("without seq_lens")));
+  EXPECT_THAT(invalid([&] { global_doc_ids(b); }), HasSubstr("seq_lens_padded"));
+}
+
+TEST(LayoutErrors, CuSeqlensPaddedDescribesOneRow) {
+  Batch b{{"input_ids", i64({2, 3}, {1, 2, 3, 4, 5, 6})}, {"cu_seqlens_padded", i64({2}, {0, 3})}};
+  EXPECT_THAT(invalid([&] { derive_layout(b); }), AllOf(HasSubstr("cu_seqlens_padded"), HasSubstr("one packed row")));
+}
+
+// Every key but the packing lengths is a [B, S] token stream.
+TEST(LayoutErrors, OtherKeysMustBeTokenStreams) {
+  Batch b = spec_example();
+  b["token_type_ids"] = i64({1, 8}, {0, 0, 0, 0, 1, 1, 1, 1});
+  EXPECT_NO_THROW(derive_layout(b));
+  b["token_type_ids"] = i64({1, 7}, {0, 0, 0, 0, 1, 1, 1});
+  EXPECT_THAT(invalid([&] { derive_layout(b); }), AllOf(HasSubstr("token_type_ids"), HasSubstr("disagrees")));
+  b["token_type_ids"] = i64({2, 2, 2}, {0, 0, 0, 0, 1, 1, 1, 1});
+  EXPECT_THAT(invalid([&] { derive_layout(b); }), AllOf(HasSubstr("token_type_ids"), HasSubstr("[batch, sequence]")));
+}
+
+TEST(LayoutErrors, EmptySequenceOrNoRows) {
+  Batch empty{{"input_ids", Tensor({1, 0}, DType::i64)}};
+  EXPECT_THAT(invalid([&] { derive_layout(empty); }), AllOf(HasSubstr("input_ids"), HasSubstr("empty sequence")));
+  Batch none{{"input_ids", Tensor({0, 4}, DType::i64)}};
+  EXPECT_THAT(invalid([&] { derive_layout(none); }), AllOf(HasSubstr("input_ids"), HasSubstr("no rows")));
+}

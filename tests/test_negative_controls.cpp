@@ -17,7 +17,9 @@ using ::testing::HasSubstr;
 namespace {
 
 // Doc ids decided from token ids: PAD tokens end documents and count as padding.
-Tensor doc_ids_from_token_ids(const Batch& b, std::int64_t pad) {
+Layout layout_from_token_ids(const Batch& b) {
+  const std::int64_t pad = 0;
+  Layout layout = derive_layout(b);
   const Tensor& ids = b.at("input_ids");
   Tensor out(ids.shape(), DType::i64);
   const std::int64_t B = ids.dim(0), S = ids.dim(1);
@@ -29,7 +31,8 @@ Tensor doc_ids_from_token_ids(const Batch& b, std::int64_t pad) {
       if (is_pad && s > 0 && ids.get_int(r * S + s - 1) != pad) ++doc;
     }
   }
-  return out;
+  layout.doc_ids = out;
+  return layout;
 }
 
 // Each rank keeps [r*L + 1, (r+1)*L + 1): one token too far right.
@@ -116,7 +119,7 @@ void expect_found(const std::string& report) {
 
 TEST(NegativeControls, LayoutCatchesDocIdsBuiltFromTokenIds) {
   expect_found(expect_counterexample("layout vs doc ids from token ids", [](const LayoutCase& c) {
-    const auto r = check_layout(c, doc_ids_from_token_ids);
+    const auto r = check_layout(c, layout_from_token_ids);
     RC_ASSERT(r.ok);
   }));
 }
@@ -213,4 +216,147 @@ TEST(NegativeControls, RecurrenceCatchesAMissingResetAtASegmentStartInsideAShard
 TEST(NegativeControls, RecurrenceCatchesTheFirstInsteadOfTheLastLocalSegment) {
   expect_recurrence_fault_found(cpsim::testing::RecurrenceFault::first_segment_transition,
                                 "first instead of last local segment");
+}
+
+// ---------------------------------------------------------------------------
+// Planted faults: code under test that throws, or returns a result of the wrong
+// size, is that property failing with its case, never a crash of the harness.
+
+namespace {
+
+struct Planted : std::runtime_error {
+  Planted() : std::runtime_error("planted fault") {}
+};
+
+Layout layout_throws(const Batch&) { throw Planted(); }
+// Doc ids and positions one column short; padding a row short.
+Layout layout_short(const Batch& b) {
+  Layout l = derive_layout(b);
+  l.doc_ids = narrow(l.doc_ids, 1, 0, l.doc_ids.dim(1) - 1);
+  l.positions = narrow(l.positions, 1, 0, l.positions.dim(1) - 1);
+  l.padding = narrow(l.padding, 0, 0, l.padding.dim(0) - 1);
+  return l;
+}
+
+ShardedBatch shard_throws(int, int, const Batch&, std::int64_t, bool) { throw Planted(); }
+
+// P rounded down instead of up: the context and every local tensor cover
+// floor(S / c) * c positions (which may be none).
+ShardedBatch shard_rounded_down(int rank, int cp, const Batch& b, std::int64_t pad, bool primary) {
+  Batch batch = b;
+  normalize_batch_axis(batch);
+  const std::int64_t S = sequence_length(batch), P = S / cp * cp, L = P / cp;
+  ShardedBatch out = shard_batch_at(rank, cp, batch, std::nullopt, pad, primary);
+  for (auto& [key, t] : out.local)
+    if (t.dim(1) > L) t = narrow(t, 1, 0, key == "input_ids" && !primary ? P : L);
+  out.context = PackedContext(narrow(out.context.doc_ids(), 1, 0, P), rank * L, cp, S);
+  return out;
+}
+
+// One rank throws before the collective the others enter.
+Var gather_throws_on_rank_0(const Var& x, Communicator* comm, bool differentiable) {
+  if (!comm || comm->rank() == 0) throw Planted();
+  return gather_sequence(x, comm, differentiable);
+}
+// The local shard comes back as if it were the gathered sequence.
+Var gather_returns_the_shard(const Var& x, Communicator*, bool) { return x; }
+
+Var anchor_throws(const Var&) { throw Planted(); }
+
+// The local shard without its history.
+Var halo_without_history(const Var& x, Communicator*, int, HaloExchange) { return x; }
+Var halo_throws_on_last_rank(const Var& x, Communicator* comm, int width, HaloExchange e) {
+  if (!comm || comm->rank() + 1 == comm->size()) throw Planted();
+  return convolution_history(x, comm, width, e);
+}
+
+// One output position short.
+Var conv_one_short(const Var& x, const Tensor& ids, const Var& w, const Var& b) {
+  const Var y = packed_causal_conv(x, ids, w, b);
+  return Var(narrow(y.value(), 1, 0, std::max<std::int64_t>(0, y.value().dim(1) - 1)), true);
+}
+
+Var recurrence_wrong_shape(const Var& q, const Var&, const Var&, const Var&, const Var&, const PackedContext&,
+                           Communicator*) {
+  return Var(Tensor({1, 1}, DType::f64), true);
+}
+Var recurrence_throws(const Var&, const Var&, const Var&, const Var&, const Var&, const PackedContext&,
+                      Communicator*) {
+  throw Planted();
+}
+
+// Every planted property must fail on some case, report why, and leave the process standing.
+template <class Check>
+void expect_reported(const std::string& name, Check check) {
+  const std::string report = expect_counterexample(name, [&](const LayoutCase& c) {
+    const PropertyResult r = check(c);
+    RC_ASSERT(r.ok || !r.detail.empty());  // a failure always says why
+    RC_ASSERT(r.ok);
+  }, 100);
+  EXPECT_FALSE(report.empty()) << name << ": the property passed every case";
+  EXPECT_THAT(report, HasSubstr("cp=")) << name;
+  EXPECT_THAT(report, ::testing::Not(HasSubstr("a failure always says why"))) << name << ": " << report;
+}
+
+}  // namespace
+
+TEST(PlantedFaults, LayoutThatThrowsOrReturnsTheWrongSize) {
+  expect_reported("layout throws", [](const LayoutCase& c) { return check_layout(c, layout_throws); });
+  expect_reported("layout short", [](const LayoutCase& c) { return check_layout(c, layout_short); });
+}
+
+TEST(PlantedFaults, ShardThatThrowsOrRoundsThePaddedLengthDown) {
+  expect_reported("shard throws", [](const LayoutCase& c) { return check_shard(c, shard_throws); });
+  expect_reported("shard rounds P down", [](const LayoutCase& c) { return check_shard(c, shard_rounded_down); });
+}
+
+TEST(PlantedFaults, GatherAndAnchorThatThrowOrReturnTheWrongSize) {
+  const CheckOptions o;
+  expect_reported("gather throws", [&](const LayoutCase& c) { return check_gather_forward(c, o, gather_throws_on_rank_0); });
+  expect_reported("gather backward throws",
+                  [&](const LayoutCase& c) { return check_gather_backward(c, o, gather_throws_on_rank_0); });
+  expect_reported("gather returns the shard",
+                  [&](const LayoutCase& c) { return check_gather_forward(c, o, gather_returns_the_shard); });
+  expect_reported("gather backward of the shard",
+                  [&](const LayoutCase& c) { return check_gather_backward(c, o, gather_returns_the_shard); });
+  expect_reported("anchor throws",
+                  [&](const LayoutCase& c) { return check_anchor(c, o, default_gather(), anchor_throws); });
+}
+
+TEST(PlantedFaults, HaloAndConvThatThrowOrReturnTheWrongSize) {
+  const CheckOptions o;
+  expect_reported("halo without history", [&](const LayoutCase& c) { return check_halo_forward(c, o, halo_without_history); });
+  expect_reported("halo backward without history",
+                  [&](const LayoutCase& c) { return check_halo_backward(c, o, halo_without_history); });
+  expect_reported("halo throws", [&](const LayoutCase& c) { return check_halo_forward(c, o, halo_throws_on_last_rank); });
+  expect_reported("conv one short",
+                  [&](const LayoutCase& c) { return check_conv_forward(c, o, default_halo(), conv_one_short); });
+  expect_reported("conv backward one short",
+                  [&](const LayoutCase& c) { return check_conv_backward(c, o, default_halo(), conv_one_short); });
+}
+
+TEST(PlantedFaults, RecurrenceThatThrowsOrReturnsTheWrongSize) {
+  const CheckOptions o;
+  expect_reported("recurrence wrong shape",
+                  [&](const LayoutCase& c) { return check_recurrence_forward(c, o, recurrence_wrong_shape); });
+  expect_reported("recurrence backward wrong shape",
+                  [&](const LayoutCase& c) { return check_recurrence_backward(c, o, recurrence_wrong_shape); });
+  expect_reported("recurrence throws",
+                  [&](const LayoutCase& c) { return check_recurrence_forward(c, o, recurrence_throws); });
+}
+
+// A user's batch has no construction truth: the layout property must still compare
+// with an independent reference, never with the code under test. The old bug of
+// reading cu_seqlens_padded alone as an unpacked row is caught on such cases.
+TEST(NegativeControls, LayoutOfAUserBatchCatchesCuSeqlensPaddedReadAsUnpacked) {
+  const auto merged = [](const Batch& b) {
+    Batch copy = b;
+    if (!copy.count("cu_seqlens")) copy.erase("cu_seqlens_padded");
+    return derive_layout(copy);
+  };
+  expect_found(expect_counterexample("layout of user batches vs cu_seqlens_padded ignored", [&](LayoutCase c) {
+    c.truth.reset();
+    const auto r = check_layout(c, merged);
+    RC_ASSERT(r.ok);
+  }));
 }

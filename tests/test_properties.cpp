@@ -96,11 +96,41 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
         }
     }
     if (doc_counts.size() > 1) seen["rows with different document counts"]++;
+    // Which SPEC §1 keys carry the layout.
+    const auto has = [&](const char* k) { return c.batch.count(k) != 0; };
+    if (has("seq_lens") && has("seq_lens_padded")) seen["keys: seq_lens + seq_lens_padded"]++;
+    if (has("seq_lens") && !has("seq_lens_padded")) seen["keys: seq_lens alone"]++;
+    if (has("cu_seqlens") && has("cu_seqlens_padded")) seen["keys: cu_seqlens + cu_seqlens_padded"]++;
+    if (has("cu_seqlens") && !has("cu_seqlens_padded")) seen["keys: cu_seqlens alone"]++;
+    if (!has("cu_seqlens") && has("cu_seqlens_padded")) seen["keys: cu_seqlens_padded alone"]++;
+    const bool unpacked = !has("seq_lens") && !has("cu_seqlens") && !has("cu_seqlens_padded");
+    if (unpacked && has("padding_mask")) seen["keys: unpacked with padding_mask"]++;
+    if (unpacked && has("attention_mask")) seen["keys: unpacked with attention_mask"]++;
+    if (unpacked && !has("padding_mask") && !has("attention_mask") && has("position_ids"))
+      seen["keys: position_ids only"]++;
+    if (unpacked && !has("padding_mask") && !has("attention_mask") && !has("position_ids")) seen["keys: tokens only"]++;
+    if (has("token_type_ids")) seen["an extra [B, S] key"]++;
+    if (c.batch.at("input_ids").ndim() == 1) seen["1-D tensors"]++;
+    // Real tokens equal to the pad id at a document's end and inside one.
+    for (std::int64_t r = 0; r < B; ++r)
+      for (std::int64_t s = 0; s + 1 < S; ++s) {
+        const std::int64_t i = r * S + s;
+        if (t.padding.get_int(i) || c.batch.at("input_ids").get_int(i) != c.pad_token_id) continue;
+        const bool ends = t.padding.get_int(i + 1) || t.doc_ids.get_int(i + 1) != t.doc_ids.get_int(i);
+        const bool inside = !ends && s > 0 && !t.padding.get_int(i - 1) && t.doc_ids.get_int(i - 1) == t.doc_ids.get_int(i);
+        if (ends) seen["PAD id as a document's last real token"]++;
+        if (inside) seen["PAD id inside a document"]++;
+      }
   }
   for (const char* k : {"c=1", "c=16", "S not divisible by c", "shard shorter than W-1", "document crosses one shard edge",
                         "document crosses many shard edges", "boundary exactly on a shard edge",
                         "length-1 document at a shard edge", "all-padding shard", "left padding",
-                        "real token equal to PAD", "rows with different document counts"})
+                        "real token equal to PAD", "rows with different document counts",
+                        "keys: seq_lens + seq_lens_padded", "keys: seq_lens alone", "keys: cu_seqlens + cu_seqlens_padded",
+                        "keys: cu_seqlens alone", "keys: cu_seqlens_padded alone", "keys: unpacked with padding_mask",
+                        "keys: unpacked with attention_mask", "keys: position_ids only", "keys: tokens only",
+                        "an extra [B, S] key", "1-D tensors", "PAD id as a document's last real token",
+                        "PAD id inside a document"})
     EXPECT_GT(seen[k], 0) << "the generator never drew: " << k;
 }
 

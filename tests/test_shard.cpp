@@ -3,6 +3,8 @@
 
 #include "core/shard.hpp"
 
+#include <optional>
+
 using namespace cpsim;
 
 namespace {
@@ -59,4 +61,68 @@ TEST(Shard, NullCommunicatorIsOneRank) {
   const ShardedBatch s = shard_batch(nullptr, b);
   EXPECT_FALSE(s.context.cp_enabled());
   EXPECT_EQ(s.context.local_seq_len(), 3);
+}
+
+// SPEC §2: every other [B, S] key is padded with 0 and sliced like labels, whether
+// or not S divides by c.
+TEST(Shard, OtherSequenceKeysArePaddedWithZeroAndSliced) {
+  for (const std::int64_t S : {5, 6}) {
+    std::vector<std::int64_t> ids(S), types(S);
+    for (std::int64_t s = 0; s < S; ++s) ids[s] = 10 + s, types[s] = 1 + s % 2;
+    Batch b{{"input_ids", i64({1, S}, ids)}, {"token_type_ids", i64({1, S}, types)}};
+    std::vector<std::int64_t> joined;
+    for (int r = 0; r < 3; ++r) {
+      const ShardedBatch sb = shard_batch_at(r, 3, b, std::nullopt, 0, false);
+      ASSERT_TRUE(sb.local.count("token_type_ids"));
+      EXPECT_EQ(sb.local.at("token_type_ids").shape(), (Shape{1, 2})) << "S=" << S << " rank " << r;
+      for (auto v : values(sb.local.at("token_type_ids"))) joined.push_back(v);
+    }
+    std::vector<std::int64_t> want = types;
+    want.resize(6, 0);
+    EXPECT_EQ(joined, want) << "S=" << S;
+  }
+}
+
+// The row_cu_seqlens cache: answers belong to the context's own batch and row,
+// through copies, moves, reassignment and reuse across rows and batches.
+TEST(Shard, PackedContextCacheFollowsItsBatchThroughCopyMoveAndReassignment) {
+  const Batch one{{"input_ids", i64({2, 6}, {1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2})},
+                  {"seq_lens", i64({2, 3}, {2, 4, -1000, 6, -1000, -1000})}};
+  const Batch two{{"input_ids", i64({2, 6}, {3, 3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4})},
+                  {"seq_lens", i64({2, 3}, {1, 1, 4, 3, 3, -1000})}};
+  using Cu = std::vector<std::int64_t>;
+  // cp = 2, L = 3. one: row 0 ids 1 1 2 2 2 2, row 1 all 1; two: row 0 ids 1 2 3 3 3 3, row 1 1 1 1 2 2 2.
+  ShardedBatch a = shard_batch_at(1, 2, one, std::nullopt, 0, false);
+  EXPECT_EQ(a.context.row_cu_seqlens(0), (Cu{0, 3}));  // doc 2 covers [2, 6)
+  EXPECT_EQ(a.context.row_cu_seqlens(1), (Cu{0, 3}));
+  const ShardedBatch b = shard_batch_at(0, 2, two, std::nullopt, 0, false);  // [0, 3)
+  EXPECT_EQ(b.context.row_cu_seqlens(0), (Cu{0, 1, 2, 3}));
+  EXPECT_EQ(b.context.row_cu_seqlens(1), (Cu{0, 3}));
+
+  PackedContext copy = a.context;  // a copy answers for the same batch
+  EXPECT_EQ(copy.row_cu_seqlens(0), (Cu{0, 3}));
+  copy = b.context;  // reassigned: its cached rows must not survive
+  EXPECT_EQ(copy.row_cu_seqlens(0), (Cu{0, 1, 2, 3}));
+  EXPECT_EQ(copy.row_cu_seqlens(1), (Cu{0, 3}));
+  EXPECT_EQ(a.context.row_cu_seqlens(0), (Cu{0, 3}));  // the source is untouched
+
+  PackedContext moved = std::move(copy);
+  EXPECT_EQ(moved.row_cu_seqlens(0), (Cu{0, 1, 2, 3}));
+  moved = std::move(a.context);
+  EXPECT_EQ(moved.row_cu_seqlens(0), (Cu{0, 3}));
+  EXPECT_EQ(moved.seq_start(), 3);
+
+  PackedContext& self = moved;
+  moved = self;  // self-assignment keeps the answers
+  EXPECT_EQ(moved.row_cu_seqlens(1), (Cu{0, 3}));
+
+  // A ShardedBatch reused for the next batch, the way a training loop reuses its variables.
+  ShardedBatch step = shard_batch_at(1, 2, one, std::nullopt, 0, false);
+  EXPECT_EQ(step.context.row_cu_seqlens(0), (Cu{0, 3}));
+  step = shard_batch_at(1, 2, two, std::nullopt, 0, false);  // [3, 6) of two: row 0 ids 3 3 3 -> one segment
+  EXPECT_EQ(step.context.row_cu_seqlens(0), (Cu{0, 3}));
+  EXPECT_EQ(step.context.row_cu_seqlens(1), (Cu{0, 3}));
+  EXPECT_EQ(values(step.context.local_doc_ids()), (std::vector<std::int64_t>{3, 3, 3, 2, 2, 2}));
+  step = shard_batch_at(0, 2, two, std::nullopt, 0, false);
+  EXPECT_EQ(step.context.row_cu_seqlens(0), (Cu{0, 1, 2, 3}));
 }

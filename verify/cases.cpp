@@ -38,7 +38,12 @@ void fill_positions(LayoutTruth& t, std::int64_t B, std::int64_t S) {
 LayoutCase build_case(const LayoutSpec& spec) {
   const std::int64_t S = std::max(1, spec.seq_len);
   const bool unpacked = spec.form == LayoutForm::unpacked;
-  const std::int64_t B = spec.form == LayoutForm::cu_seqlens ? 1
+  const bool thd = spec.form == LayoutForm::cu_seqlens || spec.form == LayoutForm::cu_seqlens_only ||
+                   spec.form == LayoutForm::cu_seqlens_padded_only;
+  // One lengths key alone gives real = occupied: documents carry no padding of their own.
+  const bool one_key = spec.form == LayoutForm::seq_lens || spec.form == LayoutForm::cu_seqlens_only ||
+                       spec.form == LayoutForm::cu_seqlens_padded_only;
+  const std::int64_t B = thd ? 1
                          : unpacked ? std::max<std::int64_t>(1, spec.row_pads.size())
                                     : std::max<std::int64_t>(1, spec.rows.size());
   LayoutTruth truth{Tensor({B, S}, DType::i64), Tensor({B, S}, DType::b8), Tensor({B, S}, DType::i64)};
@@ -63,13 +68,13 @@ LayoutCase build_case(const LayoutSpec& spec) {
     for (const DocSpec& d : row) {
       if (pos >= S) break;
       DocSpec c = d;
-      if (spec.form == LayoutForm::seq_lens) c.extra = 0;
+      if (one_key) c.extra = 0;
       c.real = static_cast<int>(std::min<std::int64_t>(std::max(0, c.real), S - pos));
       c.extra = static_cast<int>(std::min<std::int64_t>(std::max(0, c.extra), S - pos - c.real));
       docs[r].push_back(c);
       pos += c.real + c.extra;
     }
-    if (spec.absorb_tail && spec.form != LayoutForm::seq_lens && !docs[r].empty())
+    if (spec.absorb_tail && !one_key && !docs[r].empty())
       docs[r].back().extra += static_cast<int>(S - pos);
     pos = 0;
     for (std::size_t i = 0; i < docs[r].size(); ++i) {
@@ -90,9 +95,25 @@ LayoutCase build_case(const LayoutSpec& spec) {
     ids.data<std::int64_t>()[i] = rng.below(6);
     labels.data<std::int64_t>()[i] = pad[i] ? kIgnoreLabel : rng.below(6);
   }
+  if (spec.eos_is_pad) {
+    // Each run of real tokens ends with an EOS equal to the pad id and holds one more inside.
+    for (std::int64_t r = 0; r < B; ++r)
+      for (std::int64_t s = 0, run = 0; s < S; ++s) {
+        const std::int64_t i = r * S + s;
+        if (pad[i]) {
+          run = 0;
+          continue;
+        }
+        ++run;
+        const bool last = s + 1 == S || pad[i + 1] || id[i + 1] != id[i];
+        if (last) ids.data<std::int64_t>()[i] = spec.pad_token_id;
+        if (last && run >= 3) ids.data<std::int64_t>()[i - run / 2] = spec.pad_token_id;
+        if (last) run = 0;
+      }
+  }
   b["input_ids"] = ids;
   b["labels"] = labels;
-  if (spec.form == LayoutForm::cu_seqlens) {
+  if (thd) {
     const auto& d = docs[0];
     std::vector<std::int64_t> cu{0}, cu_padded{0};
     for (const auto& doc : d) {
@@ -104,8 +125,10 @@ LayoutCase build_case(const LayoutSpec& spec) {
       cu_padded.push_back(kSeqLensSentinel);
     }
     // cu_seqlens holds real lengths only when documents carry padding of their own.
-    b["cu_seqlens"] = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu.size())}, cu);
-    b["cu_seqlens_padded"] = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu_padded.size())}, cu_padded);
+    if (spec.form != LayoutForm::cu_seqlens_padded_only)
+      b["cu_seqlens"] = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu.size())}, cu);
+    if (spec.form != LayoutForm::cu_seqlens_only)
+      b["cu_seqlens_padded"] = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu_padded.size())}, cu_padded);
   } else if (!unpacked) {
     std::size_t D = 1;
     for (const auto& d : docs) D = std::max(D, d.size());
@@ -131,6 +154,14 @@ LayoutCase build_case(const LayoutSpec& spec) {
     for (std::int64_t i = 0; i < B * S; ++i) lm.data<std::int64_t>()[i] = pad[i] ? 0 : 1;
     b["loss_mask"] = lm;
   }
+  if (spec.token_type_ids) {
+    Tensor tt({B, S}, DType::i64);
+    for (std::int64_t i = 0; i < B * S; ++i) tt.data<std::int64_t>()[i] = 1 + rng.below(3);
+    b["token_type_ids"] = tt;
+  }
+  if (spec.one_dimensional && B == 1)
+    for (auto& [key, t] : b)
+      if (key != "cu_seqlens" && key != "cu_seqlens_padded") t = t.reshape({t.numel()});
   out.pad_token_id = spec.pad_token_id;
   out.cp = std::max(1, spec.cp);
   out.seed = spec.seed;

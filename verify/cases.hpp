@@ -33,7 +33,18 @@ struct DocSpec {
   int real = 0;   // seq_lens entry
   int extra = 0;  // seq_lens_padded - seq_lens
 };
-enum class LayoutForm { seq_lens_padded = 0, seq_lens = 1, cu_seqlens = 2, unpacked = 3 };
+// Which SPEC §1 keys carry the layout: seq_lens with seq_lens_padded, seq_lens
+// alone, both cu_seqlens keys, none (unpacked: a mask or nothing, maybe
+// position_ids), cu_seqlens alone, cu_seqlens_padded alone.
+enum class LayoutForm {
+  seq_lens_padded = 0,
+  seq_lens = 1,
+  cu_seqlens = 2,
+  unpacked = 3,
+  cu_seqlens_only = 4,
+  cu_seqlens_padded_only = 5
+};
+inline constexpr int kLayoutForms = 6;
 struct LayoutSpec {
   int cp = 1;
   LayoutForm form = LayoutForm::seq_lens_padded;
@@ -46,6 +57,9 @@ struct LayoutSpec {
   bool give_loss_mask = false;
   int pad_token_id = 0;
   int cu_sentinels = 0;       // trailing sentinel entries in cu_seqlens
+  bool token_type_ids = false;  // an extra [B, S] key, sharded like labels (fill 0)
+  bool one_dimensional = false; // one row given as [S] tensors, as THD collators emit
+  bool eos_is_pad = false;      // each document's last real token, and one inside it, is the pad id
   std::uint64_t seed = 0;     // token ids and activations
 };
 

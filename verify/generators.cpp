@@ -4,7 +4,7 @@ namespace cpsim::verify {
 
 rc::Gen<LayoutSpec> gen_layout_spec(int max_cp) {
   using namespace rc;
-  return gen::mapcat(gen::pair(gen::inRange(1, max_cp + 1), gen::inRange(0, 4)), [](std::pair<int, int> cp_form) {
+  return gen::mapcat(gen::pair(gen::inRange(1, max_cp + 1), gen::inRange(0, kLayoutForms)), [](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
@@ -17,7 +17,9 @@ rc::Gen<LayoutSpec> gen_layout_spec(int max_cp) {
                                           {1, gen::inRange(0, S + 1)}});
       auto extra = gen::weightedOneOf<int>({{3, gen::just(0)}, {1, gen::inRange(1, 4)}});
       auto doc = gen::build<DocSpec>(gen::set(&DocSpec::real, len), gen::set(&DocSpec::extra, extra));
-      auto rows = form == LayoutForm::cu_seqlens ? gen::just(1) : gen::inRange(1, 4);
+      const bool thd = form == LayoutForm::cu_seqlens || form == LayoutForm::cu_seqlens_only ||
+                       form == LayoutForm::cu_seqlens_padded_only;
+      auto rows = thd ? gen::just(1) : gen::inRange(1, 4);
       return gen::mapcat(rows, [=](int B) {
         return gen::build<LayoutSpec>(
             gen::set(&LayoutSpec::cp, gen::just(cp)), gen::set(&LayoutSpec::form, gen::just(form)),
@@ -32,6 +34,9 @@ rc::Gen<LayoutSpec> gen_layout_spec(int max_cp) {
             gen::set(&LayoutSpec::give_positions, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::give_loss_mask, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::pad_token_id, gen::inRange(0, 6)), gen::set(&LayoutSpec::cu_sentinels, gen::inRange(0, 3)),
+            gen::set(&LayoutSpec::token_type_ids, gen::arbitrary<bool>()),
+            gen::set(&LayoutSpec::one_dimensional, gen::arbitrary<bool>()),
+            gen::set(&LayoutSpec::eos_is_pad, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::seed, gen::arbitrary<std::uint64_t>()));
       });
     });

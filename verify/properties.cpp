@@ -56,9 +56,7 @@ sim::RunOptions run_options(const CheckOptions& o) { return {o.backend, o.timeou
 
 }  // namespace
 
-DocIdsFn default_doc_ids() {
-  return [](const Batch& b, std::int64_t) { return global_doc_ids(b); };
-}
+LayoutFn default_layout() { return derive_layout; }
 ShardFn default_shard() {
   return [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary) {
     return shard_batch_at(rank, cp, b, std::nullopt, pad, primary);
@@ -70,55 +68,61 @@ HaloFn default_halo() { return convolution_history; }
 ConvFn default_conv() { return packed_causal_conv; }
 AnchorFn default_anchor() { return all_gather_backward_anchor; }
 
-PropertyResult check_layout(const LayoutCase& c, const DocIdsFn& doc_ids_fn) {
+PropertyResult check_layout(const LayoutCase& c, const LayoutFn& layout_fn) {
   Tally t{"layout", c.cp};
   try {
+    const LayoutTruth want = reference_layout(c.batch);
+    const std::int64_t B = want.doc_ids.dim(0), S = want.doc_ids.dim(1);
+    if (c.truth) {
+      // A generated case also knows its layout by construction: a second opinion
+      // that keeps the reference honest.
+      t.expect_equal(c.truth->doc_ids, want.doc_ids, "reference doc ids vs the generator's construction");
+      t.expect_equal(c.truth->padding, want.padding, "reference padding vs the generator's construction");
+      t.expect_equal(c.truth->positions, want.positions, "reference positions vs the generator's construction");
+    }
     const Batch b = normalized(c.batch);
-    const LayoutTruth truth = expected_layout(c);
-    const std::int64_t B = truth.doc_ids.dim(0), S = truth.doc_ids.dim(1);
-    const Tensor ids = doc_ids_fn(b, c.pad_token_id);
-    t.expect_equal(truth.doc_ids, ids, "doc ids");
-    const Layout layout = derive_layout(b);
-    t.expect_equal(truth.padding, layout.padding, "padding");
-    t.expect_equal(truth.positions, layout.positions, "positions");
-    for (std::int64_t r = 0; r < B && ids.shape() == truth.doc_ids.shape(); ++r) {
-      const auto row = row_of(ids, r);
+    const Layout layout = layout_fn(b);
+    t.expect_equal(want.doc_ids, layout.doc_ids, "doc ids");
+    t.expect_equal(want.padding, layout.padding, "padding");
+    t.expect_equal(want.positions, layout.positions, "positions");
+    t.expect_equal(want.doc_ids, global_doc_ids(b), "global_doc_ids");
+    for (std::int64_t r = 0; r < B; ++r) {
+      const auto row = row_of(want.doc_ids, r);
       // doc ids -> segments -> doc ids.
       const auto cu = segment_cu_seqlens(row.data(), S);
       t.expect(cu == reference_segments(row), "segments of row " + std::to_string(r));
-      for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
-        for (std::int64_t s = cu[k]; s < cu[k + 1]; ++s) t.expect(row[s] == row[cu[k]], "segment not constant");
-        if (k > 0) t.expect(row[cu[k]] != row[cu[k] - 1], "adjacent segments share an id");
-      }
-      // doc ids -> occupied lengths -> cu_seqlens -> doc ids: the same segments and padding.
+      // doc ids -> occupied lengths -> cu_seqlens / seq_lens -> doc ids: the same ids.
       std::vector<std::int64_t> lens;
-      for (std::size_t k = 0; k + 1 < cu.size(); ++k)
-        if (row[cu[k]] != kPadDocId) lens.push_back(cu[k + 1] - cu[k]);
       std::vector<std::int64_t> cu_docs{0};
-      std::int64_t pos = 0;
       bool contiguous = true;  // packed documents leave no pad run between them
       for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
-        if (row[cu[k]] == kPadDocId) { contiguous = contiguous && k + 2 == cu.size(); continue; }
-        pos += cu[k + 1] - cu[k];
-        cu_docs.push_back(pos);
+        if (row[cu[k]] == kPadDocId) {
+          contiguous = contiguous && k + 2 == cu.size();
+          continue;
+        }
+        lens.push_back(cu[k + 1] - cu[k]);
+        cu_docs.push_back(cu_docs.back() + lens.back());
       }
-      if (contiguous) {
-        const Tensor back = doc_ids_from_cu_seqlens(Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu_docs.size())}, cu_docs), S);
-        const auto back_row = row_of(back, 0);
-        t.expect(segment_cu_seqlens(back_row.data(), S) == cu, "cu_seqlens round trip of row " + std::to_string(r));
-        Tensor lens_t = Tensor::from<std::int64_t>({1, static_cast<std::int64_t>(lens.size())}, lens);
-        if (!lens.empty())
-          t.expect(row_of(doc_ids_from_seq_lens(lens_t, S), 0) == back_row, "seq_lens vs cu_seqlens of row " + std::to_string(r));
+      if (contiguous && !lens.empty()) {
+        const Tensor cu_t = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu_docs.size())}, cu_docs);
+        const Tensor lens_t = Tensor::from<std::int64_t>({1, static_cast<std::int64_t>(lens.size())}, lens);
+        // Ids are renumbered 1..D by the round trip; the segments must survive.
+        t.expect(segment_cu_seqlens(row_of(doc_ids_from_cu_seqlens(cu_t, S), 0).data(), S) == cu,
+                 "cu_seqlens round trip of row " + std::to_string(r));
+        t.expect(row_of(doc_ids_from_seq_lens(lens_t, S), 0) == row_of(doc_ids_from_cu_seqlens(cu_t, S), 0),
+                 "seq_lens vs cu_seqlens of row " + std::to_string(r));
       }
     }
     Tensor keep({B, S}, DType::b8);
-    for (std::int64_t i = 0; i < B * S; ++i) keep.data<bool>()[i] = !truth.padding.data<bool>()[i];
+    for (std::int64_t i = 0; i < B * S; ++i) keep.data<bool>()[i] = !want.padding.data<bool>()[i];
     validate_document_positions(keep, layout.positions);
     Batch unpacked = b;
     unpack_row_layout(unpacked);
-    t.expect(!unpacked.count("seq_lens") && !unpacked.count("cu_seqlens"), "unpack kept packing metadata");
-    t.expect_equal(truth.padding, unpacked.at("padding_mask"), "unpacked padding_mask");
-    t.expect_equal(truth.positions, unpacked.at("position_ids"), "unpacked position_ids");
+    t.expect(!unpacked.count("seq_lens") && !unpacked.count("cu_seqlens") && !unpacked.count("cu_seqlens_padded") &&
+                 !unpacked.count("seq_lens_padded"),
+             "unpack kept packing metadata");
+    t.expect_equal(want.padding, unpacked.at("padding_mask"), "unpacked padding_mask");
+    t.expect_equal(want.positions, unpacked.at("position_ids"), "unpacked position_ids");
     t.expect_equal(b.at("input_ids"), unpacked.at("input_ids"), "unpack changed input_ids");
   } catch (const std::exception& e) {
     return failed("layout", c.cp, std::string("threw: ") + e.what());
@@ -129,51 +133,65 @@ PropertyResult check_layout(const LayoutCase& c, const DocIdsFn& doc_ids_fn) {
 PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard) {
   Tally t{"shard", c.cp};
   try {
-    const Batch b = normalized(c.batch);
-    const std::int64_t S = sequence_length(b);
-    const ShardGeometry g = shard_geometry(S, c.cp);
+    const auto [B, S] = reference_shape(c.batch);
+    const ReferenceGeometry g = reference_geometry(S, c.cp);
     const Batch ref = reference_padded_global(c, g.padded_len);
-    const LayoutTruth truth = expected_layout(c);
-    const std::int64_t B = truth.doc_ids.dim(0);
+    const LayoutTruth truth = reference_layout(c.batch);
+    const Shape local_shape{B, g.local_len};
     std::map<std::string, std::vector<Tensor>> parts;
     std::vector<Tensor> local_ids;
     for (int r = 0; r < c.cp; ++r) {
-      const ShardedBatch sb = shard(r, c.cp, b, c.pad_token_id, false);
+      const std::string rank = "rank " + std::to_string(r);
+      const ShardedBatch sb = shard(r, c.cp, c.batch, c.pad_token_id, false);
       const PackedContext& ctx = sb.context;
-      t.expect(ctx.local_seq_len() == g.local_len && ctx.seq_start() == g.start(r) && ctx.cp_size() == c.cp &&
-                   ctx.original_seq_len() == S && ctx.cp_enabled() == (c.cp > 1),
-               "packed context geometry of rank " + std::to_string(r));
+      const bool geometry = ctx.doc_ids().defined() && ctx.doc_ids().shape() == (Shape{B, g.padded_len}) &&
+                            ctx.local_seq_len() == g.local_len && ctx.seq_start() == g.start(r) &&
+                            ctx.cp_size() == c.cp && ctx.original_seq_len() == S && ctx.cp_enabled() == (c.cp > 1);
+      t.expect(geometry, "packed context geometry of " + rank);
       for (const auto& [key, expected] : ref) {
         if (!sb.local.count(key)) {
-          t.expect(false, "rank " + std::to_string(r) + " lost " + key);
+          t.expect(false, rank + " lost " + key);
           continue;
         }
-        if (key == "input_ids") t.expect_equal(expected, sb.local.at(key), "global input_ids of rank " + std::to_string(r));
-        else parts[key].push_back(sb.local.at(key));
+        const Tensor& got = sb.local.at(key);
+        if (key == "input_ids") {
+          t.expect_equal(expected, got, "global input_ids of " + rank);
+        } else if (got.shape() != local_shape) {
+          t.expect(false, key + " of " + rank + " has shape " + shape_str(got.shape()) + ", not " + shape_str(local_shape));
+        } else {
+          parts[key].push_back(got);
+        }
       }
-      const ShardedBatch primary = shard(r, c.cp, b, c.pad_token_id, true);
-      t.expect_equal(narrow(ref.at("input_ids"), 1, g.start(r), g.local_len), primary.local.at("input_ids"),
-                     "sharded input_ids of rank " + std::to_string(r));
+      for (const auto& [key, got] : sb.local) t.expect(ref.count(key) != 0, rank + " holds an unexpected key " + key);
+      const ShardedBatch primary = shard(r, c.cp, c.batch, c.pad_token_id, true);
+      t.expect(primary.local.count("input_ids") != 0, rank + " lost input_ids when sharding them");
+      if (primary.local.count("input_ids"))
+        t.expect_equal(narrow(ref.at("input_ids"), 1, g.start(r), g.local_len), primary.local.at("input_ids"),
+                       "sharded input_ids of " + rank);
+      if (!geometry) continue;  // the context's answers below would be read out of its bounds
       local_ids.push_back(ctx.local_doc_ids());
       for (std::int64_t row = 0; row < B; ++row) {
         const auto padded_ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
         const FlaCpContext want = reference_cp_context(padded_ids, c.cp, r);
         t.expect(ctx.row_cu_seqlens(static_cast<int>(row)) == want.cu_seqlens,
-                 "row_cu_seqlens of rank " + std::to_string(r) + " row " + std::to_string(row));
+                 "row_cu_seqlens of " + rank + " row " + std::to_string(row));
         const FlaCpContext got = build_fla_cp_context(ctx, static_cast<int>(row));
         t.expect(got.cu_seqlens == want.cu_seqlens && got.pre_num_conv_tokens == want.pre_num_conv_tokens &&
                      got.pre_num_ranks == want.pre_num_ranks && got.post_num_ranks == want.post_num_ranks &&
                      got.is_first_rank == want.is_first_rank && got.is_last_rank == want.is_last_rank,
-                 "CP context of rank " + std::to_string(r) + " row " + std::to_string(row));
+                 "CP context of " + rank + " row " + std::to_string(row));
       }
     }
-    for (const auto& [key, shards] : parts) t.expect_equal(ref.at(key), cat(shards, 1), "concatenated " + key);
-    Tensor ref_ids({B, g.padded_len}, DType::i64);
-    for (std::int64_t row = 0; row < B; ++row) {
-      const auto ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
-      std::copy(ids.begin(), ids.end(), ref_ids.data<std::int64_t>() + row * g.padded_len);
+    for (const auto& [key, shards] : parts)
+      if (static_cast<int>(shards.size()) == c.cp) t.expect_equal(ref.at(key), cat(shards, 1), "concatenated " + key);
+    if (static_cast<int>(local_ids.size()) == c.cp) {
+      Tensor ref_ids({B, g.padded_len}, DType::i64);
+      for (std::int64_t row = 0; row < B; ++row) {
+        const auto ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
+        std::copy(ids.begin(), ids.end(), ref_ids.data<std::int64_t>() + row * g.padded_len);
+      }
+      t.expect_equal(ref_ids, cat(local_ids, 1), "concatenated local doc ids");
     }
-    t.expect_equal(ref_ids, cat(local_ids, 1), "concatenated local doc ids");
   } catch (const std::exception& e) {
     return failed("shard", c.cp, std::string("threw: ") + e.what());
   }
@@ -182,14 +200,15 @@ PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard) {
 
 namespace {
 
-// The global [B, P, ...] activation a case gathers, and each rank's slice of it.
+// The global [B, P, ...] activation a case gathers, and each rank's slice of it:
+// the reference's geometry, never the code under test's.
 struct GatherSetup {
-  ShardGeometry g;
+  ReferenceGeometry g;
   std::int64_t B;
 };
 GatherSetup gather_setup(const LayoutCase& c) {
-  const Batch b = normalized(c.batch);
-  return {shard_geometry(sequence_length(b), c.cp), batch_rows(b)};
+  const ReferenceShape shape = reference_shape(c.batch);
+  return {reference_geometry(shape.seq_len, c.cp), shape.rows};
 }
 
 }  // namespace
@@ -224,7 +243,7 @@ namespace {
 // Plain rank-order sum of upstream slices in the element type: the reference reduce-scatter.
 template <class T>
 Tensor reference_gather_grad(const std::vector<Tensor>& upstream, const std::vector<bool>& contributes,
-                             const ShardGeometry& g, int rank) {
+                             const ReferenceGeometry& g, int rank) {
   const Tensor& u0 = upstream[0];
   Shape shape = u0.shape();
   shape[1] = g.local_len;
@@ -248,7 +267,7 @@ Tensor reference_gather_grad(const std::vector<Tensor>& upstream, const std::vec
 }
 
 Tensor reference_grad(DType dt, const std::vector<Tensor>& upstream, const std::vector<bool>& contributes,
-                      const ShardGeometry& g, int rank) {
+                      const ReferenceGeometry& g, int rank) {
   return dt == DType::f64 ? reference_gather_grad<double>(upstream, contributes, g, rank)
                           : reference_gather_grad<float>(upstream, contributes, g, rank);
 }
@@ -521,9 +540,8 @@ struct RecurrenceRun {
 };
 
 RecurrenceRun run_recurrence(const LayoutCase& c, const CheckOptions& opt, const RecurrenceFn& fn, Sharding sharding) {
-  const Batch b = normalized(c.batch);
-  const std::int64_t S = sequence_length(b), B = batch_rows(b);
-  const ShardGeometry g = shard_geometry(S, c.cp, sharding == Sharding::zigzag ? 2 : 1);
+  const auto [B, S] = reference_shape(c.batch);
+  const ReferenceGeometry g = reference_geometry(S, c.cp, sharding == Sharding::zigzag ? 2 : 1);
   const std::int64_t P = g.padded_len, L = g.local_len;
   const Tensor ids = reference_padded_doc_ids(c, P);
   const RecurrenceInputs in = random_recurrence_inputs(B, P, opt.heads, opt.key_dim, opt.value_dim, mix_seed(c.seed, 51));

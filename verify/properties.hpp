@@ -33,7 +33,7 @@ struct PropertyResult {
   std::string detail;  // why it failed
 };
 
-using DocIdsFn = std::function<Tensor(const Batch& batch, std::int64_t pad_token_id)>;
+using LayoutFn = std::function<Layout(const Batch& batch)>;
 using ShardFn = std::function<ShardedBatch(int rank, int cp, const Batch& batch, std::int64_t pad_token_id,
                                            bool shard_primary)>;
 using GatherFn = std::function<Var(const Var& x, Communicator* comm, bool differentiable)>;
@@ -48,7 +48,7 @@ using RecurrenceFn = std::function<Var(const Var& q, const Var& k, const Var& v,
 // zigzag (rank r holds chunks r and 2c-1-r) that recurrent layers cannot use.
 enum class Sharding { contiguous, zigzag };
 
-DocIdsFn default_doc_ids();
+LayoutFn default_layout();
 RecurrenceFn default_recurrence();
 HaloFn default_halo();
 ConvFn default_conv();
@@ -56,10 +56,13 @@ ShardFn default_shard();
 GatherFn default_gather();
 AnchorFn default_anchor();
 
-// Doc ids, padding, positions and the seq_lens <-> cu_seqlens <-> doc ids <-> segments round trips.
-PropertyResult check_layout(const LayoutCase& c, const DocIdsFn& doc_ids = default_doc_ids());
-// Shards concatenate to the padded global tensors; local doc ids, row_cu_seqlens and
-// the recurrent CP context tile each shard.
+// Doc ids, padding and positions against reference_layout (and, for a generated case,
+// the generator's construction), and the seq_lens <-> cu_seqlens <-> doc ids <->
+// segments round trips.
+PropertyResult check_layout(const LayoutCase& c, const LayoutFn& layout = default_layout());
+// Shards concatenate to the padded global tensors (every [B, S] key); local doc ids,
+// row_cu_seqlens and the recurrent CP context tile each shard. Geometry and
+// expectations come from the reference, so a wrong size is a failure, not a crash.
 PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard = default_shard());
 // gather_sequence forward is bitwise the global tensor, for every dtype.
 PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather = default_gather());

@@ -6,12 +6,132 @@
 
 namespace cpsim::verify {
 
-LayoutTruth expected_layout(const LayoutCase& c) {
-  if (c.truth) return *c.truth;
-  Batch b = c.batch;
-  normalize_batch_axis(b);
-  Layout l = derive_layout(b);
-  return {l.doc_ids, l.padding, l.positions};
+namespace {
+
+bool packing_length_key(const std::string& key) {
+  return key == "seq_lens" || key == "seq_lens_padded" || key == "cu_seqlens" || key == "cu_seqlens_padded";
+}
+
+// Columns of a [B, S] key, or of a 1-D [S] one read as one row.
+std::int64_t columns(const Tensor& t) { return t.ndim() == 1 ? t.dim(0) : t.dim(1); }
+
+// One row of a lengths key: the entries before the first negative one.
+std::vector<std::int64_t> lengths_of_row(const Tensor& t, std::int64_t row) {
+  std::vector<std::int64_t> out;
+  const std::int64_t D = columns(t);
+  for (std::int64_t i = 0; i < D; ++i) {
+    const std::int64_t v = t.get_int(row * D + i);
+    if (v < 0) break;
+    out.push_back(v);
+  }
+  return out;
+}
+
+// Differences of consecutive cu_seqlens entries, up to the first negative one.
+std::vector<std::int64_t> lengths_of_cu(const Tensor& cu) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t i = 1; i < cu.numel(); ++i) {
+    const std::int64_t v = cu.get_int(i);
+    if (v < 0) break;
+    out.push_back(v - cu.get_int(i - 1));
+  }
+  return out;
+}
+
+// Writes an integer into any dtype exactly (int64 without a detour through double).
+void put_int(Tensor& t, std::int64_t at, std::int64_t v) {
+  switch (t.dtype()) {
+    case DType::i64: t.data<std::int64_t>()[at] = v; break;
+    case DType::i32: t.data<std::int32_t>()[at] = static_cast<std::int32_t>(v); break;
+    case DType::b8: t.data<bool>()[at] = v != 0; break;
+    default: t.set(at, static_cast<double>(v));
+  }
+}
+
+// Copies element `from` of src to element `to` of dst, same dtype, bytewise.
+void copy_element(const Tensor& src, std::int64_t from, Tensor& dst, std::int64_t to) {
+  const std::size_t es = dtype_size(src.dtype());
+  std::memcpy(static_cast<std::byte*>(dst.raw()) + to * es, static_cast<const std::byte*>(src.raw()) + from * es, es);
+}
+
+}  // namespace
+
+ReferenceShape reference_shape(const Batch& raw) {
+  auto it = raw.find("input_ids");
+  if (it == raw.end())
+    for (it = raw.begin(); it != raw.end() && packing_length_key(it->first); ++it) {
+    }
+  if (it == raw.end()) throw Error("reference: the batch has no token key");
+  const Tensor& t = it->second;
+  return {t.ndim() == 1 ? 1 : t.dim(0), columns(t)};
+}
+
+ReferenceGeometry reference_geometry(std::int64_t seq_len, int cp, std::int64_t pad_multiple) {
+  ReferenceGeometry g;
+  g.seq_len = seq_len;
+  g.cp = cp;
+  const std::int64_t unit = cp * pad_multiple;
+  g.padded_len = (seq_len + unit - 1) / unit * unit;
+  g.local_len = g.padded_len / cp;
+  return g;
+}
+
+LayoutTruth reference_layout(const Batch& raw) {
+  const auto [B, S] = reference_shape(raw);
+  LayoutTruth t{Tensor({B, S}, DType::i64), Tensor({B, S}, DType::b8), Tensor({B, S}, DType::i64)};
+  auto* id = t.doc_ids.data<std::int64_t>();
+  auto* pad = t.padding.data<bool>();
+  const auto has = [&](const char* key) { return raw.count(key) != 0; };
+  for (std::int64_t r = 0; r < B; ++r) {
+    std::vector<std::int64_t> real, occupied;
+    bool packed = true;
+    if (has("seq_lens")) {
+      real = lengths_of_row(raw.at("seq_lens"), r);
+      occupied = has("seq_lens_padded") ? lengths_of_row(raw.at("seq_lens_padded"), r) : real;
+    } else if (has("cu_seqlens") || has("cu_seqlens_padded")) {
+      real = lengths_of_cu(raw.at(has("cu_seqlens") ? "cu_seqlens" : "cu_seqlens_padded"));
+      occupied = lengths_of_cu(raw.at(has("cu_seqlens_padded") ? "cu_seqlens_padded" : "cu_seqlens"));
+    } else {
+      packed = false;
+    }
+    for (std::int64_t s = 0; s < S; ++s) {
+      id[r * S + s] = kPadDocId;
+      pad[r * S + s] = true;
+    }
+    if (packed) {
+      // Document i occupies occupied[i] tokens from where the previous one ended;
+      // its first real[i] of them are real.
+      std::int64_t start = 0;
+      for (std::size_t i = 0; i < occupied.size(); ++i) {
+        for (std::int64_t k = 0; k < occupied[i] && start + k < S; ++k) {
+          id[r * S + start + k] = static_cast<std::int64_t>(i + 1);
+          pad[r * S + start + k] = k >= real[i];
+        }
+        start += occupied[i];
+      }
+    } else {
+      for (std::int64_t s = 0; s < S; ++s) {
+        bool is_pad = false;
+        if (has("padding_mask")) is_pad = raw.at("padding_mask").get_int(r * S + s) != 0;
+        else if (has("attention_mask")) is_pad = raw.at("attention_mask").get_int(r * S + s) == 0;
+        id[r * S + s] = is_pad ? kPadDocId : 1;
+        pad[r * S + s] = is_pad;
+      }
+    }
+    auto* p = t.positions.data<std::int64_t>() + r * S;
+    if (has("position_ids")) {
+      for (std::int64_t s = 0; s < S; ++s) p[s] = raw.at("position_ids").get_int(r * S + s);
+      continue;
+    }
+    // Offset inside each run of one id; the padding after the last document continues it.
+    std::int64_t tail = S;
+    while (tail > 0 && id[r * S + tail - 1] == kPadDocId) --tail;
+    for (std::int64_t s = 0; s < S; ++s) {
+      const bool continues = s > 0 && (id[r * S + s] == id[r * S + s - 1] || s >= tail);
+      p[s] = continues ? p[s - 1] + 1 : 0;
+    }
+  }
+  return t;
 }
 
 std::vector<std::int64_t> reference_segments(const std::vector<std::int64_t>& ids) {
@@ -26,31 +146,36 @@ std::vector<std::int64_t> reference_segments(const std::vector<std::int64_t>& id
 std::vector<std::int64_t> reference_padded_doc_ids_row(const LayoutTruth& t, int row, std::int64_t P) {
   const std::int64_t S = t.doc_ids.dim(1);
   std::vector<std::int64_t> ids(P, kPadDocId);
-  for (std::int64_t s = 0; s < S; ++s) ids[s] = t.doc_ids.get_int(row * S + s);
+  for (std::int64_t s = 0; s < std::min(S, P); ++s) ids[s] = t.doc_ids.get_int(row * S + s);
   return ids;
 }
 
 Batch reference_padded_global(const LayoutCase& c, std::int64_t P) {
-  const LayoutTruth t = expected_layout(c);
-  const std::int64_t B = t.doc_ids.dim(0), S = t.doc_ids.dim(1);
-  Batch in = c.batch;
-  normalize_batch_axis(in);
+  const LayoutTruth t = reference_layout(c.batch);
+  const auto [B, S] = reference_shape(c.batch);
+  const std::int64_t n = std::min(S, P);
   Batch out;
-  auto padded = [&](const Tensor* src, DType dt, auto fill_at) {
-    Tensor o({B, P}, dt);
-    for (std::int64_t r = 0; r < B; ++r)
-      for (std::int64_t s = 0; s < P; ++s)
-        o.set(r * P + s, s < S && src ? src->get(r * S + s) : fill_at(r, s));
-    return o;
-  };
-  auto constant = [](double v) { return [v](std::int64_t, std::int64_t) { return v; }; };
-  out["input_ids"] = padded(&in.at("input_ids"), DType::i64, constant(static_cast<double>(c.pad_token_id)));
-  if (in.count("labels")) out["labels"] = padded(&in.at("labels"), DType::i64, constant(-100.0));
-  out["padding_mask"] = padded(&t.padding, DType::b8, constant(1.0));
-  out["position_ids"] = padded(&t.positions, DType::i64, [&](std::int64_t r, std::int64_t s) {
-    return static_cast<double>(t.positions.get_int(r * S + S - 1) + (s - S + 1));
-  });
-  if (in.count("loss_mask")) out["loss_mask"] = padded(&in.at("loss_mask"), DType::i64, constant(0.0));
+  for (const auto& [key, src] : c.batch) {
+    if (packing_length_key(key) || key == "padding_mask" || key == "position_ids") continue;
+    // loss_mask, attention_mask and every other [B, S] key are padded with 0.
+    const std::int64_t fill = key == "input_ids" ? c.pad_token_id : key == "labels" ? kIgnoreLabel : 0;
+    Tensor o({B, P}, src.dtype());
+    for (std::int64_t r = 0; r < B; ++r) {
+      for (std::int64_t s = 0; s < n; ++s) copy_element(src, r * S + s, o, r * P + s);
+      for (std::int64_t s = n; s < P; ++s) put_int(o, r * P + s, fill);
+    }
+    out[key] = o;
+  }
+  Tensor padding({B, P}, DType::b8), positions({B, P}, DType::i64);
+  for (std::int64_t r = 0; r < B; ++r)
+    for (std::int64_t s = 0; s < P; ++s) {
+      padding.data<bool>()[r * P + s] = s < S ? t.padding.data<bool>()[r * S + s] : true;
+      // Positions continue last+1, ... into the padded tail.
+      positions.data<std::int64_t>()[r * P + s] =
+          s < S ? t.positions.data<std::int64_t>()[r * S + s] : t.positions.data<std::int64_t>()[r * S + S - 1] + (s - S + 1);
+    }
+  out["padding_mask"] = padding;
+  out["position_ids"] = positions;
   return out;
 }
 
@@ -101,7 +226,7 @@ std::int64_t count_wrong(const Tensor& ref, const Tensor& got) {
 namespace cpsim::verify {
 
 Tensor reference_padded_doc_ids(const LayoutCase& c, std::int64_t P) {
-  const LayoutTruth t = expected_layout(c);
+  const LayoutTruth t = reference_layout(c.batch);
   const std::int64_t B = t.doc_ids.dim(0);
   Tensor out({B, P}, DType::i64);
   for (std::int64_t b = 0; b < B; ++b) {
@@ -112,7 +237,7 @@ Tensor reference_padded_doc_ids(const LayoutCase& c, std::int64_t P) {
 }
 
 Tensor masked_activation(const LayoutCase& c, std::int64_t P, std::int64_t C, std::uint64_t seed) {
-  const LayoutTruth t = expected_layout(c);
+  const LayoutTruth t = reference_layout(c.batch);
   const std::int64_t B = t.padding.dim(0), S = t.padding.dim(1);
   Tensor x = random_tensor({B, P, C}, DType::f64, seed);
   for (std::int64_t b = 0; b < B; ++b)

@@ -10,13 +10,32 @@
 
 namespace cpsim::verify {
 
-// The layout a case must have: its construction truth, else derive_layout's.
-LayoutTruth expected_layout(const LayoutCase& c);
+// The layout SPEC §1 gives a batch, read from its raw keys by plain code of its
+// own (1-D tensors read as one row; either cu_seqlens key alone serves as both).
+// It never calls core/: a reference built from the code it checks would share
+// its bugs. It assumes valid input (validation is the code under test's job).
+LayoutTruth reference_layout(const Batch& raw);
+
+// B and S of a raw batch: the rows and columns of input_ids (1-D: one row).
+struct ReferenceShape {
+  std::int64_t rows = 0, seq_len = 0;
+};
+ReferenceShape reference_shape(const Batch& raw);
+
+// SPEC §2: P = roundup(S, c*m), rank r owns [r*L, (r+1)*L), L = P/c.
+struct ReferenceGeometry {
+  std::int64_t seq_len = 0, padded_len = 0, local_len = 0;
+  int cp = 1;
+  std::int64_t start(int rank) const { return rank * local_len; }
+};
+ReferenceGeometry reference_geometry(std::int64_t seq_len, int cp, std::int64_t pad_multiple = 1);
 
 // Segment boundaries by a direct scan.
 std::vector<std::int64_t> reference_segments(const std::vector<std::int64_t>& ids);
 
-// The padded global tensors of SPEC §2 ([B, P]) that the shards must concatenate to.
+// The padded global tensors of SPEC §2 ([B, P]) that the shards must concatenate to:
+// every key but the packing lengths, with its fill value (0 for keys SPEC §2 does
+// not name), plus padding_mask and position_ids from the reference layout.
 Batch reference_padded_global(const LayoutCase& c, std::int64_t padded_len);
 std::vector<std::int64_t> reference_padded_doc_ids_row(const LayoutTruth& t, int row, std::int64_t padded_len);
 

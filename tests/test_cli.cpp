@@ -1,0 +1,52 @@
+// The command line on the shipped examples: every valid batch holds at every CP
+// size, every invalid one is exit 2 with one line naming the key.
+#include <gmock/gmock.h>
+
+#include <filesystem>
+
+#include "tests/subprocess.hpp"
+
+using cpsim::testing::run_process;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+namespace {
+const std::string kCpsim = CPSIM_BINARY;
+const std::filesystem::path kExamples = std::filesystem::path(CPSIM_SOURCE_DIR) / "examples";
+
+std::vector<std::filesystem::path> json_files(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().extension() == ".json") out.push_back(e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+}  // namespace
+
+TEST(Cli, EveryExampleHoldsAtEveryCpSize) {
+  const auto files = json_files(kExamples);
+  ASSERT_GE(files.size(), 5u);
+  for (const auto& f : files) {
+    const auto r = run_process({kCpsim, "check", f.string(), "--cp", "1,2,3,4,8"}, 120s);
+    EXPECT_EQ(r.status, 0) << f << "\n" << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr("all properties hold")) << f;
+  }
+}
+
+// Expected key in each invalid example's one-line message.
+TEST(Cli, EveryInvalidExampleIsExitTwoNamingTheKey) {
+  const std::map<std::string, std::string> names = {
+      {"bad_positions.json", "position_ids"},     {"lengths_overflow.json", "seq_lens_padded"},
+      {"malformed.json", "malformed JSON"},       {"sentinel_in_middle.json", "seq_lens"},
+      {"wrong_shape.json", "input_ids"},          {"seq_lens_padded_alone.json", "seq_lens_padded"},
+      {"other_key_wrong_shape.json", "token_type_ids"}, {"empty_sequence.json", "input_ids"}};
+  const auto files = json_files(kExamples / "invalid");
+  ASSERT_EQ(files.size(), names.size()) << "each invalid example needs its expected key here";
+  for (const auto& f : files) {
+    const auto r = run_process({kCpsim, "check", f.string()}, 60s);
+    EXPECT_EQ(r.status, 2) << f << "\n" << r.out << r.err;
+    ASSERT_TRUE(names.count(f.filename().string())) << f;
+    EXPECT_THAT(r.err, HasSubstr(names.at(f.filename().string()))) << f;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << f << ": " << r.err;
+  }
+}
