@@ -3,17 +3,15 @@
 
 #include "core/layout.hpp"
 
+#include "tests/tensor_helpers.hpp"
+
 using namespace cpsim;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 namespace {
-Tensor i64(Shape s, std::vector<std::int64_t> v) { return Tensor::from<std::int64_t>(std::move(s), v); }
-std::vector<std::int64_t> values(const Tensor& t) {
-  std::vector<std::int64_t> v;
-  for (std::int64_t i = 0; i < t.numel(); ++i) v.push_back(t.get_int(i));
-  return v;
-}
+using cpsim::testing::i64;
+using cpsim::testing::values;
 Batch spec_example() {
   return {{"input_ids", i64({1, 8}, {5, 6, 0, 0, 7, 0, 0, 0})},
           {"seq_lens", i64({1, 3}, {3, 2, -1000})},

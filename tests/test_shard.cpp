@@ -5,15 +5,13 @@
 
 #include <optional>
 
+#include "tests/tensor_helpers.hpp"
+
 using namespace cpsim;
 
 namespace {
-Tensor i64(Shape s, std::vector<std::int64_t> v) { return Tensor::from<std::int64_t>(std::move(s), v); }
-std::vector<std::int64_t> values(const Tensor& t) {
-  std::vector<std::int64_t> v;
-  for (std::int64_t i = 0; i < t.numel(); ++i) v.push_back(t.get_int(i));
-  return v;
-}
+using cpsim::testing::i64;
+using cpsim::testing::values;
 }  // namespace
 
 TEST(Shard, GeometryPadsToAMultipleOfCpTimesPadMultiple) {
