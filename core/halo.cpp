@@ -91,8 +91,9 @@ Tensor history_send_recv(const Tensor& x, Communicator& comm, int width) {
     const std::int64_t n = hop_count(L, width, k);
     Tensor send = narrow(x, 1, L - n, n), recv({B, n, C}, x.dtype());
     const int dst = r + k < c ? r + k : -1, src = r - k >= 0 ? r - k : -1;
-    comm.send_recv(send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
-                   static_cast<std::size_t>(recv.numel()), src, x.dtype());
+    comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
+                    static_cast<std::size_t>(recv.numel()), src},
+                   x.dtype());
     // Rank r-k's last n positions sit at global (r-k+1)L - n ... in r's window.
     if (src >= 0) copy_positions(recv, 0, out, (r - k + 1) * L - n - (r * L - H), n, false);
   }
@@ -109,8 +110,9 @@ Tensor history_send_recv_backward(const Tensor& g, Communicator& comm, int width
     Tensor send({B, n, C}, g.dtype()), recv({B, n, C}, g.dtype());
     const int dst = r - k >= 0 ? r - k : -1, src = r + k < c ? r + k : -1;
     if (dst >= 0) copy_positions(g, (r - k + 1) * L - n - (r * L - H), send, 0, n, false);
-    comm.send_recv(send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
-                   static_cast<std::size_t>(recv.numel()), src, g.dtype());
+    comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
+                    static_cast<std::size_t>(recv.numel()), src},
+                   g.dtype());
     if (src >= 0) copy_positions(recv, 0, dx, L - n, n, true);
   }
   return dx;

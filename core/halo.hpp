@@ -4,7 +4,7 @@
 #pragma once
 
 #include "core/autograd.hpp"
-#include "core/communicator.hpp"
+#include "core/comm/communicator.hpp"
 
 namespace cpsim {
 

@@ -10,7 +10,7 @@
 #pragma once
 
 #include "core/autograd.hpp"
-#include "core/communicator.hpp"
+#include "core/comm/communicator.hpp"
 #include "core/shard.hpp"
 
 namespace cpsim {

@@ -9,7 +9,7 @@
 #include <optional>
 #include <vector>
 
-#include "core/communicator.hpp"
+#include "core/comm/communicator.hpp"
 #include "core/layout.hpp"
 
 namespace cpsim {

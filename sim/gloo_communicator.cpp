@@ -22,7 +22,9 @@
 #include <sstream>
 #include <thread>
 
+#include "core/comm/registry.hpp"
 #include "core/reduce.hpp"
+#include "sim/world.hpp"
 
 namespace cpsim::sim {
 
@@ -183,6 +185,10 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
 // The call exchange.
 
 namespace {
+
+// Every sum is a rank-order sum over gathered contributions: bitwise threads.
+constexpr Capabilities kGlooCapabilities{/*rank_order_sums=*/true, /*device_buffers=*/false,
+                                         /*stream_ordered=*/false};
 
 // Slots outside the ranges Gloo's own collectives use (prefix << 56 | tag).
 constexpr std::uint64_t kCallSlot = 0xC5ull << 56 | 1;
@@ -432,6 +438,7 @@ class GlooCommunicator final : public Communicator {
   int size() const override { return g_->size(); }
   std::chrono::milliseconds timeout() const override { return g_->timeout(); }
   std::string backend_name() const override { return "gloo"; }
+  Capabilities capabilities() const override { return kGlooCapabilities; }
 
   void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
@@ -476,14 +483,12 @@ class GlooCommunicator final : public Communicator {
     sum_parts(parts, buf, count, dt);
   }
 
-  void send_recv(const void* send, std::size_t send_count, int dst, void* recv, std::size_t recv_count, int src,
-                 DType dt, CallOptions o) override {
+  void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    CallRecord r{CollectiveKind::send_recv, 0, dst < 0 ? 0 : send_count, dt};
-    r.dst = dst;
-    r.src = src;
-    r.recv_count = src < 0 ? 0 : recv_count;
-    const CallRecord c = checked(r, t);
+    const CallRecord c = checked(send_recv_record(step, dt), t);
+    const void* send = step.send;
+    void* recv = step.recv;
+    const int dst = step.dst, src = step.src;
     const std::size_t send_bytes = c.count * dtype_size(dt), recv_bytes = c.recv_count * dtype_size(dt);
     if (size() == 1) {  // the only pairing with one rank is with itself
       if (recv_bytes) std::memcpy(recv, send, recv_bytes);
@@ -638,5 +643,34 @@ void release_gloo_group(const std::shared_ptr<GlooThreadsGroup>& group) {
     pool.erase(pool.begin());
   }
 }
+
+namespace {
+
+// The pool hands a group to one run and takes it back when the run is done.
+class PooledGlooGroup final : public Group {
+ public:
+  PooledGlooGroup(int n, std::chrono::milliseconds timeout) : group_(acquire_gloo_group(n, timeout)), timeout_(timeout) {}
+  std::unique_ptr<Communicator> communicator(int rank) override { return group_->communicator(rank, timeout_); }
+  void finish(int rank) override { group_->finish(rank); }
+  void fail(int rank, const std::string& what) override { group_->fail(rank, what); }
+  void done() override { release_gloo_group(group_); }
+
+ private:
+  std::shared_ptr<GlooThreadsGroup> group_;
+  std::chrono::milliseconds timeout_;
+};
+
+const BackendRegistrar registrar{Backend{
+    "gloo", "real Gloo over TCP: ranks as threads on loopback, or processes of a job (cpsim launch)",
+    kGlooCapabilities,
+    [](int n, std::chrono::milliseconds timeout) { return std::make_shared<PooledGlooGroup>(n, timeout); },
+    [] { return std::optional<std::string>(); },
+    [](int n, const RankFn& fn, std::chrono::milliseconds timeout, const RankOutputs& outputs) {
+      if (!current_world()) return false;
+      run_in_world(n, fn, timeout, outputs);
+      return true;
+    }}};
+
+}  // namespace
 
 }  // namespace cpsim::sim

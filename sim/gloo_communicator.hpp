@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "core/communicator.hpp"
-#include "sim/call_check.hpp"
+#include "core/comm/communicator.hpp"
+#include "core/comm/call_check.hpp"
 
 namespace gloo {
 class Context;

@@ -1,21 +1,25 @@
 #include "sim/threads_communicator.hpp"
 
 #include <cstring>
-#include <sstream>
 
+#include "core/comm/registry.hpp"
 #include "core/reduce.hpp"
 
 namespace cpsim::sim {
 
 namespace {
 
+constexpr Capabilities kThreadsCapabilities{/*rank_order_sums=*/true, /*device_buffers=*/false,
+                                            /*stream_ordered=*/false};
+
 class ThreadsCommunicator final : public Communicator {
  public:
-  ThreadsCommunicator(std::shared_ptr<ThreadsGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
+  ThreadsCommunicator(std::shared_ptr<Rendezvous> group, int rank) : group_(std::move(group)), rank_(rank) {}
   int rank() const override { return rank_; }
   int size() const override { return group_->size(); }
   std::chrono::milliseconds timeout() const override { return group_->timeout(); }
   std::string backend_name() const override { return "threads"; }
+  Capabilities capabilities() const override { return kThreadsCapabilities; }
 
   void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     CallRecord c{CollectiveKind::all_gather, 0, count, dt};
@@ -58,16 +62,10 @@ class ThreadsCommunicator final : public Communicator {
         });
   }
 
-  void send_recv(const void* send, std::size_t send_count, int dst, void* recv, std::size_t recv_count, int src,
-                 DType dt, CallOptions o) override {
-    CallRecord c{CollectiveKind::send_recv, 0, dst < 0 ? 0 : send_count, dt};
-    c.dst = dst;
-    c.src = src;
-    c.recv_count = src < 0 ? 0 : recv_count;
-    c.send = send;
-    c.recv = recv;
+  void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
+    const CallRecord c = send_recv_record(step, dt);
     group_->run(rank_, c, pick(o), [&](const std::vector<CallRecord>& all) {
-      if (src >= 0 && c.recv_count) std::memcpy(recv, all[src].send, c.recv_count * dtype_size(dt));
+      if (step.src >= 0 && c.recv_count) std::memcpy(step.recv, all[step.src].send, c.recv_count * dtype_size(dt));
     });
   }
 
@@ -87,105 +85,31 @@ class ThreadsCommunicator final : public Communicator {
 
  private:
   std::chrono::milliseconds pick(CallOptions o) const { return o.timeout.count() > 0 ? o.timeout : group_->timeout(); }
-  std::shared_ptr<ThreadsGroup> group_;
+  std::shared_ptr<Rendezvous> group_;
   int rank_;
 };
 
+// A run's ranks as threads over one rendezvous.
+class ThreadsGroup final : public Group {
+ public:
+  ThreadsGroup(int n, std::chrono::milliseconds timeout) : rendezvous_(std::make_shared<Rendezvous>(n, timeout)) {}
+  std::unique_ptr<Communicator> communicator(int rank) override { return threads_communicator(rendezvous_, rank); }
+  void finish(int rank) override { rendezvous_->finish(rank); }
+  void fail(int rank, const std::string& what) override { rendezvous_->fail(rank, what); }
+
+ private:
+  std::shared_ptr<Rendezvous> rendezvous_;
+};
+
+const BackendRegistrar registrar{Backend{
+    "threads", "ranks as threads of this process, shared memory, sums in rank order", kThreadsCapabilities,
+    [](int n, std::chrono::milliseconds timeout) { return std::make_shared<ThreadsGroup>(n, timeout); }}};
+
 }  // namespace
 
-ThreadsGroup::ThreadsGroup(int size, std::chrono::milliseconds timeout) : timeout_(timeout), ranks_(size) {
-  CPSIM_ENFORCE(size >= 1, "a group needs at least one rank");
-}
-
-std::unique_ptr<Communicator> ThreadsGroup::communicator(int rank) {
-  CPSIM_ENFORCE(rank >= 0 && rank < size(), "rank ", rank, " of ", size());
-  return std::make_unique<ThreadsCommunicator>(shared_from_this(), rank);
-}
-
-std::string ThreadsGroup::states_locked() const {
-  std::ostringstream os;
-  for (std::size_t q = 0; q < ranks_.size(); ++q) {
-    const RankState& s = ranks_[q];
-    os << "\n  rank " << q << ": ";
-    switch (s.phase) {
-      case Phase::waiting: os << "in " << describe_call(s.call); break;
-      case Phase::idle: os << "not in a collective (last completed: " << s.last << ")"; break;
-      case Phase::exited: os << "returned (last completed: " << s.last << ")"; break;
-      case Phase::failed: os << "threw: " << s.failure << " (last completed: " << s.last << ")"; break;
-    }
-  }
-  return os.str();
-}
-
-void ThreadsGroup::poison_locked(const std::string& why) {
-  if (!poison_) poison_ = why + states_locked();
-  cv_.notify_all();
-  throw CollectiveError(*poison_);
-}
-
-void ThreadsGroup::run(int rank, CallRecord call, std::chrono::milliseconds timeout,
-                       const std::function<void(const std::vector<CallRecord>&)>& read,
-                       const std::function<void()>& after) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (poison_) throw CollectiveError(*poison_);
-  RankState& me = ranks_[rank];
-  call.seq = me.posted + 1;
-  me.call = call;
-  me.posted = call.seq;
-  me.phase = Phase::waiting;
-  cv_.notify_all();
-
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto all_arrived = [&] {
-    for (const auto& s : ranks_)
-      if (s.posted < call.seq) return false;
-    return true;
-  };
-  while (!all_arrived()) {
-    if (poison_) throw CollectiveError(*poison_);
-    for (std::size_t q = 0; q < ranks_.size(); ++q) {
-      const RankState& s = ranks_[q];
-      if (s.posted < call.seq && (s.phase == Phase::exited || s.phase == Phase::failed))
-        poison_locked("rank " + std::to_string(q) + (s.phase == Phase::exited ? " returned" : " threw") +
-                      " without joining " + collective_name(call.kind) + " #" + std::to_string(call.seq) +
-                      " that rank " + std::to_string(rank) + " waits in");
-    }
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !all_arrived() && !poison_)
-      poison_locked("timeout: rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) +
-                    " ms in " + describe_call(call) + " for ranks that never arrived");
-  }
-  std::vector<CallRecord> calls;
-  for (const auto& s : ranks_) calls.push_back(s.call);
-  if (auto why = find_mismatch(calls)) poison_locked("collective mismatch: " + *why);
-  lock.unlock();
-  read(calls);
-  lock.lock();
-  // Peers may still read this rank's buffers: wait until all have finished reading.
-  me.done = call.seq;
-  cv_.notify_all();
-  cv_.wait(lock, [&] {
-    for (const auto& s : ranks_)
-      if (s.done < call.seq) return false;
-    return true;
-  });
-  me.phase = Phase::idle;
-  me.last = describe_call(call);
-  lock.unlock();
-  if (after) after();
-}
-
-void ThreadsGroup::finish(int rank) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  ranks_[rank].phase = Phase::exited;
-  cv_.notify_all();
-}
-
-void ThreadsGroup::fail(int rank, const std::string& what) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  ranks_[rank].phase = Phase::failed;
-  ranks_[rank].failure = what;
-  if (!poison_) poison_ = "rank " + std::to_string(rank) + " threw: " + what + states_locked();
-  cv_.notify_all();
+std::unique_ptr<Communicator> threads_communicator(std::shared_ptr<Rendezvous> rendezvous, int rank) {
+  CPSIM_ENFORCE(rank >= 0 && rank < rendezvous->size(), "rank ", rank, " of ", rendezvous->size());
+  return std::make_unique<ThreadsCommunicator>(std::move(rendezvous), rank);
 }
 
 }  // namespace cpsim::sim

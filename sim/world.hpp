@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "core/communicator.hpp"
+#include "core/comm/registry.hpp"
 #include "core/tensor.hpp"
 
 namespace cpsim::sim {
@@ -52,9 +52,6 @@ struct WorldInfo {
 };
 // The joined job, or nothing in a single process.
 std::optional<WorldInfo> current_world();
-
-// Per-rank outputs of run_ranks: lists of n slots, slot[r] written by rank r.
-using RankOutputs = std::vector<std::vector<Tensor>*>;
 
 // run_ranks in process mode (see above). Throws the root cause of a failed run
 // on every process.

@@ -1,4 +1,4 @@
-// The simulated backends (threads, gloo), one parameterised suite: exact
+// Every registered backend (threads, gloo, and the test-only delayed), one parameterised suite: exact
 // collectives on rank-distinct inputs, and every distributed bug turned into a
 // CollectiveError on every rank, never a hang.
 #include <gmock/gmock.h>
@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "core/gather.hpp"
-#include "sim/launcher.hpp"
+#include "core/comm/run_ranks.hpp"
 
 using namespace cpsim;
 using namespace std::chrono_literals;
@@ -18,7 +18,7 @@ namespace {
 template <class F>
 std::string collective_error(const std::string& backend, int n, F f, std::chrono::milliseconds t) {
   try {
-    sim::run_ranks(n, f, {backend, t});
+    run_ranks(n, f, {backend, t});
   } catch (const CollectiveError& e) {
     return e.what();
   }
@@ -28,22 +28,22 @@ std::string collective_error(const std::string& backend, int n, F f, std::chrono
 }  // namespace
 
 // The parameter is the backend name.
-class Backend : public ::testing::TestWithParam<std::string> {
+class BackendCalls : public ::testing::TestWithParam<std::string> {
  protected:
-  sim::RunOptions fast(std::chrono::milliseconds t = 5000ms) const { return {GetParam(), t}; }
+  RunOptions fast(std::chrono::milliseconds t = 5000ms) const { return {GetParam(), t}; }
   template <class F>
   std::string collective_error(int n, F f, std::chrono::milliseconds t = 5000ms) const {
     return ::collective_error(GetParam(), n, f, t);
   }
 };
-INSTANTIATE_TEST_SUITE_P(Simulated, Backend, ::testing::ValuesIn(sim::simulated_backends()),
+INSTANTIATE_TEST_SUITE_P(Registered, BackendCalls, ::testing::ValuesIn(backend_names()),
                          [](const auto& info) { return info.param; });
 
 class Collectives : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
 
 TEST_P(Collectives, AreExactOnRankDistinctInputs) {
   const auto [backend, n, count] = GetParam();
-  sim::run_ranks(n, [&, n = n, count = count](Communicator& comm) {
+  run_ranks(n, [&, n = n, count = count](Communicator& comm) {
     const int r = comm.rank();
     std::vector<double> send(count * n), recv(count * n);
     for (int i = 0; i < count * n; ++i) send[i] = r * 1000 + i;
@@ -61,26 +61,26 @@ TEST_P(Collectives, AreExactOnRankDistinctInputs) {
     for (int i = 0; i < count; ++i) ASSERT_EQ(b[i], 42);
     // Ring shift to the right; the last rank sends to nobody, rank 0 receives from nobody.
     std::vector<float> out(count, static_cast<float>(r)), in(count, -1.0f);
-    comm.send_recv(out.data(), count, r + 1 < n ? r + 1 : -1, in.data(), count, r > 0 ? r - 1 : -1, DType::f32);
+    comm.send_recv({out.data(), count, r + 1 < n ? r + 1 : -1, in.data(), count, r > 0 ? r - 1 : -1}, DType::f32);
     for (int i = 0; i < count; ++i) ASSERT_EQ(in[i], r > 0 ? static_cast<float>(r - 1) : -1.0f);
     comm.barrier();
   }, {backend, 5000ms});
 }
 
 INSTANTIATE_TEST_SUITE_P(SizesAndCounts, Collectives,
-                         ::testing::Combine(::testing::ValuesIn(sim::simulated_backends()),
+                         ::testing::Combine(::testing::ValuesIn(backend_names()),
                                             ::testing::Values(1, 2, 3, 5, 16), ::testing::Values(0, 1, 7)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) +
                                   "ranks_count" + std::to_string(std::get<2>(info.param));
                          });
 
-TEST_P(Backend, ReduceScatterSumsInRankOrderDeterministically) {
+TEST_P(BackendCalls, ReduceScatterSumsInRankOrderDeterministically) {
   // (1e16 + 1) - 1e16 depends on order; rank order gives 0 + ... consistently.
   std::vector<double> first, second;
   for (auto* out : {&first, &second}) {
     std::mutex m;
-    sim::run_ranks(3, [&](Communicator& comm) {
+    run_ranks(3, [&](Communicator& comm) {
       const double v[3] = {1e16, 1.0, -1e16};
       std::vector<double> send(3, v[comm.rank()]);
       double got = 0;
@@ -94,7 +94,7 @@ TEST_P(Backend, ReduceScatterSumsInRankOrderDeterministically) {
   EXPECT_EQ(first[0], (1e16 + 1.0) + -1e16);
 }
 
-TEST_P(Backend, DifferentCollectivesAtOneSequenceNumberAreReported) {
+TEST_P(BackendCalls, DifferentCollectivesAtOneSequenceNumberAreReported) {
   const std::string why = collective_error(3, [](Communicator& comm) {
     comm.barrier();
     double x = 1, y[3];
@@ -105,7 +105,7 @@ TEST_P(Backend, DifferentCollectivesAtOneSequenceNumberAreReported) {
                          HasSubstr("rank 1: in reduce_scatter #2"), HasSubstr("rank 2: in all_gather #2")));
 }
 
-TEST_P(Backend, DifferentSizesOrDtypesAreReported) {
+TEST_P(BackendCalls, DifferentSizesOrDtypesAreReported) {
   EXPECT_THAT(collective_error(2, [](Communicator& comm) {
     double buf[4] = {};
     comm.all_reduce(buf, comm.rank() == 0 ? 4 : 3, DType::f64);
@@ -116,16 +116,16 @@ TEST_P(Backend, DifferentSizesOrDtypesAreReported) {
   }), AllOf(HasSubstr("different dtypes"), HasSubstr("float64"), HasSubstr("int64")));
 }
 
-TEST_P(Backend, MispairedSendRecvIsReported) {
+TEST_P(BackendCalls, MispairedSendRecvIsReported) {
   EXPECT_THAT(collective_error(3, [](Communicator& comm) {
     float out = 1, in = 0;
     // Rank 0 sends to 1, but rank 1 expects data from rank 2.
     const int dst = comm.rank() == 0 ? 1 : -1, src = comm.rank() == 1 ? 2 : -1;
-    comm.send_recv(&out, 1, dst, &in, 1, src, DType::f32);
+    comm.send_recv({&out, 1, dst, &in, 1, src}, DType::f32);
   }), HasSubstr("send_recv #1"));
 }
 
-TEST_P(Backend, ARankThatNeverArrivesTimesOutOnEveryRank) {
+TEST_P(BackendCalls, ARankThatNeverArrivesTimesOutOnEveryRank) {
   std::atomic<bool> release{false};
   const auto start = std::chrono::steady_clock::now();
   const std::string why = collective_error(3, [&](Communicator& comm) {
@@ -145,10 +145,10 @@ TEST_P(Backend, ARankThatNeverArrivesTimesOutOnEveryRank) {
   EXPECT_THAT(why, AllOf(HasSubstr("timeout"), HasSubstr("barrier #1"), HasSubstr("rank 2: not in a collective")));
 }
 
-TEST_P(Backend, ARankThatThrowsFailsItsPeersAndIsRethrown) {
+TEST_P(BackendCalls, ARankThatThrowsFailsItsPeersAndIsRethrown) {
   std::atomic<int> peers_failed{0};
   try {
-    sim::run_ranks(4, [&](Communicator& comm) {
+    run_ranks(4, [&](Communicator& comm) {
       if (comm.rank() == 3) throw InvalidInput("bad batch on rank 3");
       try {
         comm.barrier();
@@ -164,7 +164,7 @@ TEST_P(Backend, ARankThatThrowsFailsItsPeersAndIsRethrown) {
   EXPECT_EQ(peers_failed, 3);
 }
 
-TEST_P(Backend, ARankThatReturnsEarlyIsReportedImmediately) {
+TEST_P(BackendCalls, ARankThatReturnsEarlyIsReportedImmediately) {
   const auto start = std::chrono::steady_clock::now();
   const std::string why = collective_error(2, [](Communicator& comm) {
     comm.barrier();
@@ -174,7 +174,7 @@ TEST_P(Backend, ARankThatReturnsEarlyIsReportedImmediately) {
   EXPECT_THAT(why, AllOf(HasSubstr("rank 1 returned without joining barrier #2"), HasSubstr("rank 0: in barrier #2")));
 }
 
-TEST_P(Backend, PerCallTimeoutOverridesTheDefault) {
+TEST_P(BackendCalls, PerCallTimeoutOverridesTheDefault) {
   const auto start = std::chrono::steady_clock::now();
   std::atomic<bool> release{false};
   collective_error(2, [&](Communicator& comm) {
@@ -195,5 +195,5 @@ TEST_P(Backend, PerCallTimeoutOverridesTheDefault) {
 TEST(Gather, NullOrOneRankCommunicatorIsTheIdentity) {
   Var x(Tensor::full({1, 3}, DType::f32, 1.0), true);
   EXPECT_EQ(gather_sequence(x, nullptr, true).impl(), x.impl());
-  sim::run_ranks(1, [&](Communicator& comm) { EXPECT_EQ(gather_sequence(x, &comm, true).impl(), x.impl()); });
+  run_ranks(1, [&](Communicator& comm) { EXPECT_EQ(gather_sequence(x, &comm, true).impl(), x.impl()); });
 }

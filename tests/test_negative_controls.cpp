@@ -87,7 +87,9 @@ Var halo_gradient_to_wrong_rank(const Var& x, Communicator* comm, int width, Hal
     const int r = comm->rank(), c = comm->size();
     Tensor send = narrow(g, 1, H - n, n), recv(send.shape(), g.dtype());
     const int dst = r - 2 >= 0 ? r - 2 : -1, src = r + 2 < c ? r + 2 : -1;
-    comm->send_recv(send.raw(), send.numel(), dst, recv.raw(), recv.numel(), src, g.dtype());
+    comm->send_recv({send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
+                     static_cast<std::size_t>(recv.numel()), src},
+                    g.dtype());
     if (src >= 0) {
       Tensor tail = narrow(dx, 1, L - n, n);
       add_inplace(tail, recv);

@@ -2,7 +2,7 @@
 #include "tests/property_harness.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
-#include "sim/launcher.hpp"
+#include "core/comm/run_ranks.hpp"
 
 #include <map>
 #include <set>
@@ -30,7 +30,7 @@ CheckOptions conv_options(const std::string& backend) {
 
 // The properties that run ranks: one suite, instantiated once per simulated backend.
 class Distributed : public ::testing::TestWithParam<std::string> {};
-INSTANTIATE_TEST_SUITE_P(Backends, Distributed, ::testing::ValuesIn(sim::simulated_backends()),
+INSTANTIATE_TEST_SUITE_P(Backends, Distributed, ::testing::ValuesIn(backend_names()),
                          [](const auto& info) { return info.param; });
 
 CPSIM_PROP(Properties, LayoutRoundTripsAndDerivedPositionsAreValid, (const LayoutCase& c)) {

@@ -6,7 +6,7 @@
 #include <iostream>
 #include <string>
 
-#include "sim/launcher.hpp"
+#include "core/comm/run_ranks.hpp"
 #include "sim/world.hpp"
 
 using namespace cpsim;
@@ -45,11 +45,11 @@ int main() {
   config->timeout = std::chrono::milliseconds(10000);
   sim::join_world(*config);
   rank = config->rank;
-  const sim::RunOptions gloo{"gloo", std::chrono::milliseconds(10000)};
+  const RunOptions gloo{"gloo", std::chrono::milliseconds(10000)};
 
   // Outputs: a group of 2 (ranks 0, 1); every process, rank 2 included, gets both slots.
   std::vector<Tensor> slots(2), grads(2);
-  sim::run_ranks(2, [&](Communicator& comm) {
+  run_ranks(2, [&](Communicator& comm) {
     slots[comm.rank()] = Tensor::full({2, 3}, DType::f64, 10.0 * comm.rank() + 1);
     if (comm.rank() == 1) grads[1] = Tensor::full({1}, DType::i64, 7);  // rank 0 leaves its slot undefined
   }, gloo, {&slots, &grads});
@@ -60,7 +60,7 @@ int main() {
 
   // A rank's own failure is the root cause every process rethrows.
   const std::string thrown = caught<InvalidInput>([&] {
-    sim::run_ranks(3, [](Communicator& comm) {
+    run_ranks(3, [](Communicator& comm) {
       if (comm.rank() == 1) throw InvalidInput("bad batch on rank 1");
       comm.barrier();
     }, gloo);
@@ -69,7 +69,7 @@ int main() {
 
   // A mismatch: the same report on every process, and the job goes on.
   const std::string mismatch = caught<CollectiveError>([&] {
-    sim::run_ranks(3, [](Communicator& comm) {
+    run_ranks(3, [](Communicator& comm) {
       double x = 1, y[3];
       if (comm.rank() == 2) comm.all_gather(&x, y, 1, DType::f64);
       else comm.reduce_scatter(y, &x, 1, DType::f64);
@@ -79,7 +79,7 @@ int main() {
              mismatch.find("rank 2: in all_gather #1") != std::string::npos,
          "mismatch report: " + mismatch);
   std::vector<Tensor> sums(3);
-  sim::run_ranks(3, [&](Communicator& comm) {
+  run_ranks(3, [&](Communicator& comm) {
     std::int64_t v = comm.rank() + 1;
     comm.all_reduce(&v, 1, DType::i64);
     sums[comm.rank()] = Tensor::full({1}, DType::i64, static_cast<double>(v));

@@ -9,7 +9,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "sim/launcher.hpp"
+#include "core/comm/run_ranks.hpp"
 #include "sim/process_launch.hpp"
 #include "sim/world.hpp"
 #include "verify/batch_io.hpp"
@@ -266,7 +266,7 @@ int run_fuzz(FuzzArgs a) {
 // Options every rank-running command takes.
 void add_job_options(CLI::App* cmd, JobArgs& job) {
   cmd->add_option("--backend", job.backend, "threads | gloo (default: threads; gloo in a multi-process job)")
-      ->check(CLI::IsMember(sim::simulated_backends()))
+      ->check(CLI::IsMember(backend_names()))
       ->each([&job](const std::string&) { job.backend_given = true; });
   cmd->add_option("--store", job.store, "rendezvous of a multi-process job: file:DIR or redis://HOST:PORT "
                                         "(default: $CPSIM_STORE, which cpsim launch sets)");

@@ -1,4 +1,4 @@
-#include "core/communicator.hpp"
+#include "core/comm/communicator.hpp"
 
 namespace cpsim {
 

@@ -1,7 +1,8 @@
-// What every simulated backend checks before it moves a byte: the calls all ranks
-// made at one sequence number must be the same collective with the same sizes,
-// dtypes and roots, and send_recv peers must pair up. The threads backend compares
-// the records in shared memory; the gloo backend exchanges them over the wire.
+// What every backend checks before it moves a byte: the calls all ranks made at
+// one sequence number must be the same collective with the same sizes, dtypes
+// and roots, and send_recv peers must pair up. Backends in one process compare
+// the records in shared memory (core/comm/rendezvous.hpp); the gloo backend
+// exchanges them over the wire, and nccl over a Gloo side channel.
 #pragma once
 
 #include <cstdint>
@@ -9,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "core/communicator.hpp"
+#include "core/comm/communicator.hpp"
 
-namespace cpsim::sim {
+namespace cpsim {
 
 // One rank's call as the rendezvous sees it.
 struct CallRecord {
@@ -26,10 +27,14 @@ struct CallRecord {
   void* recv = nullptr;
 };
 
+// The record of one call (seq left 0: the rendezvous numbers calls).
+CallRecord call_record(CollectiveKind kind, std::size_t count = 0, DType dtype = DType::f32);
+CallRecord send_recv_record(const SendRecv& step, DType dtype);
+
 // "all_gather #3 (count 8, float64)".
 std::string describe_call(const CallRecord& call);
 
 // Why the calls of one sequence number (index = rank) cannot run together, or nothing.
 std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls);
 
-}  // namespace cpsim::sim
+}  // namespace cpsim

@@ -1,7 +1,8 @@
 // The one interface every CP operator talks to (SPEC §4). Backends (sim/threads,
-// sim/gloo, gpu/...) implement it; operators never learn which one runs them.
-// Buffers are raw bytes of `count` elements of a DType, so no backend type leaks here.
-// Every call is a collective: all ranks of the group make it, in the same order.
+// sim/gloo, gpu/...) implement it and register in core/comm/registry.hpp;
+// operators never learn which one runs them. Buffers are raw bytes of `count`
+// elements of a DType, so no backend type leaks here. Every call is a
+// collective: all ranks of the group make it, in the same order.
 #pragma once
 
 #include <chrono>
@@ -20,6 +21,28 @@ struct CallOptions {
   std::chrono::milliseconds timeout{0};
 };
 
+// What a backend promises, so callers choose how to compare and where buffers live.
+struct Capabilities {
+  // Reductions add contributions in rank order: results are bitwise those of
+  // `threads`. Otherwise (NCCL's rings and trees) compare with a tolerance.
+  bool rank_order_sums = true;
+  // Buffers passed to calls live on the backend's device (cuda:N), not the host.
+  bool device_buffers = false;
+  // Calls are queued on a stream and complete in stream order, not on return.
+  bool stream_ordered = false;
+};
+
+// One paired point-to-point step: send `send_count` elements to `dst`, receive
+// `recv_count` elements from `src`; -1 means no peer on that side.
+struct SendRecv {
+  const void* send = nullptr;
+  std::size_t send_count = 0;
+  int dst = -1;
+  void* recv = nullptr;
+  std::size_t recv_count = 0;
+  int src = -1;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -27,6 +50,7 @@ class Communicator {
   virtual int size() const = 0;
   virtual std::chrono::milliseconds timeout() const = 0;
   virtual std::string backend_name() const = 0;
+  virtual Capabilities capabilities() const = 0;
 
   // recv[q*count .. (q+1)*count) = rank q's send, for every q. No aliasing.
   virtual void all_gather(const void* send, void* recv, std::size_t count, DType dtype,
@@ -36,11 +60,9 @@ class Communicator {
                               CallOptions opts = {}) = 0;
   // buf = sum over q, in rank order, of rank q's buf. In place.
   virtual void all_reduce(void* buf, std::size_t count, DType dtype, CallOptions opts = {}) = 0;
-  // Paired point-to-point step in which every rank takes part: this rank sends
-  // send_count elements to `dst` and receives recv_count elements from `src`;
-  // -1 means no peer. The pairing must agree on both sides.
-  virtual void send_recv(const void* send, std::size_t send_count, int dst, void* recv,
-                         std::size_t recv_count, int src, DType dtype, CallOptions opts = {}) = 0;
+  // Paired point-to-point step in which every rank takes part (see SendRecv).
+  // The pairing must agree on both sides.
+  virtual void send_recv(const SendRecv& step, DType dtype, CallOptions opts = {}) = 0;
   // buf on every rank = buf on `root`.
   virtual void broadcast(void* buf, std::size_t count, DType dtype, int root,
                          CallOptions opts = {}) = 0;

@@ -1,8 +1,26 @@
-#include "sim/call_check.hpp"
+#include "core/comm/call_check.hpp"
 
 #include <sstream>
 
-namespace cpsim::sim {
+namespace cpsim {
+
+CallRecord call_record(CollectiveKind kind, std::size_t count, DType dtype) {
+  CallRecord c;
+  c.kind = kind;
+  c.count = count;
+  c.dtype = dtype;
+  return c;
+}
+
+CallRecord send_recv_record(const SendRecv& step, DType dtype) {
+  CallRecord c = call_record(CollectiveKind::send_recv, step.dst < 0 ? 0 : step.send_count, dtype);
+  c.dst = step.dst;
+  c.src = step.src;
+  c.recv_count = step.src < 0 ? 0 : step.recv_count;
+  c.send = step.send;
+  c.recv = step.recv;
+  return c;
+}
 
 std::string describe_call(const CallRecord& c) {
   std::ostringstream os;
@@ -54,4 +72,4 @@ std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls) {
   return std::nullopt;
 }
 
-}  // namespace cpsim::sim
+}  // namespace cpsim

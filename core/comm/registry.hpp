@@ -1,0 +1,62 @@
+// Backends by name. A backend is one folder that registers itself here with a
+// static BackendRegistrar; everything above it (verify/, the command line, tests,
+// bench) runs "every registered backend" through run_ranks and never includes one.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/comm/communicator.hpp"
+#include "core/tensor.hpp"
+
+namespace cpsim {
+
+// The ranks of one run in this process: a communicator per rank, and the
+// lifecycle hooks that let a backend fail the peers of a rank that stopped.
+class Group {
+ public:
+  virtual ~Group() = default;
+  // Called on rank r's own thread.
+  virtual std::unique_ptr<Communicator> communicator(int rank) = 0;
+  virtual void finish(int rank) = 0;                          // rank returned
+  virtual void fail(int rank, const std::string& what) = 0;  // rank threw (never throws)
+  virtual void done() {}                                      // every rank has stopped
+};
+
+using RankFn = std::function<void(Communicator&)>;
+// Per-rank outputs of a run: lists of n slots, slot[r] written by rank r. A backend
+// whose ranks live in other processes hands every slot to every process.
+using RankOutputs = std::vector<std::vector<Tensor>*>;
+
+struct Backend {
+  std::string name;
+  std::string description;  // one line, for --help and errors
+  Capabilities capabilities;
+  // A group of n ranks as threads of this process.
+  std::function<std::shared_ptr<Group>(int n, std::chrono::milliseconds timeout)> make_group;
+  // Why this backend cannot run here (no device, say), or nothing.
+  std::function<std::optional<std::string>()> unavailable = [] { return std::nullopt; };
+  // When this process is one rank of a multi-process job of this backend, runs
+  // this process's rank of the run and returns true; otherwise returns false.
+  std::function<bool(int n, const RankFn& fn, std::chrono::milliseconds timeout, const RankOutputs& outputs)>
+      run_in_job = [](int, const RankFn&, std::chrono::milliseconds, const RankOutputs&) { return false; };
+};
+
+void register_backend(Backend backend);
+// The backend of that name; throws Unsupported naming the registered ones.
+const Backend& find_backend(const std::string& name);
+// Registered backends, in registration order (threads first).
+std::vector<std::string> backend_names();
+// Those that can run here (unavailable() says nothing).
+std::vector<std::string> available_backends();
+
+// Registers a backend during static initialisation (define one per backend folder).
+struct BackendRegistrar {
+  explicit BackendRegistrar(Backend backend) { register_backend(std::move(backend)); }
+};
+
+}  // namespace cpsim

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The include rules of the design, checked on every test run:
+#   core/   includes only core/ (operators never know a backend);
+#   verify/ includes core/ and verify/ only (backends only through core/comm/registry);
+#   sim/, gpu/ (backends) never include verify/, cli/ or bench/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+status=0
+check() {  # folder, pattern of forbidden includes, why
+  local hits
+  hits=$(grep -rnE "#include \"($2)/" "$1" --include='*.hpp' --include='*.cpp' --include='*.cu' --include='*.cuh' 2>/dev/null || true)
+  if [ -n "$hits" ]; then
+    echo "layering: $1 must not include $2/ ($3):"
+    echo "$hits"
+    status=1
+  fi
+}
+check core "sim|gpu|verify|cli|bench|tests" "operators never know which backend runs them"
+check verify "sim|gpu|cli|bench|tests" "verify/ reaches backends only through the registry"
+check sim "verify|cli|bench|tests|gpu" "backends know nothing of properties"
+[ -d gpu ] && check gpu "verify|cli|bench|tests|sim" "backends know nothing of properties"
+[ $status -eq 0 ] && echo "layering: core, verify and backends keep to their includes"
+exit $status
