@@ -60,9 +60,18 @@ std::int64_t shape_numel(const Shape& s) {
   return n;
 }
 
-Tensor::Tensor(Shape shape, DType dtype) : shape_(std::move(shape)), dtype_(dtype) {
+Storage::Storage(std::size_t bytes, Device device)
+    : data_(static_cast<std::byte*>(device_runtime(device.kind).allocate(device, bytes))),
+      nbytes_(bytes),
+      device_(device) {
+  if (!device.is_cpu()) device_runtime(device.kind).zero(device, data_, bytes);  // the host's comes zeroed
+}
+
+Storage::~Storage() { device_runtime(device_.kind).deallocate(device_, data_, nbytes_); }
+
+Tensor::Tensor(Shape shape, DType dtype, Device device) : shape_(std::move(shape)), dtype_(dtype) {
   for (auto d : shape_) CPSIM_ENFORCE(d >= 0, "negative dimension in ", shape_str(shape_));
-  storage_ = std::make_shared<std::vector<std::byte>>(nbytes());
+  storage_ = std::make_shared<Storage>(nbytes(), device);
 }
 
 Tensor Tensor::full(Shape shape, DType dtype, double value) {
@@ -76,11 +85,17 @@ std::int64_t Tensor::dim(int i) const {
   return shape_[i];
 }
 
+void Tensor::check_host() const {
+  CPSIM_ENFORCE(is_cpu(), "element access to a tensor on ", device().str(), " (copy it with to(Device::host()))");
+}
+
 void Tensor::check_type(DType want) const {
+  check_host();
   CPSIM_ENFORCE(want == dtype_, "tensor is ", dtype_name(dtype_), ", accessed as ", dtype_name(want));
 }
 
 void Tensor::check_index(std::int64_t flat) const {
+  check_host();
   CPSIM_ENFORCE(flat >= 0 && flat < numel(), "element ", flat, " of a tensor of shape ", shape_str(shape_));
 }
 
@@ -110,10 +125,12 @@ std::int64_t Tensor::get_int(std::int64_t flat) const {
   }
 }
 
-Tensor Tensor::clone() const {
+Tensor Tensor::clone() const { return defined() ? to(device()) : Tensor(); }
+
+Tensor Tensor::to(Device device) const {
   if (!defined()) return {};
-  Tensor t(shape_, dtype_);
-  if (nbytes()) std::memcpy(t.raw(), raw(), nbytes());
+  Tensor t(shape_, dtype_, device);
+  copy_bytes(t.raw(), device, raw(), this->device(), nbytes());
   return t;
 }
 
@@ -127,6 +144,7 @@ Tensor Tensor::reshape(Shape shape) const {
 
 Tensor Tensor::to(DType dtype) const {
   if (dtype == dtype_) return clone();
+  check_host();
   Tensor t(shape_, dtype);
   for (std::int64_t i = 0; i < numel(); ++i) t.set(i, get(i));
   return t;
@@ -134,6 +152,7 @@ Tensor Tensor::to(DType dtype) const {
 
 bool Tensor::bitwise_equal(const Tensor& other) const {
   if (dtype_ != other.dtype_ || shape_ != other.shape_) return false;
+  if (!is_cpu() || !other.is_cpu()) return to(Device::host()).bitwise_equal(other.to(Device::host()));
   return nbytes() == 0 || std::memcmp(raw(), other.raw(), nbytes()) == 0;
 }
 
@@ -152,7 +171,7 @@ Tensor narrow(const Tensor& t, int dim, std::int64_t start, std::int64_t len) {
                 start + len, ") out of ", t.dim(dim));
   Shape s = t.shape();
   s[dim] = len;
-  Tensor out(s, t.dtype());
+  Tensor out(s, t.dtype(), t.device());
   std::int64_t outer, inner;
   split_at(t.shape(), dim, outer, inner);
   const std::size_t es = dtype_size(t.dtype());
@@ -160,8 +179,7 @@ Tensor narrow(const Tensor& t, int dim, std::int64_t start, std::int64_t len) {
   auto* dst = static_cast<std::byte*>(out.raw());
   const std::size_t chunk = static_cast<std::size_t>(len * inner) * es;
   for (std::int64_t o = 0; o < outer; ++o)
-    if (chunk)
-      std::memcpy(dst + o * chunk, src + ((o * t.dim(dim) + start) * inner) * es, chunk);
+    if (chunk) copy_bytes(dst + o * chunk, t.device(), src + ((o * t.dim(dim) + start) * inner) * es, t.device(), chunk);
   return out;
 }
 
@@ -172,13 +190,15 @@ Tensor cat(const std::vector<Tensor>& parts, int dim) {
   std::int64_t total = 0;
   for (const auto& p : parts) {
     Shape ps = p.shape();
-    CPSIM_ENFORCE(p.dtype() == parts[0].dtype() && ps.size() == s.size(), "cat of unlike tensors");
+    CPSIM_ENFORCE(p.dtype() == parts[0].dtype() && ps.size() == s.size() && p.device() == parts[0].device(),
+                  "cat of unlike tensors");
     ps[dim] = s[dim];
     CPSIM_ENFORCE(ps == s, "cat shapes disagree: ", shape_str(p.shape()), " vs ", shape_str(s));
     total += p.dim(dim);
   }
   s[dim] = total;
-  Tensor out(s, parts[0].dtype());
+  const Device device = parts[0].device();
+  Tensor out(s, parts[0].dtype(), device);
   std::int64_t outer, inner;
   split_at(s, dim, outer, inner);
   const std::size_t es = dtype_size(out.dtype());
@@ -188,7 +208,7 @@ Tensor cat(const std::vector<Tensor>& parts, int dim) {
     const std::size_t chunk = static_cast<std::size_t>(p.dim(dim) * inner) * es;
     const auto* src = static_cast<const std::byte*>(p.raw());
     for (std::int64_t o = 0; o < outer; ++o)
-      if (chunk) std::memcpy(dst + ((o * total + offset) * inner) * es, src + o * chunk, chunk);
+      if (chunk) copy_bytes(dst + ((o * total + offset) * inner) * es, device, src + o * chunk, device, chunk);
     offset += p.dim(dim);
   }
   return out;

@@ -1,6 +1,8 @@
-// A minimal host tensor: contiguous row-major storage, a shape and a dtype.
-// It is the value type of the autograd tape and of every CP operator; backends
-// see only its raw bytes. Copies share storage (like torch.Tensor); clone() copies.
+// A minimal tensor: contiguous row-major storage on one device (cpu, cuda:N), a
+// shape and a dtype. It is the value type of the autograd tape and of every CP
+// operator; backends see only its raw bytes. Copies share storage (like
+// torch.Tensor); clone() copies on the same device, to(Device) across devices.
+// Element access (data<T>, get, set) is for host tensors only.
 #pragma once
 
 #include <cstddef>
@@ -10,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device.hpp"
 #include "core/error.hpp"
 
 namespace cpsim {
@@ -66,10 +69,27 @@ using Shape = std::vector<std::int64_t>;
 std::string shape_str(const Shape& s);
 std::int64_t shape_numel(const Shape& s);
 
+// The bytes of a tensor, owned, on one device.
+class Storage {
+ public:
+  Storage(std::size_t bytes, Device device);  // zero-filled
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  std::byte* data() const { return data_; }
+  std::size_t nbytes() const { return nbytes_; }
+  Device device() const { return device_; }
+
+ private:
+  std::byte* data_;
+  std::size_t nbytes_;
+  Device device_;
+};
+
 class Tensor {
  public:
   Tensor() = default;
-  Tensor(Shape shape, DType dtype);  // zero-filled
+  Tensor(Shape shape, DType dtype, Device device = Device::host());  // zero-filled
 
   template <class T>
   static Tensor from(Shape shape, const std::vector<T>& values) {
@@ -89,6 +109,8 @@ class Tensor {
   std::int64_t numel() const { return shape_numel(shape_); }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
   DType dtype() const { return dtype_; }
+  Device device() const { return storage_ ? storage_->device() : Device::host(); }
+  bool is_cpu() const { return device().is_cpu(); }
 
   template <class T> T* data() {
     check_type(dtype_of<T>::value);
@@ -107,18 +129,20 @@ class Tensor {
   void set(std::int64_t flat, double v);
   std::int64_t get_int(std::int64_t flat) const;
 
-  Tensor clone() const;
+  Tensor clone() const;                // same device
+  Tensor to(Device device) const;      // a copy on `device` (shares nothing)
   Tensor reshape(Shape shape) const;   // shares storage
-  Tensor to(DType dtype) const;        // converting copy
+  Tensor to(DType dtype) const;        // converting copy (host)
   bool bitwise_equal(const Tensor& other) const;
   bool same_storage(const Tensor& other) const { return storage_ == other.storage_ && offset_ == other.offset_; }
 
  private:
   void check_type(DType want) const;
   void check_index(std::int64_t flat) const;
+  void check_host() const;
   Shape shape_;
   DType dtype_ = DType::f32;
-  std::shared_ptr<std::vector<std::byte>> storage_;
+  std::shared_ptr<Storage> storage_;
   std::size_t offset_ = 0;
 };
 

@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "core/autograd.hpp"
 
 using namespace cpsim;
@@ -65,4 +68,55 @@ TEST(Autograd, ConstantLossRunsNothing) {
   Var a(Tensor::full({2}, DType::f64, 1.0), true);
   backward(constant_scalar(1.0));
   EXPECT_FALSE(a.grad().defined());
+}
+
+namespace {
+// A stand-in device runtime: host memory behind a cuda tag, counting what it holds,
+// so storage can be followed through allocation, copies and frees without a GPU.
+struct FakeCudaRuntime final : DeviceRuntime {
+  int live = 0, copies = 0;
+  void* allocate(Device d, std::size_t bytes) override {
+    EXPECT_EQ(d.kind, DeviceKind::cuda);
+    ++live;
+    return std::malloc(bytes ? bytes : 1);
+  }
+  void deallocate(Device, void* p, std::size_t) noexcept override {
+    --live;
+    std::free(p);
+  }
+  void zero(Device, void* p, std::size_t bytes) override { std::memset(p, 0, bytes); }
+  void copy(void* dst, Device, const void* src, Device, std::size_t bytes) override {
+    ++copies;
+    std::memmove(dst, src, bytes);
+  }
+};
+}  // namespace
+
+TEST(Tensor, StorageKnowsItsDeviceAndGoesThroughItsRuntime) {
+  FakeCudaRuntime fake;
+  register_device_runtime(DeviceKind::cuda, &fake);
+  {
+    const Tensor host = Tensor::from<std::int64_t>({2, 3}, {1, 2, 3, 4, 5, 6});
+    EXPECT_EQ(host.device(), Device::host());
+    const Tensor dev = host.to(Device::cuda(0));
+    EXPECT_EQ(dev.device(), Device::cuda(0));
+    EXPECT_EQ(dev.device().str(), "cuda:0");
+    EXPECT_EQ(fake.live, 1);
+    EXPECT_THROW(dev.get(0), Error);  // element access is for host tensors
+    EXPECT_THROW(dev.data<std::int64_t>(), Error);
+    const Tensor cols = narrow(dev, 1, 1, 2);
+    EXPECT_EQ(cols.device(), Device::cuda(0));
+    const Tensor back = cols.to(Device::host());
+    EXPECT_EQ(std::vector<std::int64_t>(back.data<std::int64_t>(), back.data<std::int64_t>() + 4),
+              (std::vector<std::int64_t>{2, 3, 5, 6}));
+    const Tensor both = cat({dev, dev.clone()}, 0);
+    EXPECT_EQ(both.shape(), (Shape{4, 3}));
+    EXPECT_TRUE(both.to(Device::host()).bitwise_equal(cat({host, host}, 0)));
+    EXPECT_TRUE(dev.bitwise_equal(host.to(Device::cuda(0))));
+    EXPECT_THROW(cat({dev, host}, 0), Error);  // one device per cat
+    EXPECT_GT(fake.copies, 0);
+  }
+  EXPECT_EQ(fake.live, 0) << "device storage was not freed through its runtime";
+  register_device_runtime(DeviceKind::cuda, nullptr);
+  EXPECT_THROW(Tensor({1}, DType::f32, Device::cuda(0)), Unsupported);
 }

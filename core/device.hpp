@@ -1,0 +1,46 @@
+// Where a tensor's bytes live: the host (cpu) or a GPU (cuda:N), and the runtime
+// that allocates, zeroes and copies them. The CPU runtime is built in; gpu/
+// registers CUDA's when a device is usable. core/ names no CUDA type.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace cpsim {
+
+enum class DeviceKind : std::uint8_t { cpu, cuda };
+
+struct Device {
+  DeviceKind kind = DeviceKind::cpu;
+  int index = 0;
+  static constexpr Device host() { return {}; }
+  static constexpr Device cuda(int index) { return {DeviceKind::cuda, index}; }
+  bool is_cpu() const { return kind == DeviceKind::cpu; }
+  std::string str() const;  // "cpu", "cuda:0"
+  friend bool operator==(const Device& a, const Device& b) {
+    return a.kind == b.kind && (a.kind == DeviceKind::cpu || a.index == b.index);
+  }
+};
+
+// Memory of one kind of device. Copies name both sides; the runtime of the
+// non-host side does them (and host-to-host copies are the CPU runtime's).
+class DeviceRuntime {
+ public:
+  virtual ~DeviceRuntime() = default;
+  virtual void* allocate(Device device, std::size_t bytes) = 0;
+  virtual void deallocate(Device device, void* ptr, std::size_t bytes) noexcept = 0;
+  virtual void zero(Device device, void* ptr, std::size_t bytes) = 0;
+  virtual void copy(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes) = 0;
+};
+
+// The runtime for `kind`; throws Unsupported when none is registered (a build
+// without CUDA, or no usable device).
+DeviceRuntime& device_runtime(DeviceKind kind);
+// Registers (or, with nullptr, removes) the runtime of a non-host kind.
+void register_device_runtime(DeviceKind kind, DeviceRuntime* runtime);
+
+// Copies `bytes` between any two devices through the right runtime.
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes);
+
+}  // namespace cpsim
