@@ -1,6 +1,6 @@
 #include "core/gather.hpp"
 
-#include <cstring>
+#include "core/kernels/table.hpp"
 
 namespace cpsim {
 
@@ -18,17 +18,13 @@ Tensor all_gather_sequence_tensor(const Tensor& x, Communicator& comm) {
   const int c = comm.size();
   const std::int64_t B = x.dim(0), L = x.dim(1);
   // Ranks' blocks arrive as [c][B][L...]; rows are reassembled as [B][c][L...].
-  Tensor staged({static_cast<std::int64_t>(c) * x.numel()}, x.dtype());
+  Tensor staged({static_cast<std::int64_t>(c) * x.numel()}, x.dtype(), x.device());
   comm.all_gather(x.raw(), staged.raw(), static_cast<std::size_t>(x.numel()), x.dtype());
   Shape out_shape = x.shape();
   out_shape[1] = L * c;
-  Tensor out(out_shape, x.dtype());
-  const std::size_t rb = row_bytes(x, L);
-  const auto* src = static_cast<const std::byte*>(staged.raw());
-  auto* dst = static_cast<std::byte*>(out.raw());
-  for (int q = 0; q < c; ++q)
-    for (std::int64_t b = 0; b < B; ++b)
-      if (rb) std::memcpy(dst + (b * c + q) * rb, src + (q * B + b) * rb, rb);
+  Tensor out(out_shape, x.dtype(), x.device());
+  kernels::kernels_for(x.device())
+      .blocks_to_sequence({staged.raw(), out.raw(), B, c, row_bytes(x, L)}, kernels::current_stream());
   return out;
 }
 
@@ -36,16 +32,12 @@ Tensor reduce_scatter_sequence_tensor(const Tensor& grad, Communicator& comm) {
   const int c = comm.size();
   const std::int64_t B = grad.dim(0), L = grad.dim(1) / c;
   CPSIM_ENFORCE(grad.dim(1) % c == 0, "gradient sequence ", grad.dim(1), " not divisible by ", c);
-  Tensor staged({grad.numel()}, grad.dtype());
-  const std::size_t rb = row_bytes(grad, L);
-  const auto* src = static_cast<const std::byte*>(grad.raw());
-  auto* dst = static_cast<std::byte*>(staged.raw());
-  for (int q = 0; q < c; ++q)
-    for (std::int64_t b = 0; b < B; ++b)
-      if (rb) std::memcpy(dst + (q * B + b) * rb, src + (b * c + q) * rb, rb);
+  Tensor staged({grad.numel()}, grad.dtype(), grad.device());
+  kernels::kernels_for(grad.device())
+      .sequence_to_blocks({grad.raw(), staged.raw(), B, c, row_bytes(grad, L)}, kernels::current_stream());
   Shape local_shape = grad.shape();
   local_shape[1] = L;
-  Tensor out(local_shape, grad.dtype());
+  Tensor out(local_shape, grad.dtype(), grad.device());
   comm.reduce_scatter(staged.raw(), out.raw(), static_cast<std::size_t>(out.numel()), grad.dtype());
   return out;
 }
@@ -62,8 +54,9 @@ Var gather_sequence(const Var& x, Communicator* comm, bool differentiable) {
 Var all_gather_backward_anchor(const Var& gathered) {
   const Shape shape = gathered.value().shape();
   const DType dt = gathered.value().dtype();
-  return record(Tensor({1}, dt), "all_gather_backward_anchor", {gathered},
-                [shape, dt](const Tensor&) { return std::vector<Tensor>{Tensor(shape, dt)}; });
+  const Device device = gathered.value().device();
+  return record(Tensor({1}, dt, device), "all_gather_backward_anchor", {gathered},
+                [shape, dt, device](const Tensor&) { return std::vector<Tensor>{Tensor(shape, dt, device)}; });
 }
 
 }  // namespace cpsim

@@ -1,7 +1,7 @@
 #include "core/halo.hpp"
 
 #include <algorithm>
-#include <cstring>
+#include "core/kernels/table.hpp"
 
 namespace cpsim {
 
@@ -12,22 +12,22 @@ const char* halo_exchange_name(HaloExchange e) {
 namespace {
 
 // Copies positions [from, from+n) of a [B, len_src, C] tensor into positions
-// [to, to+n) of a [B, len_dst, C] tensor (adding when `accumulate`).
+// [to, to+n) of a [B, len_dst, C] tensor (adding when `accumulate`), on their device.
 void copy_positions(const Tensor& src, std::int64_t from, Tensor& dst, std::int64_t to, std::int64_t n,
                     bool accumulate) {
   if (n <= 0) return;
-  const std::int64_t B = src.dim(0), C = src.dim(2);
-  if (!accumulate) {
-    const std::size_t es = dtype_size(src.dtype()), bytes = static_cast<std::size_t>(n * C) * es;
-    for (std::int64_t b = 0; b < B; ++b)
-      std::memcpy(static_cast<std::byte*>(dst.raw()) + ((b * dst.dim(1) + to) * C) * es,
-                  static_cast<const std::byte*>(src.raw()) + ((b * src.dim(1) + from) * C) * es, bytes);
-    return;
-  }
-  Tensor part = narrow(src, 1, from, n);
-  Tensor cur = narrow(dst, 1, to, n);
-  add_inplace(cur, part);
-  copy_positions(cur, 0, dst, to, n, false);
+  const kernels::PositionCopy a{src.raw(), dst.raw(),  src.dim(0), src.dim(1), dst.dim(1), from, to, n,
+                                static_cast<std::size_t>(src.dim(2)) * dtype_size(src.dtype())};
+  const auto& k = kernels::kernels_for(src.device());
+  if (accumulate) k.add_positions(a, src.dtype(), kernels::current_stream());
+  else k.copy_positions(a, kernels::current_stream());
+}
+
+// Positions [from, from+n) of a [B, len, C] tensor, as a new [B, n, C] tensor.
+Tensor positions(const Tensor& t, std::int64_t from, std::int64_t n) {
+  Tensor out({t.dim(0), n, t.dim(2)}, t.dtype(), t.device());
+  copy_positions(t, from, out, 0, n, false);
+  return out;
 }
 
 // Elements to move on hop k (rank r-k -> r): the tail of r-k's shard that lies
@@ -36,28 +36,16 @@ std::int64_t hop_count(std::int64_t L, int width, int k) {
   return std::clamp<std::int64_t>((width - 1) - (k - 1) * L, 0, L);
 }
 
-// Splits a [c*B, T, C] staging buffer into c per-rank [B, T, C] blocks and back.
-std::vector<Tensor> split_ranks(const Tensor& staged, int c) {
-  std::vector<Tensor> parts;
-  const std::int64_t rows = staged.dim(0) / c;
-  for (int q = 0; q < c; ++q) parts.push_back(narrow(staged, 0, q * rows, rows));
-  return parts;
-}
-
 Tensor history_all_gather(const Tensor& x, Communicator& comm, int width) {
   const std::int64_t B = x.dim(0), L = x.dim(1), C = x.dim(2), H = width - 1, T = std::min(L, H);
   const int c = comm.size(), r = comm.rank();
-  Tensor tail = narrow(x, 1, L - T, T);
-  Tensor staged({c * B, T, C}, x.dtype());
-  comm.all_gather(tail.raw(), staged.raw(), static_cast<std::size_t>(tail.numel()), x.dtype());
-  const std::vector<Tensor> tails = split_ranks(staged, c);
-  Tensor out({B, L + H, C}, x.dtype());
-  for (std::int64_t i = 0; i < H; ++i) {
-    const std::int64_t p = r * L - H + i;  // global position of history slot i
-    if (p < 0) continue;
-    const int q = static_cast<int>(p / L);
-    copy_positions(tails[q], p - (q * L + L - T), out, i, 1, false);
-  }
+  const Tensor tail = positions(x, L - T, T);
+  Tensor tails({c * B, T, C}, x.dtype(), x.device());  // [c][B][T][C]
+  comm.all_gather(tail.raw(), tails.raw(), static_cast<std::size_t>(tail.numel()), x.dtype());
+  Tensor out({B, L + H, C}, x.dtype(), x.device());
+  kernels::kernels_for(x.device())
+      .history_from_tails({out.raw(), tails.raw(), B, L, H, T, r, static_cast<std::size_t>(C) * dtype_size(x.dtype())},
+                          kernels::current_stream());
   copy_positions(x, 0, out, H, L, false);
   return out;
 }
@@ -65,20 +53,16 @@ Tensor history_all_gather(const Tensor& x, Communicator& comm, int width) {
 Tensor history_all_gather_backward(const Tensor& g, Communicator& comm, int width) {
   const std::int64_t B = g.dim(0), C = g.dim(2), H = width - 1, L = g.dim(1) - H, T = std::min(L, H);
   const int c = comm.size(), r = comm.rank();
-  // Each rank scatters its history gradient into per-owner tail slots; the
+  // Each rank moves its history gradient into per-owner tail slots; the
   // reduce-scatter sums the slots in rank order and hands each owner its own.
-  std::vector<Tensor> slots;
-  for (int q = 0; q < c; ++q) slots.emplace_back(Shape{B, T, C}, g.dtype());
-  for (std::int64_t i = 0; i < H; ++i) {
-    const std::int64_t p = r * L - H + i;
-    if (p < 0) continue;
-    const int q = static_cast<int>(p / L);
-    copy_positions(g, i, slots[q], p - (q * L + L - T), 1, false);
-  }
-  Tensor staged = cat(slots, 0);
-  Tensor mine({B, T, C}, g.dtype());
-  comm.reduce_scatter(staged.raw(), mine.raw(), static_cast<std::size_t>(mine.numel()), g.dtype());
-  Tensor dx = narrow(g, 1, H, L);
+  Tensor slots({c * B, T, C}, g.dtype(), g.device());  // [c][B][T][C], zero where nothing lands
+  kernels::kernels_for(g.device())
+      .history_to_tails({const_cast<void*>(g.raw()), slots.raw(), B, L, H, T, r,
+                         static_cast<std::size_t>(C) * dtype_size(g.dtype())},
+                        kernels::current_stream());
+  Tensor mine({B, T, C}, g.dtype(), g.device());
+  comm.reduce_scatter(slots.raw(), mine.raw(), static_cast<std::size_t>(mine.numel()), g.dtype());
+  Tensor dx = positions(g, H, L);
   copy_positions(mine, 0, dx, L - T, T, true);
   return dx;
 }
@@ -86,10 +70,10 @@ Tensor history_all_gather_backward(const Tensor& g, Communicator& comm, int widt
 Tensor history_send_recv(const Tensor& x, Communicator& comm, int width) {
   const std::int64_t B = x.dim(0), L = x.dim(1), C = x.dim(2), H = width - 1;
   const int c = comm.size(), r = comm.rank();
-  Tensor out({B, L + H, C}, x.dtype());
+  Tensor out({B, L + H, C}, x.dtype(), x.device());
   for (int k = 1; hop_count(L, width, k) > 0 && k < c; ++k) {
     const std::int64_t n = hop_count(L, width, k);
-    Tensor send = narrow(x, 1, L - n, n), recv({B, n, C}, x.dtype());
+    Tensor send = positions(x, L - n, n), recv({B, n, C}, x.dtype(), x.device());
     const int dst = r + k < c ? r + k : -1, src = r - k >= 0 ? r - k : -1;
     comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
                     static_cast<std::size_t>(recv.numel()), src},
@@ -104,10 +88,10 @@ Tensor history_send_recv(const Tensor& x, Communicator& comm, int width) {
 Tensor history_send_recv_backward(const Tensor& g, Communicator& comm, int width) {
   const std::int64_t B = g.dim(0), C = g.dim(2), H = width - 1, L = g.dim(1) - H;
   const int c = comm.size(), r = comm.rank();
-  Tensor dx = narrow(g, 1, H, L);
+  Tensor dx = positions(g, H, L);
   for (int k = 1; hop_count(L, width, k) > 0 && k < c; ++k) {
     const std::int64_t n = hop_count(L, width, k);
-    Tensor send({B, n, C}, g.dtype()), recv({B, n, C}, g.dtype());
+    Tensor send({B, n, C}, g.dtype(), g.device()), recv({B, n, C}, g.dtype(), g.device());
     const int dst = r - k >= 0 ? r - k : -1, src = r + k < c ? r + k : -1;
     if (dst >= 0) copy_positions(g, (r - k + 1) * L - n - (r * L - H), send, 0, n, false);
     comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
@@ -128,10 +112,10 @@ Var convolution_history(const Var& x_masked, Communicator* comm, int width, Halo
   const Tensor& x = x_masked.value();
   const std::int64_t H = width - 1, L = x.dim(1);
   if (!is_distributed(comm)) {
-    Tensor out({x.dim(0), L + H, x.dim(2)}, x.dtype());
+    Tensor out({x.dim(0), L + H, x.dim(2)}, x.dtype(), x.device());
     copy_positions(x, 0, out, H, L, false);
     return record(out, "convolution_history", {x_masked},
-                  [H, L](const Tensor& g) { return std::vector<Tensor>{narrow(g, 1, H, L)}; });
+                  [H, L](const Tensor& g) { return std::vector<Tensor>{positions(g, H, L)}; });
   }
   const bool gather = exchange == HaloExchange::all_gather;
   Tensor out = gather ? history_all_gather(x, *comm, width) : history_send_recv(x, *comm, width);

@@ -4,6 +4,8 @@
 set -euo pipefail
 packages=(cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
           libgloo-dev libhiredis-dev nlohmann-json3-dev libcli11-dev libfmt-dev redis-server)
+# Thrust/CUB (the one kernel source): the CUDA toolkit's CCCL, else Debian's.
+[ -e /usr/local/cuda/include/cccl/thrust/version.h ] || packages+=(libthrust-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

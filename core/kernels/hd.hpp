@@ -1,0 +1,78 @@
+// Host-device basics of the one kernel source: every functor under core/kernels
+// is a plain struct of pointers and sizes with a CPSIM_HD call operator, run over
+// an index range by a Thrust algorithm. g++ builds them with Thrust's CPP system
+// for the host (the CPU property suite runs this very code); nvcc builds the same
+// headers for CUDA (gpu/). Nothing here names a CUDA type.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define CPSIM_HD __host__ __device__
+#else
+#define CPSIM_HD
+#endif
+
+// g++ has no CUDA: Thrust's device system is its CPP one (nvcc keeps CUDA's).
+#if !defined(__CUDACC__) && !defined(THRUST_DEVICE_SYSTEM)
+#define THRUST_DEVICE_SYSTEM THRUST_DEVICE_SYSTEM_CPP
+#endif
+#include <thrust/execution_policy.h>
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+
+namespace cpsim::kernels {
+
+using index_t = std::int64_t;
+
+// Runs f(i) for every i in [0, n) under the execution policy (thrust::host, or a
+// CUDA policy on a stream).
+template <class Policy, class F>
+void for_each_index(Policy&& policy, index_t n, F f) {
+  if (n > 0) thrust::for_each_n(policy, thrust::counting_iterator<index_t>(0), n, f);
+}
+
+// Data movement copies words, the widest that divide the bytes moved per
+// contiguous run and the buffers' alignment (16 bytes on a GPU is one vector load).
+struct alignas(16) Word16 {
+  std::uint64_t lo, hi;
+};
+
+inline std::size_t word_size(std::size_t run_bytes, const void* a, const void* b) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(a) | reinterpret_cast<std::uintptr_t>(b);
+  for (std::size_t w : {std::size_t{16}, std::size_t{8}, std::size_t{4}, std::size_t{2}})
+    if (run_bytes % w == 0 && addr % w == 0) return w;
+  return 1;
+}
+
+// Calls fn(W{}) with the word type of `w` bytes.
+template <class Fn>
+void with_word(std::size_t w, Fn&& fn) {
+  switch (w) {
+    case 16: return fn(Word16{});
+    case 8: return fn(std::uint64_t{});
+    case 4: return fn(std::uint32_t{});
+    case 2: return fn(std::uint16_t{});
+    default: return fn(std::uint8_t{});
+  }
+}
+
+// bfloat16 arithmetic on both sides (upper 16 bits of an IEEE float, round to nearest even).
+CPSIM_HD inline float bf16_to_float(std::uint16_t bits) {
+  union {
+    std::uint32_t u;
+    float f;
+  } v{static_cast<std::uint32_t>(bits) << 16};
+  return v.f;
+}
+CPSIM_HD inline std::uint16_t bf16_from_float(float f) {
+  union {
+    float f;
+    std::uint32_t u;
+  } v{f};
+  if ((v.u & 0x7F800000u) == 0x7F800000u && (v.u & 0x007FFFFFu)) return static_cast<std::uint16_t>((v.u >> 16) | 0x40);
+  return static_cast<std::uint16_t>((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+}  // namespace cpsim::kernels

@@ -1,0 +1,42 @@
+// The host instantiation of the one kernel source: Thrust's CPP system, so the
+// CPU property suite runs the very functors a GPU runs.
+#include <array>
+#include <atomic>
+
+#include "core/kernels/movement.hpp"
+
+namespace cpsim::kernels {
+
+namespace {
+
+const KernelTable host_table{
+    [](const Rearrange& a, void*) { blocks_to_sequence(thrust::host, a); },
+    [](const Rearrange& a, void*) { sequence_to_blocks(thrust::host, a); },
+    [](const PositionCopy& a, void*) { copy_positions(thrust::host, a); },
+    [](const PositionCopy& a, DType dtype, void*) { add_positions(thrust::host, a, dtype); },
+    [](const History& a, void*) { history_tails<false>(thrust::host, a); },
+    [](const History& a, void*) { history_tails<true>(thrust::host, a); },
+};
+
+std::atomic<const KernelTable*> cuda_table{nullptr};
+
+}  // namespace
+
+const KernelTable& kernels_for(Device device) {
+  if (device.is_cpu()) return host_table;
+  const KernelTable* t = cuda_table.load();
+  if (!t) throw Unsupported("no CUDA kernels in this process (a build without CUDA, or no usable device)");
+  return *t;
+}
+
+void register_kernels(DeviceKind kind, const KernelTable* table) {
+  CPSIM_ENFORCE(kind != DeviceKind::cpu, "the host kernels are built in");
+  cuda_table.store(table);
+}
+
+void*& current_stream() {
+  thread_local void* stream = nullptr;
+  return stream;
+}
+
+}  // namespace cpsim::kernels

@@ -1,0 +1,153 @@
+// Data-movement kernels of the one kernel source: the rank-block <-> sequence
+// rearrangement of gather_sequence and its reduce-scatter staging, position
+// copies (tail packing, history assembly, halo gradient return) and the history
+// window from gathered tails. Host-device functors; entries templated on the
+// Thrust execution policy (thrust::host here, a CUDA stream policy in gpu/).
+#pragma once
+
+#include "core/kernels/hd.hpp"
+#include "core/kernels/table.hpp"
+
+namespace cpsim::kernels {
+
+// dst[b][q][j] = src[q][b][j]: i runs over dst.
+template <class W>
+struct BlocksToSequence {
+  const W* src;
+  W* dst;
+  index_t rows, ranks, row;
+  CPSIM_HD void operator()(index_t i) const {
+    const index_t b = i / (ranks * row), rem = i - b * ranks * row, q = rem / row, j = rem - q * row;
+    dst[i] = src[(q * rows + b) * row + j];
+  }
+};
+
+// dst[q][b][j] = src[b][q][j]: i runs over dst.
+template <class W>
+struct SequenceToBlocks {
+  const W* src;
+  W* dst;
+  index_t rows, ranks, row;
+  CPSIM_HD void operator()(index_t i) const {
+    const index_t q = i / (rows * row), rem = i - q * rows * row, b = rem / row, j = rem - b * row;
+    dst[i] = src[(b * ranks + q) * row + j];
+  }
+};
+
+// Position k of row b: dst[b][to + k][...] = src[b][from + k][...]; P words a position.
+template <class W>
+struct CopyPositions {
+  const W* src;
+  W* dst;
+  index_t src_len, dst_len, from, to, n, P;
+  CPSIM_HD void operator()(index_t i) const {
+    const index_t b = i / (n * P), rem = i - b * n * P, k = rem / P, e = rem - k * P;
+    dst[(b * dst_len + to + k) * P + e] = src[(b * src_len + from + k) * P + e];
+  }
+};
+
+struct Bf16Bits {
+  std::uint16_t bits;
+};
+template <class T>
+CPSIM_HD inline void accumulate(T& a, T b) {
+  a = static_cast<T>(a + b);
+}
+CPSIM_HD inline void accumulate(bool& a, bool b) { a = a || b; }
+CPSIM_HD inline void accumulate(Bf16Bits& a, Bf16Bits b) {
+  a.bits = bf16_from_float(bf16_to_float(a.bits) + bf16_to_float(b.bits));
+}
+
+// dst[b][to + k][e] += src[b][from + k][e]; P elements a position.
+template <class T>
+struct AddPositions {
+  const T* src;
+  T* dst;
+  index_t src_len, dst_len, from, to, n, P;
+  CPSIM_HD void operator()(index_t i) const {
+    const index_t b = i / (n * P), rem = i - b * n * P, k = rem / P, e = rem - k * P;
+    accumulate(dst[(b * dst_len + to + k) * P + e], src[(b * src_len + from + k) * P + e]);
+  }
+};
+
+// Window slot s of row b holds global position p = rank*L - H + s, which sits at
+// offset p - (q*L + L - T) of owner q's tail. `to_tails` runs the move backwards.
+template <class W, bool to_tails>
+struct HistoryTails {
+  W* window;
+  W* tails;
+  index_t rows, L, H, T, rank, P;
+  CPSIM_HD void operator()(index_t i) const {
+    const index_t b = i / (H * P), rem = i - b * H * P, s = rem / P, e = rem - s * P;
+    const index_t p = rank * L - H + s;
+    if (p < 0) return;
+    const index_t q = p / L, k = p - (q * L + L - T);
+    W& w = window[(b * (L + H) + s) * P + e];
+    W& t = tails[((q * rows + b) * T + k) * P + e];
+    if (to_tails) t = w;
+    else w = t;
+  }
+};
+
+template <class Policy>
+void blocks_to_sequence(Policy&& policy, const Rearrange& a) {
+  with_word(word_size(a.row_bytes, a.src, a.dst), [&](auto word) {
+    using W = decltype(word);
+    const index_t row = static_cast<index_t>(a.row_bytes / sizeof(W));
+    for_each_index(policy, a.rows * a.ranks * row,
+                   BlocksToSequence<W>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.rows, a.ranks, row});
+  });
+}
+
+template <class Policy>
+void sequence_to_blocks(Policy&& policy, const Rearrange& a) {
+  with_word(word_size(a.row_bytes, a.src, a.dst), [&](auto word) {
+    using W = decltype(word);
+    const index_t row = static_cast<index_t>(a.row_bytes / sizeof(W));
+    for_each_index(policy, a.rows * a.ranks * row,
+                   SequenceToBlocks<W>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.rows, a.ranks, row});
+  });
+}
+
+template <class Policy>
+void copy_positions(Policy&& policy, const PositionCopy& a) {
+  with_word(word_size(a.position_bytes, a.src, a.dst), [&](auto word) {
+    using W = decltype(word);
+    const index_t P = static_cast<index_t>(a.position_bytes / sizeof(W));
+    for_each_index(policy, a.rows * a.n * P,
+                   CopyPositions<W>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.src_len, a.dst_len, a.from,
+                                    a.to, a.n, P});
+  });
+}
+
+template <class Policy>
+void add_positions(Policy&& policy, const PositionCopy& a, DType dtype) {
+  auto run = [&](auto element) {
+    using T = decltype(element);
+    const index_t P = static_cast<index_t>(a.position_bytes / sizeof(T));
+    for_each_index(policy, a.rows * a.n * P,
+                   AddPositions<T>{static_cast<const T*>(a.src), static_cast<T*>(a.dst), a.src_len, a.dst_len, a.from,
+                                   a.to, a.n, P});
+  };
+  switch (dtype) {
+    case DType::f32: return run(float{});
+    case DType::f64: return run(double{});
+    case DType::bf16: return run(Bf16Bits{});
+    case DType::i32: return run(std::int32_t{});
+    case DType::i64: return run(std::int64_t{});
+    case DType::b8: return run(bool{});
+  }
+}
+
+template <bool to_tails, class Policy>
+void history_tails(Policy&& policy, const History& a) {
+  with_word(word_size(a.position_bytes, a.window, a.tails), [&](auto word) {
+    using W = decltype(word);
+    const index_t P = static_cast<index_t>(a.position_bytes / sizeof(W));
+    for_each_index(policy, a.rows * a.history * P,
+                   HistoryTails<W, to_tails>{static_cast<W*>(a.window), static_cast<W*>(a.tails), a.rows, a.local_len,
+                                             a.history, a.tail, a.rank, P});
+  });
+}
+
+}  // namespace cpsim::kernels

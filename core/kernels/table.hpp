@@ -1,0 +1,62 @@
+// The kernels every operator runs, as one table per device kind: the host's is
+// built in (core/kernels/host.cpp, Thrust's CPP system), gpu/ registers CUDA's,
+// both instantiated from the same functor headers (movement.hpp, ...). Arguments
+// are plain structs of pointers and sizes; `stream` is the caller's CUDA stream
+// (current_stream()), which the host ignores.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/device.hpp"
+#include "core/tensor.hpp"
+
+namespace cpsim::kernels {
+
+// Rank blocks [c][B][row] <-> sequence [B][c][row], where a row is one rank's shard
+// of one batch row (L positions of every trailing dimension), `row_bytes` long.
+struct Rearrange {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  std::int64_t rows = 0, ranks = 0;
+  std::size_t row_bytes = 0;
+};
+
+// Positions [from, from + n) of a [B, src_len, ...] tensor to positions [to, to + n)
+// of a [B, dst_len, ...] one; a position is `position_bytes` long.
+struct PositionCopy {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  std::int64_t rows = 0, src_len = 0, dst_len = 0, from = 0, to = 0, n = 0;
+  std::size_t position_bytes = 0;
+};
+
+// The convolution history of rank `rank`: window [B, L + H, ...] and the shard
+// tails [c][B][T][...] (the last T = min(L, H) positions of every rank).
+struct History {
+  void* window = nullptr;
+  void* tails = nullptr;
+  std::int64_t rows = 0, local_len = 0, history = 0, tail = 0, rank = 0;
+  std::size_t position_bytes = 0;
+};
+
+struct KernelTable {
+  void (*blocks_to_sequence)(const Rearrange&, void* stream);
+  void (*sequence_to_blocks)(const Rearrange&, void* stream);
+  void (*copy_positions)(const PositionCopy&, void* stream);
+  // dst positions += src positions, elementwise in `dtype` (bool: or).
+  void (*add_positions)(const PositionCopy&, DType dtype, void* stream);
+  // Window slots [0, H) from the owners' tails (slots before position 0 stay zero).
+  void (*history_from_tails)(const History&, void* stream);
+  // Window slot gradients [0, H) into the owners' tail slots (the reverse move).
+  void (*history_to_tails)(const History&, void* stream);
+};
+
+// The table of a device kind; throws Unsupported when none is registered.
+const KernelTable& kernels_for(Device device);
+void register_kernels(DeviceKind kind, const KernelTable* table);
+
+// The stream kernels of this thread run on (a backend sets it per rank thread).
+void*& current_stream();
+
+}  // namespace cpsim::kernels
