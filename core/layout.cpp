@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "core/kernels/table.hpp"
+
 namespace cpsim {
 
 namespace {
@@ -59,21 +61,43 @@ std::vector<std::int64_t> read_cu(const Tensor& cu, const std::string& key) {
   return lengths;
 }
 
-Tensor doc_ids_from_rows(const std::vector<std::vector<std::int64_t>>& rows, std::int64_t seq_len,
-                         const std::string& key) {
-  Tensor ids({static_cast<std::int64_t>(rows.size()), seq_len}, DType::i64);
-  auto* d = ids.data<std::int64_t>();
-  for (std::size_t r = 0; r < rows.size(); ++r) {
+// Doc ids and padding [B, S] of packed rows from their real and occupied lengths
+// (validated here; computed by the layout kernel).
+Layout packed_ids(const std::vector<std::vector<std::int64_t>>& real,
+                  const std::vector<std::vector<std::int64_t>>& occupied, std::int64_t seq_len, const std::string& key) {
+  const std::int64_t B = static_cast<std::int64_t>(occupied.size());
+  std::size_t D = 0;
+  for (std::int64_t r = 0; r < B; ++r) {
     std::int64_t pos = 0;
-    for (std::size_t i = 0; i < rows[r].size(); ++i) {
-      if (pos + rows[r][i] > seq_len)
-        CPSIM_INVALID(key, " row ", r, " index ", i, ": documents end at ", pos + rows[r][i],
+    for (std::size_t i = 0; i < occupied[r].size(); ++i) {
+      if (occupied[r][i] > seq_len - pos)
+        CPSIM_INVALID(key, " row ", r, " index ", i, ": documents end at ", pos + occupied[r][i],
                       ", overflowing the sequence length ", seq_len);
-      std::fill(d + r * seq_len + pos, d + r * seq_len + pos + rows[r][i], static_cast<std::int64_t>(i + 1));
-      pos += rows[r][i];
+      pos += occupied[r][i];
+    }
+    D = std::max(D, occupied[r].size());
+  }
+  // starts [B][D+1]: a row with fewer documents ends in empty ones where its documents end.
+  std::vector<std::int64_t> starts(B * (D + 1)), reals(B * D, 0);
+  for (std::int64_t r = 0; r < B; ++r) {
+    std::int64_t* s = starts.data() + r * (D + 1);
+    for (std::size_t i = 0; i < D; ++i) {
+      const bool doc = i < occupied[r].size();
+      s[i + 1] = s[i] + (doc ? occupied[r][i] : 0);
+      reals[r * D + i] = doc ? real[r][i] : 0;
     }
   }
-  return ids;
+  Layout out{Tensor({B, seq_len}, DType::i64), Tensor({B, seq_len}, DType::b8), Tensor()};
+  kernels::kernels_for(Device::host())
+      .doc_ids_from_starts({starts.data(), reals.data(), out.doc_ids.data<std::int64_t>(), out.padding.data<bool>(), B,
+                            seq_len, static_cast<std::int64_t>(D)},
+                           nullptr);
+  return out;
+}
+
+Tensor doc_ids_from_rows(const std::vector<std::vector<std::int64_t>>& rows, std::int64_t seq_len,
+                         const std::string& key) {
+  return packed_ids(rows, rows, seq_len, key).doc_ids;
 }
 
 // Real/occupied lengths per row for the packed forms, checked against each other.
@@ -130,20 +154,13 @@ void check_packing_keys(const Batch& b, std::int64_t rows) {
 }
 
 // Offset inside the run of equal doc ids; the trailing doc-id-0 run continues
-// the last position.
+// the last position (the layout kernel).
 Tensor derive_positions(const Tensor& doc_ids) {
   const std::int64_t rows = doc_ids.dim(0), S = doc_ids.dim(1);
   Tensor pos({rows, S}, DType::i64);
-  const auto* id = doc_ids.data<std::int64_t>();
-  auto* p = pos.data<std::int64_t>();
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const auto cu = segment_cu_seqlens(id + r * S, S);
-    for (std::size_t s = 0; s + 1 < cu.size(); ++s) {
-      const bool tail = s + 2 == cu.size() && id[r * S + cu[s]] == kPadDocId && s > 0;
-      const std::int64_t base = tail ? p[r * S + cu[s] - 1] + 1 : 0;
-      for (std::int64_t t = cu[s]; t < cu[s + 1]; ++t) p[r * S + t] = base + (t - cu[s]);
-    }
-  }
+  std::vector<std::int64_t> tails(rows);
+  kernels::kernels_for(Device::host())
+      .derived_positions(doc_ids.data<std::int64_t>(), tails.data(), pos.data<std::int64_t>(), rows, S, nullptr);
   return pos;
 }
 
@@ -203,10 +220,10 @@ Tensor doc_ids_from_cu_seqlens(const Tensor& cu_seqlens, std::int64_t seq_len, c
 }
 
 std::vector<std::int64_t> segment_cu_seqlens(const std::int64_t* ids, std::int64_t n) {
-  std::vector<std::int64_t> cu{0};
-  for (std::int64_t t = 1; t < n; ++t)
-    if (ids[t] != ids[t - 1]) cu.push_back(t);
-  if (n > 0) cu.push_back(n);
+  if (n <= 0) return {0};
+  std::vector<std::int64_t> cu(n + 1);
+  cu.resize(kernels::kernels_for(Device::host()).segment_starts(ids, n, cu.data(), nullptr));
+  cu.push_back(n);
   return cu;
 }
 
@@ -241,23 +258,17 @@ Layout derive_layout(const Batch& batch) {
     if (has(batch, key)) require_int(batch.at(key), key);
   check_packing_keys(batch, B);
   Layout out;
-  out.doc_ids = global_doc_ids(batch);
-  out.padding = Tensor({B, S}, DType::b8);
-  auto* pad = out.padding.data<bool>();
   if (is_packed(batch)) {
     const PackedLengths pl = packed_lengths(batch, B);
-    for (std::int64_t r = 0; r < B; ++r) {
-      std::fill(pad + r * S, pad + (r + 1) * S, true);
-      std::int64_t start = 0;
-      for (std::size_t i = 0; i < pl.real[r].size(); ++i) {
-        std::fill(pad + r * S + start, pad + r * S + start + pl.real[r][i], false);
-        start += pl.occupied[r][i];
-      }
-    }
+    out = packed_ids(pl.real, pl.occupied, S, pl.occupied_key);
   } else {
+    out.doc_ids = global_doc_ids(batch);
+    out.padding = Tensor({B, S}, DType::b8);
     const auto* id = out.doc_ids.data<std::int64_t>();
-    for (std::int64_t i = 0; i < B * S; ++i) pad[i] = id[i] == kPadDocId;
+    auto* p = out.padding.data<bool>();
+    for (std::int64_t i = 0; i < B * S; ++i) p[i] = id[i] == kPadDocId;
   }
+  const bool* pad = out.padding.data<bool>();
   if (has(batch, "position_ids")) {
     out.positions = batch.at("position_ids").to(DType::i64);
   } else {

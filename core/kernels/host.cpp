@@ -3,6 +3,8 @@
 #include <array>
 #include <atomic>
 
+#include "core/kernels/conv.hpp"
+#include "core/kernels/layout.hpp"
 #include "core/kernels/movement.hpp"
 
 namespace cpsim::kernels {
@@ -16,6 +18,17 @@ const KernelTable host_table{
     [](const PositionCopy& a, DType dtype, void*) { add_positions(thrust::host, a, dtype); },
     [](const History& a, void*) { history_tails<false>(thrust::host, a); },
     [](const History& a, void*) { history_tails<true>(thrust::host, a); },
+    [](const DocIds& a, void*) { doc_ids_from_starts(thrust::host, a); },
+    [](const std::int64_t* ids, std::int64_t* out, std::int64_t rows, std::int64_t len, void*) {
+      run_starts(thrust::host, ids, nullptr, out, rows, len);
+    },
+    [](const std::int64_t* ids, std::int64_t* tails, std::int64_t* positions, std::int64_t rows, std::int64_t len,
+       void*) { derived_positions(thrust::host, ids, tails, positions, rows, len); },
+    [](const std::int64_t* ids, std::int64_t len, std::int64_t* out, void*) -> std::int64_t {
+      return segment_starts(thrust::host, ids, len, out);
+    },
+    [](const Conv& a, DType dtype, void*) { conv_forward(thrust::host, a, dtype); },
+    [](const Conv& a, DType dtype, void*) { conv_backward(thrust::host, a, dtype); },
 };
 
 std::atomic<const KernelTable*> cuda_table{nullptr};

@@ -40,6 +40,32 @@ struct History {
   std::size_t position_bytes = 0;
 };
 
+// Document ids and padding [B, S] from each row's document starts [B, D+1]
+// (occupied lengths, cumulated; the last entry is where the documents end) and
+// real lengths [B, D].
+struct DocIds {
+  const std::int64_t* starts = nullptr;
+  const std::int64_t* real = nullptr;
+  std::int64_t* ids = nullptr;
+  bool* padding = nullptr;
+  std::int64_t rows = 0, seq_len = 0, docs = 0;
+};
+
+// The packed causal conv over windows [B, N+W-1, C] (see conv.hpp); run_start
+// [B, N+W-1] are the window's run starts (run_starts). Backward writes gx, gw, gbias.
+struct Conv {
+  const void* x = nullptr;
+  const std::int64_t* run_start = nullptr;
+  const void* w = nullptr;
+  const void* bias = nullptr;  // may be null
+  void* y = nullptr;
+  const void* gy = nullptr;
+  void* gx = nullptr;
+  void* gw = nullptr;
+  void* gbias = nullptr;
+  std::int64_t rows = 0, outputs = 0, channels = 0, width = 0;
+};
+
 struct KernelTable {
   void (*blocks_to_sequence)(const Rearrange&, void* stream);
   void (*sequence_to_blocks)(const Rearrange&, void* stream);
@@ -50,6 +76,19 @@ struct KernelTable {
   void (*history_from_tails)(const History&, void* stream);
   // Window slot gradients [0, H) into the owners' tail slots (the reverse move).
   void (*history_to_tails)(const History&, void* stream);
+
+  void (*doc_ids_from_starts)(const DocIds&, void* stream);
+  // out[b][t] = first position of the run of equal ids holding (b, t), rows of `len`.
+  void (*run_starts)(const std::int64_t* ids, std::int64_t* out, std::int64_t rows, std::int64_t len, void* stream);
+  // SPEC §1 derived positions; `tails` is [rows] scratch.
+  void (*derived_positions)(const std::int64_t* ids, std::int64_t* tails, std::int64_t* positions, std::int64_t rows,
+                            std::int64_t len, void* stream);
+  // Starts of the runs of equal ids of one row into out; returns how many.
+  std::int64_t (*segment_starts)(const std::int64_t* ids, std::int64_t len, std::int64_t* out, void* stream);
+
+  // float32 or float64.
+  void (*conv_forward)(const Conv&, DType dtype, void* stream);
+  void (*conv_backward)(const Conv&, DType dtype, void* stream);
 };
 
 // The table of a device kind; throws Unsupported when none is registered.

@@ -1,0 +1,109 @@
+// The packed causal depthwise convolution of the one kernel source. A window of
+// N+W-1 positions per row (the W-1 positions before the shard, then the shard)
+// and its doc ids; output t takes taps j in [first(t), W), where first(t) =
+// runstart(t+W-1) - t drops the taps before the start of t's segment.
+//   forward   one thread per output (b, t, c)
+//   dx        one thread per window position (b, p, c), gathering the outputs that read it
+//   dw, dbias one thread per weight (c, j) / channel, summing over (b, t) in order
+#pragma once
+
+#include "core/kernels/hd.hpp"
+#include "core/kernels/table.hpp"
+
+namespace cpsim::kernels {
+
+template <class T>
+struct ConvForward {
+  const T* x;
+  const std::int64_t* start;  // run starts of the window [B][NW]
+  const T* w;
+  const T* bias;
+  T* y;
+  index_t N, C, W;
+  CPSIM_HD void operator()(index_t i) const {
+    const index_t NW = N + W - 1, b = i / (N * C), rem = i - b * N * C, t = rem / C, c = rem - t * C;
+    const index_t first = start[b * NW + t + W - 1] - t;
+    T acc = bias ? bias[c] : T(0);
+    for (index_t j = first > 0 ? first : 0; j < W; ++j) acc += w[c * W + j] * x[(b * NW + t + j) * C + c];
+    y[i] = acc;
+  }
+};
+
+template <class T>
+struct ConvInputGrad {
+  const std::int64_t* start;
+  const T* w;
+  const T* gy;
+  T* gx;
+  index_t N, C, W;
+  CPSIM_HD void operator()(index_t i) const {
+    const index_t NW = N + W - 1, b = i / (NW * C), rem = i - b * NW * C, p = rem / C, c = rem - p * C;
+    T acc = T(0);
+    for (index_t j = W - 1; j >= 0; --j) {  // outputs t = p - j in increasing order
+      const index_t t = p - j;
+      if (t < 0 || t >= N || j < start[b * NW + t + W - 1] - t) continue;
+      acc += w[c * W + j] * gy[(b * N + t) * C + c];
+    }
+    gx[i] = acc;
+  }
+};
+
+template <class T>
+struct ConvWeightGrad {
+  const T* x;
+  const std::int64_t* start;
+  const T* gy;
+  T* gw;
+  T* gbias;
+  index_t B, N, C, W;
+  CPSIM_HD void operator()(index_t i) const {  // i over C*W weights, then C biases
+    const index_t NW = N + W - 1;
+    if (i >= C * W) {
+      const index_t c = i - C * W;
+      T acc = T(0);
+      for (index_t b = 0; b < B; ++b)
+        for (index_t t = 0; t < N; ++t) acc += gy[(b * N + t) * C + c];
+      gbias[c] = acc;
+      return;
+    }
+    const index_t c = i / W, j = i - c * W;
+    T acc = T(0);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < N; ++t)
+        if (j >= start[b * NW + t + W - 1] - t) acc += x[(b * NW + t + j) * C + c] * gy[(b * N + t) * C + c];
+    gw[i] = acc;
+  }
+};
+
+template <class Policy, class F>
+void with_float(DType dtype, F&& f) {
+  if (dtype == DType::f32) f(float{});
+  else f(double{});
+}
+
+template <class Policy>
+void conv_forward(Policy&& policy, const Conv& a, DType dtype) {
+  with_float<Policy>(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for_each_index(policy, a.rows * a.outputs * a.channels,
+                   ConvForward<T>{static_cast<const T*>(a.x), a.run_start, static_cast<const T*>(a.w),
+                                  static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.outputs, a.channels, a.width});
+  });
+}
+
+template <class Policy>
+void conv_backward(Policy&& policy, const Conv& a, DType dtype) {
+  with_float<Policy>(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const index_t NW = a.outputs + a.width - 1;
+    for_each_index(policy, a.rows * NW * a.channels,
+                   ConvInputGrad<T>{a.run_start, static_cast<const T*>(a.w), static_cast<const T*>(a.gy),
+                                    static_cast<T*>(a.gx), a.outputs, a.channels, a.width});
+    for_each_index(policy, a.channels * a.width + a.channels,
+                   ConvWeightGrad<T>{static_cast<const T*>(a.x), a.run_start, static_cast<const T*>(a.gy),
+                                     static_cast<T*>(a.gw), static_cast<T*>(a.gbias), a.rows, a.outputs, a.channels,
+                                     a.width});
+  });
+}
+
+}  // namespace cpsim::kernels
