@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include "core/kernels/table.hpp"
+#include "core/plan.hpp"
 
 namespace cpsim {
 
@@ -30,14 +31,9 @@ Tensor positions(const Tensor& t, std::int64_t from, std::int64_t n) {
   return out;
 }
 
-// Elements to move on hop k (rank r-k -> r): the tail of r-k's shard that lies
-// inside r's history window. The same on every rank.
-std::int64_t hop_count(std::int64_t L, int width, int k) {
-  return std::clamp<std::int64_t>((width - 1) - (k - 1) * L, 0, L);
-}
-
 Tensor history_all_gather(const Tensor& x, Communicator& comm, int width) {
-  const std::int64_t B = x.dim(0), L = x.dim(1), C = x.dim(2), H = width - 1, T = std::min(L, H);
+  const std::int64_t B = x.dim(0), L = x.dim(1), C = x.dim(2), H = width - 1;
+  const std::int64_t T = halo_plan(L, width, comm.rank(), comm.size()).tail;
   const int c = comm.size(), r = comm.rank();
   const Tensor tail = positions(x, L - T, T);
   Tensor tails({c * B, T, C}, x.dtype(), x.device());  // [c][B][T][C]
@@ -51,7 +47,8 @@ Tensor history_all_gather(const Tensor& x, Communicator& comm, int width) {
 }
 
 Tensor history_all_gather_backward(const Tensor& g, Communicator& comm, int width) {
-  const std::int64_t B = g.dim(0), C = g.dim(2), H = width - 1, L = g.dim(1) - H, T = std::min(L, H);
+  const std::int64_t B = g.dim(0), C = g.dim(2), H = width - 1, L = g.dim(1) - H;
+  const std::int64_t T = halo_plan(L, width, comm.rank(), comm.size()).tail;
   const int c = comm.size(), r = comm.rank();
   // Each rank moves its history gradient into per-owner tail slots; the
   // reduce-scatter sums the slots in rank order and hands each owner its own.
@@ -69,17 +66,16 @@ Tensor history_all_gather_backward(const Tensor& g, Communicator& comm, int widt
 
 Tensor history_send_recv(const Tensor& x, Communicator& comm, int width) {
   const std::int64_t B = x.dim(0), L = x.dim(1), C = x.dim(2), H = width - 1;
-  const int c = comm.size(), r = comm.rank();
+  const int r = comm.rank();
   Tensor out({B, L + H, C}, x.dtype(), x.device());
-  for (int k = 1; hop_count(L, width, k) > 0 && k < c; ++k) {
-    const std::int64_t n = hop_count(L, width, k);
+  for (const HaloHop& hop : halo_plan(L, width, r, comm.size()).hops) {
+    const std::int64_t n = hop.count;
     Tensor send = positions(x, L - n, n), recv({B, n, C}, x.dtype(), x.device());
-    const int dst = r + k < c ? r + k : -1, src = r - k >= 0 ? r - k : -1;
-    comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
-                    static_cast<std::size_t>(recv.numel()), src},
+    comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), hop.dst, recv.raw(),
+                    static_cast<std::size_t>(recv.numel()), hop.src},
                    x.dtype());
     // Rank r-k's last n positions sit at global (r-k+1)L - n ... in r's window.
-    if (src >= 0) copy_positions(recv, 0, out, (r - k + 1) * L - n - (r * L - H), n, false);
+    if (hop.src >= 0) copy_positions(recv, 0, out, (r - hop.distance + 1) * L - n - (r * L - H), n, false);
   }
   copy_positions(x, 0, out, H, L, false);
   return out;
@@ -87,17 +83,17 @@ Tensor history_send_recv(const Tensor& x, Communicator& comm, int width) {
 
 Tensor history_send_recv_backward(const Tensor& g, Communicator& comm, int width) {
   const std::int64_t B = g.dim(0), C = g.dim(2), H = width - 1, L = g.dim(1) - H;
-  const int c = comm.size(), r = comm.rank();
+  const int r = comm.rank();
   Tensor dx = positions(g, H, L);
-  for (int k = 1; hop_count(L, width, k) > 0 && k < c; ++k) {
-    const std::int64_t n = hop_count(L, width, k);
+  for (const HaloHop& hop : halo_plan(L, width, r, comm.size()).hops) {
+    // The forward hop run backwards: gradients go to r - k, arrive from r + k.
+    const std::int64_t n = hop.count;
     Tensor send({B, n, C}, g.dtype(), g.device()), recv({B, n, C}, g.dtype(), g.device());
-    const int dst = r - k >= 0 ? r - k : -1, src = r + k < c ? r + k : -1;
-    if (dst >= 0) copy_positions(g, (r - k + 1) * L - n - (r * L - H), send, 0, n, false);
-    comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
-                    static_cast<std::size_t>(recv.numel()), src},
+    if (hop.src >= 0) copy_positions(g, (r - hop.distance + 1) * L - n - (r * L - H), send, 0, n, false);
+    comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), hop.src, recv.raw(),
+                    static_cast<std::size_t>(recv.numel()), hop.dst},
                    g.dtype());
-    if (src >= 0) copy_positions(recv, 0, dx, L - n, n, true);
+    if (hop.dst >= 0) copy_positions(recv, 0, dx, L - n, n, true);
   }
   return dx;
 }

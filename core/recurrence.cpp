@@ -3,6 +3,8 @@
 #include <cmath>
 #include <vector>
 
+#include "core/plan.hpp"
+
 namespace cpsim {
 
 namespace {
@@ -169,7 +171,7 @@ Tensor exchange(Communicator* comm, const Tensor& mine) {
 }  // namespace
 
 Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, const Var& g,
-                     const PackedContext& context, Communicator* comm) {
+                     const PackedContext& context, Communicator* comm, const RecurrencePlanEdit& edit) {
   const Tensor &Q = q.value(), &Kt = k.value(), &Vt = v.value(), &Bt = beta.value(), &G = g.value();
   CPSIM_ENFORCE(Q.ndim() == 4 && Q.dtype() == DType::f64, "gated_delta_rule takes float64 q [B, L, H, K]");
   const Dims d{Q.dim(0), Q.dim(1), Q.dim(2), Q.dim(3), Vt.dim(3)};
@@ -181,17 +183,21 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
   const Inputs in{d, Q.data<double>(), Kt.data<double>(), Vt.data<double>(), Bt.data<double>(), G.data<double>()};
   const std::int64_t KV = d.K * (d.K + d.V), block = d.H * KV;
 
-  std::vector<FlaCpContext> ctx;
-  for (std::int64_t b = 0; b < d.B; ++b) ctx.push_back(build_fla_cp_context(context, static_cast<int>(b)));
+  std::vector<RecurrencePlan> plan;
+  for (std::int64_t b = 0; b < d.B; ++b) {
+    plan.push_back(recurrence_plan(build_fla_cp_context(context, static_cast<int>(b)), r));
+    if (edit) edit(plan.back(), r, static_cast<int>(b));
+  }
 
   // (M, S_ext) of every row's last local segment; zeros where it ends locally.
   Tensor mine({d.B * block}, DType::f64);
   Mat M, S_ext;
   for (std::int64_t b = 0; b < d.B; ++b) {
-    if (ctx[b].post_num_ranks == 0) continue;
-    const std::int64_t t0 = ctx[b].cu_seqlens[ctx[b].cu_seqlens.size() - 2];
+    if (!plan[b].publishes_transition) continue;
+    const auto& cu = plan[b].segments;
+    const std::size_t s = plan[b].transition_segment;
     for (std::int64_t h = 0; h < d.H; ++h) {
-      transition(in, b, h, t0, d.L, M, S_ext);
+      transition(in, b, h, cu[s], cu[s + 1], M, S_ext);
       double* dst = mine.data<double>() + b * block + h * KV;
       for (std::int64_t i = 0; i < d.K; ++i) {
         std::copy(&M[i * d.K], &M[i * d.K] + d.K, dst + i * (d.K + d.V));
@@ -206,12 +212,11 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
   for (std::int64_t b = 0; b < d.B; ++b) {
     rows[b].S0.assign(d.H, Mat(d.K * d.V, 0.0));
     rows[b].M_first.assign(d.H, Mat());
-    const auto& cu = ctx[b].cu_seqlens;
+    const auto& cu = plan[b].segments;
     for (std::int64_t h = 0; h < d.H; ++h) {
       Mat& S = rows[b].S0[h];
-      for (int j = r - ctx[b].pre_num_ranks; j < r; ++j) {  // fold left to right
+      for (int j : plan[b].fold_forward)
         apply_transition(all.data<double>() + (j * d.B + b) * block + h * KV, S, d.K, d.V);
-      }
       transition(in, b, h, cu[0], cu[1], rows[b].M_first[h], S_ext);
       for (std::size_t s = 0; s + 1 < cu.size(); ++s) {
         Mat state = s == 0 ? rows[b].S0[h] : Mat(d.K * d.V, 0.0);  // reset at every segment start
@@ -229,13 +234,13 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
     // segment's state gradient is then dS_ext of its backward transition.
     Tensor mine_b({d.B * block}, DType::f64);
     for (std::int64_t b = 0; b < d.B; ++b) {
-      const auto& cu = ctx[b].cu_seqlens;
+      const auto& cu = plan[b].segments;
       for (std::int64_t h = 0; h < d.H; ++h)
         for (std::size_t s = 0; s + 1 < cu.size(); ++s) {
           Mat dS(d.K * d.V, 0.0);
           run_backward(in2, b, h, cu[s], cu[s + 1], s == 0 ? rows[b].S0[h] : Mat(d.K * d.V, 0.0), d_o.data<double>(),
                        dS, grads);
-          if (s != 0 || ctx[b].pre_num_ranks == 0) continue;
+          if (s != 0 || !plan[b].publishes_state_gradient) continue;
           double* dst = mine_b.data<double>() + b * block + h * KV;
           const Mat& M1 = rows[b].M_first[h];
           for (std::int64_t i = 0; i < d.K; ++i) {
@@ -248,14 +253,13 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
     // Step 2: fold right to left over the successors, then redo the last segment
     // with the gradient that arrives at its end.
     for (std::int64_t b = 0; b < d.B; ++b) {
-      if (ctx[b].post_num_ranks == 0) continue;
-      const auto& cu = ctx[b].cu_seqlens;
-      const std::size_t last = cu.size() - 2;
+      if (!plan[b].publishes_transition) continue;
+      const auto& cu = plan[b].segments;
+      const std::size_t last = plan[b].transition_segment;
       for (std::int64_t h = 0; h < d.H; ++h) {
         Mat dS(d.K * d.V, 0.0);
-        for (int j = r + ctx[b].post_num_ranks; j > r; --j) {
+        for (int j : plan[b].fold_backward)
           apply_transition(all_b.data<double>() + (j * d.B + b) * block + h * KV, dS, d.K, d.V);
-        }
         // Add the last segment's response to the arriving dS alone (backward is linear
         // in its incoming gradients; step 1 already covered d_o).
         Tensor zq(Q.shape(), DType::f64), zk(Q.shape(), DType::f64), zv(Vt.shape(), DType::f64),

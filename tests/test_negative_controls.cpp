@@ -4,7 +4,7 @@
 
 #include "core/conv.hpp"
 #include "core/gather.hpp"
-#include "tests/broken_recurrence.hpp"
+#include "core/recurrence.hpp"
 #include "tests/property_harness.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
@@ -195,10 +195,11 @@ TEST(NegativeControls, RecurrenceUnderZigzagShardingIsCaught) {
 }
 
 namespace {
-void expect_recurrence_fault_found(cpsim::testing::RecurrenceFault fault, const std::string& name) {
-  const auto broken = [fault](const Var& q, const Var& k, const Var& v, const Var& b, const Var& g,
-                              const PackedContext& ctx, Communicator* comm) {
-    return cpsim::testing::broken_recurrence(fault, q, k, v, b, g, ctx, comm);
+// The real operator running a perturbed plan: one mistake, no copied code.
+void expect_plan_fault_found(const RecurrencePlanEdit& edit, const std::string& name) {
+  const auto broken = [edit](const Var& q, const Var& k, const Var& v, const Var& b, const Var& g,
+                             const PackedContext& ctx, Communicator* comm) {
+    return gated_delta_rule(q, k, v, b, g, ctx, comm, edit);
   };
   expect_found(expect_counterexample(name, [&](const LayoutCase& c) {
     const auto r = check_recurrence_forward(c, CheckOptions{}, broken);
@@ -207,17 +208,26 @@ void expect_recurrence_fault_found(cpsim::testing::RecurrenceFault fault, const 
 }
 }  // namespace
 
+// S <- M_j S + S_ext_j from the nearest predecessor back instead of the farthest first.
 TEST(NegativeControls, RecurrenceCatchesAFoldInTheWrongOrder) {
-  expect_recurrence_fault_found(cpsim::testing::RecurrenceFault::fold_in_wrong_order, "fold in the wrong order");
+  expect_plan_fault_found([](RecurrencePlan& p, int, int) { std::reverse(p.fold_forward.begin(), p.fold_forward.end()); },
+                          "fold in the wrong order");
 }
 
+// The state carries across segment starts inside a shard.
 TEST(NegativeControls, RecurrenceCatchesAMissingResetAtASegmentStartInsideAShard) {
-  expect_recurrence_fault_found(cpsim::testing::RecurrenceFault::no_reset_inside_shard, "no reset inside a shard");
+  expect_plan_fault_found(
+      [](RecurrencePlan& p, int, int) {
+        p.segments = {p.segments.front(), p.segments.back()};
+        p.transition_segment = 0;
+      },
+      "no reset inside a shard");
 }
 
+// Ranks publish (M, S_ext) of their first local segment instead of their last.
 TEST(NegativeControls, RecurrenceCatchesTheFirstInsteadOfTheLastLocalSegment) {
-  expect_recurrence_fault_found(cpsim::testing::RecurrenceFault::first_segment_transition,
-                                "first instead of last local segment");
+  expect_plan_fault_found([](RecurrencePlan& p, int, int) { p.transition_segment = 0; },
+                          "first instead of last local segment");
 }
 
 // ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // SPEC §2 known answers for contiguous sharding and the recurrent CP context.
 #include <gtest/gtest.h>
 
+#include "core/plan.hpp"
 #include "core/shard.hpp"
 
 #include <optional>
@@ -123,4 +124,36 @@ TEST(Shard, PackedContextCacheFollowsItsBatchThroughCopyMoveAndReassignment) {
   EXPECT_EQ(values(step.context.local_doc_ids()), (std::vector<std::int64_t>{3, 3, 3, 2, 2, 2}));
   step = shard_batch_at(0, 2, two, std::nullopt, 0, false);
   EXPECT_EQ(step.context.row_cu_seqlens(0), (Cu{0, 1, 2, 3}));
+}
+
+// The CP plan as pure functions (core/plan.hpp).
+TEST(Plan, HaloHopsSpanEarlierRanksWhenTheShardIsShorterThanTheWindow) {
+  const HaloPlan p = halo_plan(/*L=*/2, /*width=*/6, /*rank=*/3, /*ranks=*/5);  // H = 5
+  EXPECT_EQ(p.history, 5);
+  EXPECT_EQ(p.tail, 2);
+  ASSERT_EQ(p.hops.size(), 3u);
+  EXPECT_EQ(p.hops[0].count, 2);
+  EXPECT_EQ(p.hops[1].count, 2);
+  EXPECT_EQ(p.hops[2].count, 1);
+  EXPECT_EQ(p.hops[0].dst, 4);
+  EXPECT_EQ(p.hops[0].src, 2);
+  EXPECT_EQ(p.hops[1].dst, -1);  // rank 5 does not exist
+  EXPECT_EQ(p.hops[2].src, 0);
+  EXPECT_TRUE(halo_plan(8, 4, 0, 1).hops.empty());  // one rank: nothing to exchange
+}
+
+TEST(Plan, RecurrenceFoldsFollowTheSpecKnownAnswer) {
+  // Global cu [0, 5, 12], c = 3: rank 1 holds [4, 8), local cu [0, 1, 4].
+  const RecurrencePlan p = recurrence_plan(cp_context_from_global_cu({0, 5, 12}, 3, 1), 1);
+  EXPECT_EQ(p.segments, (std::vector<std::int64_t>{0, 1, 4}));
+  EXPECT_EQ(p.fold_forward, (std::vector<int>{0}));
+  EXPECT_EQ(p.fold_backward, (std::vector<int>{2}));
+  EXPECT_EQ(p.transition_segment, 1u);
+  EXPECT_TRUE(p.publishes_transition);
+  EXPECT_TRUE(p.publishes_state_gradient);
+  // One document over four ranks: rank 3 folds 0, 1, 2 left to right.
+  const RecurrencePlan last = recurrence_plan(cp_context_from_global_cu({0, 8}, 4, 3), 3);
+  EXPECT_EQ(last.fold_forward, (std::vector<int>{0, 1, 2}));
+  EXPECT_TRUE(last.fold_backward.empty());
+  EXPECT_FALSE(last.publishes_transition);
 }

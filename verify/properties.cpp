@@ -75,7 +75,10 @@ ShardFn default_shard() {
   };
 }
 GatherFn default_gather() { return gather_sequence; }
-RecurrenceFn default_recurrence() { return gated_delta_rule; }
+RecurrenceFn default_recurrence() {
+  return [](const Var& q, const Var& k, const Var& v, const Var& beta, const Var& g, const PackedContext& context,
+            Communicator* comm) { return gated_delta_rule(q, k, v, beta, g, context, comm); };
+}
 HaloFn default_halo() { return convolution_history; }
 ConvFn default_conv() { return packed_causal_conv; }
 AnchorFn default_anchor() { return all_gather_backward_anchor; }
