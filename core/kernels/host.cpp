@@ -6,6 +6,7 @@
 #include "core/kernels/conv.hpp"
 #include "core/kernels/layout.hpp"
 #include "core/kernels/movement.hpp"
+#include "core/kernels/recurrence.hpp"
 
 namespace cpsim::kernels {
 
@@ -29,6 +30,7 @@ const KernelTable host_table{
     },
     [](const Conv& a, DType dtype, void*) { conv_forward(thrust::host, a, dtype); },
     [](const Conv& a, DType dtype, void*) { conv_backward(thrust::host, a, dtype); },
+    [](const RecurrenceArgs& a, int pass, void*) { recurrence_pass(thrust::host, a, pass); },
 };
 
 std::atomic<const KernelTable*> cuda_table{nullptr};

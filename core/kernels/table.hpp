@@ -66,6 +66,31 @@ struct Conv {
   std::int64_t rows = 0, outputs = 0, channels = 0, width = 0;
 };
 
+// Per-row plan, flattened: row b's segments are segments[seg_at[b] .. seg_at[b+1]),
+// its forward fold ranks fold_fwd[fwd_at[b] .. fwd_at[b+1]), its backward ones
+// fold_bwd[bwd_at[b] .. bwd_at[b+1]).
+struct RecurrencePlanView {
+  const std::int64_t *segments, *seg_at;
+  const std::int64_t *fold_fwd, *fwd_at;
+  const std::int64_t *fold_bwd, *bwd_at;
+  const std::int64_t* transition_segment;  // [B]
+  const std::uint8_t* publishes;           // [B]: bit 0 transition, bit 1 state gradient
+};
+
+struct RecurrenceArgs {
+  std::int64_t B, L, H, K, V;
+  const double *q, *k, *v, *beta, *g;  // [B,L,H,K], [B,L,H,K], [B,L,H,V], [B,L,H], [B,L,H,K]
+  RecurrencePlanView plan;
+  double* work;         // per (b, h): recurrence_workspace(L, K, V) doubles
+  double* mine;         // [B][H][K][K+V]: what this rank publishes
+  const double* all;    // [c][B][H][K][K+V]: what every rank published
+  double* S0;           // [B][H][K][V]: state entering the first segment
+  double* M_first;      // [B][H][K][K]: transition of the first segment
+  double* o;            // [B,L,H,V]
+  const double* d_o;    // [B,L,H,V]; null: zero
+  double *gq, *gk, *gv, *gbeta, *gg;
+};
+
 struct KernelTable {
   void (*blocks_to_sequence)(const Rearrange&, void* stream);
   void (*sequence_to_blocks)(const Rearrange&, void* stream);
@@ -89,6 +114,10 @@ struct KernelTable {
   // float32 or float64.
   void (*conv_forward)(const Conv&, DType dtype, void* stream);
   void (*conv_backward)(const Conv&, DType dtype, void* stream);
+
+  // One pass of the CP gated delta rule over every (row, head): 0 publish,
+  // 1 forward, 2 backward_local, 3 backward_fold (see recurrence.hpp).
+  void (*recurrence_pass)(const RecurrenceArgs&, int pass, void* stream);
 };
 
 // The table of a device kind; throws Unsupported when none is registered.
