@@ -1,9 +1,11 @@
-// A test-only backend, registered only in the test binary: the threads backend
+// Test-only backends, registered only in the test binary. `delayed`: the threads backend
 // with every call delayed by a random 0-300 µs on each rank. The threads backend
 // runs ranks in near lock-step; random delays reorder arrivals and shake out
 // ordering bugs it hides (a rank reading a peer's buffer before it is written, a
 // result that depends on who arrives first). It is also the proof that a backend
 // is one folder and one registration: nothing above core/comm names it.
+// `counting` (registered by the tests that use it, so the suites over every backend
+// do not run it): threads, counting the groups made, so tests can count simulations.
 #include <atomic>
 #include <random>
 #include <thread>
@@ -11,6 +13,9 @@
 #include "core/comm/registry.hpp"
 
 namespace cpsim::testing {
+
+std::atomic<std::int64_t> counting_groups{0};
+
 namespace {
 
 class DelayedCommunicator final : public Communicator {
@@ -78,4 +83,18 @@ const BackendRegistrar registrar{Backend{
     }}};
 
 }  // namespace
+
+void register_counting_backend() {
+  static const bool once = [] {
+    register_backend(Backend{"counting", "test only: threads, counting the groups it makes (one per run_ranks)",
+                             Capabilities{/*rank_order_sums=*/true, /*device_buffers=*/false, /*stream_ordered=*/false},
+                             [](int n, std::chrono::milliseconds timeout) {
+                               ++counting_groups;
+                               return find_backend("threads").make_group(n, timeout);
+                             }});
+    return true;
+  }();
+  (void)once;
+}
+
 }  // namespace cpsim::testing

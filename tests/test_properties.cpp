@@ -4,6 +4,7 @@
 #include "verify/properties.hpp"
 #include "core/comm/run_ranks.hpp"
 
+#include <atomic>
 #include <map>
 #include <set>
 
@@ -156,4 +157,50 @@ CPSIM_BACKEND_PROP(Distributed, CpRecurrenceForwardMatchesTheUnshardedRecurrence
 
 CPSIM_BACKEND_PROP(Distributed, CpRecurrenceGradientsMatchTheUnshardedRecurrence) {
   assert_holds(check_recurrence_backward(c, on(backend)));
+}
+
+namespace cpsim::testing {
+extern std::atomic<std::int64_t> counting_groups;  // tests/delayed_backend.cpp
+void register_counting_backend();
+}
+
+// One table, one harness: every row runs on a case prepared once, and rows that
+// share a simulation (the conv forward and backward, the recurrence forward and
+// backward) share one run instead of simulating twice.
+TEST(PropertyTable, EveryRowRunsOnceOnASharedPreparedCase) {
+  const auto& table = property_table();
+  std::vector<std::string> names;
+  for (const auto& row : table) names.push_back(row.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"layout", "shard", "gather_forward", "gather_backward", "anchor",
+                                             "halo_forward", "halo_backward", "conv_forward", "conv_backward",
+                                             "recurrence_forward", "recurrence_backward"}));
+  for (const auto& row : table) {
+    EXPECT_FALSE(row.claim.empty()) << row.name;
+    EXPECT_EQ(row.comparison == Comparison::tolerance, row.tolerance > 0) << row.name;
+  }
+  cpsim::testing::register_counting_backend();
+  const auto gen = gen_layout_case(4);
+  CheckOptions o;
+  o.backend = "counting";
+  for (int i = 0; i < 20; ++i) {
+    LayoutCase c = gen(rc::Random(77 + i), 30).value();
+    c.cp = 2 + i % 3;
+    cpsim::testing::counting_groups = 0;
+    const auto all = check_all(c, o);
+    const std::int64_t shared = cpsim::testing::counting_groups;
+    cpsim::testing::counting_groups = 0;
+    std::vector<PropertyResult> alone{check_gather_forward(c, o),    check_gather_backward(c, o), check_anchor(c, o),
+                                      check_halo_forward(c, o),      check_halo_backward(c, o),   check_conv_forward(c, o),
+                                      check_conv_backward(c, o),     check_recurrence_forward(c, o),
+                                      check_recurrence_backward(c, o)};
+    const std::int64_t separate = cpsim::testing::counting_groups;
+    // The conv runs once instead of twice (two exchanges: two groups), the recurrence once instead of twice.
+    EXPECT_EQ(shared, separate - 3) << c;
+    ASSERT_EQ(all.size(), table.size());
+    for (std::size_t k = 0; k < all.size(); ++k) {
+      EXPECT_TRUE(all[k].ok) << all[k].property << ": " << all[k].detail << "\n" << c;
+      EXPECT_EQ(all[k].property, table[k].name);
+    }
+    for (const auto& r : alone) EXPECT_TRUE(r.ok) << r.property << ": " << r.detail;
+  }
 }

@@ -6,6 +6,7 @@
 
 #include "core/conv.hpp"
 #include "core/gather.hpp"
+#include "core/plan.hpp"
 #include "core/recurrence.hpp"
 #include "core/comm/run_ranks.hpp"
 #include "verify/random.hpp"
@@ -213,35 +214,59 @@ PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard) {
   return t.result();
 }
 
+struct ConvRun;
+struct RecurrenceRun;
+
+// Simulations several rows share, run once per case (default implementations only).
+struct Prepared::Runs {
+  std::shared_ptr<const ConvRun> conv;
+  std::shared_ptr<const RecurrenceRun> recurrence;
+};
+
+Prepared::Prepared(LayoutCase c_in) : c(std::move(c_in)), runs(std::make_shared<Runs>()) {
+  shape = reference_shape(c.batch);
+  g = reference_geometry(shape.seq_len, c.cp);
+  truth = reference_layout(c.batch);
+  padded_ids = reference_padded_doc_ids(truth, g.padded_len);
+  // Every rank's packed context, as a training step makes it (shard_batch).
+  try {
+    for (int r = 0; r < c.cp; ++r)
+      contexts.push_back(shard_batch_at(r, c.cp, c.batch, std::nullopt, c.pad_token_id, false).context);
+  } catch (const std::exception& e) {
+    contexts.clear();
+    shard_error = e.what();
+  }
+}
+
+const PackedContext& Prepared::context(int rank) const {
+  if (contexts.empty()) throw Error("shard_batch threw: " + shard_error);
+  return contexts.at(rank);
+}
+
 namespace {
 
-// The global [B, P, ...] activation a case gathers, and each rank's slice of it:
-// the reference's geometry, never the code under test's.
-struct GatherSetup {
-  ReferenceGeometry g;
-  std::int64_t B;
-};
-GatherSetup gather_setup(const LayoutCase& c) {
-  const ReferenceShape shape = reference_shape(c.batch);
-  return {reference_geometry(shape.seq_len, c.cp), shape.rows};
+// Rank r's slice of a global [B, P, ...] tensor, where its packed context says its
+// shard lies (the model's path: a wrong context is a wrong result, not a crash).
+Tensor local(const Tensor& global, const PackedContext& ctx) {
+  return narrow(global, 1, ctx.seq_start(), ctx.local_seq_len());
 }
 
 }  // namespace
 
-PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
+PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {
+  const LayoutCase& c = s.c;
   Tally t{"gather_forward", c.cp};
   try {
-    const GatherSetup s = gather_setup(c);
     const std::vector<std::pair<DType, Shape>> cases = {
-        {DType::f32, {s.B, s.g.padded_len, o.channels}}, {DType::f64, {s.B, s.g.padded_len, 2}},
-        {DType::bf16, {s.B, s.g.padded_len, o.channels}}, {DType::i32, {s.B, s.g.padded_len, 3}},
-        {DType::i64, {s.B, s.g.padded_len}},              {DType::b8, {s.B, s.g.padded_len, 2, 2}}};
+        {DType::f32, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::f64, {s.shape.rows, s.g.padded_len, 2}},
+        {DType::bf16, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::i32, {s.shape.rows, s.g.padded_len, 3}},
+        {DType::i64, {s.shape.rows, s.g.padded_len}},              {DType::b8, {s.shape.rows, s.g.padded_len, 2, 2}}};
     for (const auto& [dt, shape] : cases) {
       const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, static_cast<int>(dt)));
       std::vector<Tensor> got(c.cp);
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        Var x(narrow(global, 1, s.g.start(r), s.g.local_len), is_floating(dt));
+        Var x(local(global, s.context(r)), is_floating(dt));
         got[r] = gather(x, &comm, is_floating(dt)).value();
       }, run_options(o), {&got});
       for (int r = 0; r < c.cp; ++r)
@@ -289,19 +314,19 @@ Tensor reference_grad(DType dt, const std::vector<Tensor>& upstream, const std::
 
 }  // namespace
 
-PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
+PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {
+  const LayoutCase& c = s.c;
   Tally t{"gather_backward", c.cp};
   try {
-    const GatherSetup s = gather_setup(c);
     for (DType dt : {DType::f64, DType::f32}) {
-      const Shape shape{s.B, s.g.padded_len, o.channels};
+      const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
       const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, 11));
       std::vector<Tensor> upstream;
       for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor(shape, dt, mix_seed(c.seed, 100 + q)));
       std::vector<Tensor> grads(c.cp);
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        Var x(narrow(global, 1, s.g.start(r), s.g.local_len), true);
+        Var x(local(global, s.context(r)), true);
         backward(dot(gather(x, &comm, true), upstream[r]));
         grads[r] = x.grad();
       }, run_options(o), {&grads});
@@ -321,11 +346,11 @@ PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o,
   return t.result();
 }
 
-PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
+PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
+  const LayoutCase& c = s.c;
   Tally t{"anchor", c.cp};
   try {
-    const GatherSetup s = gather_setup(c);
-    const Shape shape{s.B, s.g.padded_len, o.channels};
+    const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
     const Tensor global = random_tensor(shape, DType::f64, mix_seed(c.seed, 21));
     std::vector<Tensor> upstream;
     std::vector<bool> uses(c.cp);  // whether rank q's loss depends on the gathered tensor
@@ -339,7 +364,7 @@ PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const Ga
     auto step = [&](bool with_anchor, std::vector<Tensor>& grads) {
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        Var x(narrow(global, 1, s.g.start(r), s.g.local_len), true);
+        Var x(local(global, s.context(r)), true);
         Var gathered = gather(x, &comm, true);
         Var loss = uses[r] ? dot(gathered, upstream[r]) : constant_scalar(0.0);
         if (with_anchor) loss = add(loss, anchor(gathered));
@@ -399,16 +424,16 @@ struct ErrorTally {
 
 }  // namespace
 
-PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
+PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
+  const LayoutCase& c = s.c;
   Tally t{"halo_forward", c.cp};
   try {
-    const GatherSetup s = gather_setup(c);
-    const Tensor x = masked_activation(c, s.g.padded_len, o.channels, mix_seed(c.seed, 31));
+    const Tensor x = masked_activation(s.truth, s.g.padded_len, o.channels, mix_seed(c.seed, 31));
     for (HaloExchange e : kExchanges) {
       std::vector<Tensor> got(c.cp);
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        got[r] = halo(Var(narrow(x, 1, s.g.start(r), s.g.local_len), true), &comm, o.conv_width, e).value();
+        got[r] = halo(Var(local(x, s.context(r)), true), &comm, o.conv_width, e).value();
       }, run_options(o), {&got});
       for (int r = 0; r < c.cp; ++r)
         t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[r],
@@ -420,18 +445,18 @@ PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, co
   return t.result();
 }
 
-PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
+PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
+  const LayoutCase& c = s.c;
   ErrorTally t{"halo_backward", c.cp};
   try {
-    const GatherSetup s = gather_setup(c);
     const std::int64_t L = s.g.local_len, H = o.conv_width - 1, P = s.g.padded_len, C = o.channels;
-    const Tensor x = masked_activation(c, P, C, mix_seed(c.seed, 32));
+    const Tensor x = masked_activation(s.truth, P, C, mix_seed(c.seed, 32));
     std::vector<Tensor> upstream;
-    for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor({s.B, L + H, C}, DType::f64, mix_seed(c.seed, 300 + q)));
+    for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor({s.shape.rows, L + H, C}, DType::f64, mix_seed(c.seed, 300 + q)));
     // Reference: every window slot's gradient lands on the global position it came from.
-    Tensor owner_grad({s.B, P, C}, DType::f64);
+    Tensor owner_grad({s.shape.rows, P, C}, DType::f64);
     for (int q = 0; q < c.cp; ++q)
-      for (std::int64_t b = 0; b < s.B; ++b)
+      for (std::int64_t b = 0; b < s.shape.rows; ++b)
         for (std::int64_t i = 0; i < L + H; ++i) {
           const std::int64_t p = s.g.start(q) - H + i;
           if (p < 0) continue;
@@ -444,7 +469,7 @@ PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, c
       std::vector<Tensor> grads(c.cp);
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        Var xr(narrow(x, 1, s.g.start(r), L), true);
+        Var xr(local(x, s.context(r)), true);
         backward(dot(halo(xr, &comm, o.conv_width, e), upstream[r]));
         grads[r] = xr.grad();
       }, run_options(o), {&grads});
@@ -458,32 +483,44 @@ PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, c
   return t.result(kConvTolerance);
 }
 
-namespace {
-
 struct ConvRun {
   ConvReference ref;
   std::vector<std::vector<Tensor>> y, dx;  // [exchange][rank]
   std::vector<Tensor> dw, dbias;           // [exchange], summed over ranks in rank order
 };
 
-ConvRun run_conv(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
-  const GatherSetup s = gather_setup(c);
-  const std::int64_t P = s.g.padded_len, L = s.g.local_len, C = o.channels, W = o.conv_width;
-  const Tensor x = masked_activation(c, P, C, mix_seed(c.seed, 41));
-  const Tensor ids = reference_padded_doc_ids(c, P);
+namespace {
+
+// One conv layer per rank, forward and backward, both exchanges. With neither part
+// given, the model's own layer (sharded_packed_conv on the rank's packed context);
+// otherwise the same composition with the given halo and/or conv.
+ConvRun run_conv(const Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  const LayoutCase& c = s.c;
+  const std::int64_t P = s.g.padded_len, C = o.channels, W = o.conv_width;
+  const Tensor x = masked_activation(s.truth, P, C, mix_seed(c.seed, 41));
   const Tensor w = random_tensor({C, W}, DType::f64, mix_seed(c.seed, 42));
   const Tensor bias = random_tensor({C}, DType::f64, mix_seed(c.seed, 43));
-  const Tensor gy = random_tensor({s.B, P, C}, DType::f64, mix_seed(c.seed, 44));
+  const Tensor gy = random_tensor({s.shape.rows, P, C}, DType::f64, mix_seed(c.seed, 44));
+  const bool layer = !halo && !conv;
+  const HaloFn& halo_fn = halo ? halo : default_halo();
+  const ConvFn& conv_fn = conv ? conv : default_conv();
   ConvRun run;
-  run.ref = reference_conv(x, ids, w, bias, gy);
+  run.ref = reference_conv(x, s.padded_ids, w, bias, gy);
   for (HaloExchange e : kExchanges) {
     std::vector<Tensor> y(c.cp), dx(c.cp), dw(c.cp), db(c.cp);
     run_ranks(c.cp, [&](Communicator& comm) {
       const int r = comm.rank();
-      Var xr(narrow(x, 1, s.g.start(r), L), true), wr(w.clone(), true), br(bias.clone(), true);
-      const Var window = halo(xr, &comm, static_cast<int>(W), e);
-      const Var out = conv(window, window_doc_ids(ids, s.g.start(r), L, static_cast<int>(W)), wr, br);
-      backward(dot(out, narrow(gy, 1, s.g.start(r), L)));
+      const PackedContext& ctx = s.context(r);
+      Var xr(local(x, ctx), true), wr(w.clone(), true), br(bias.clone(), true);
+      Var out;
+      if (layer) {
+        out = sharded_packed_conv(xr, ctx, &comm, wr, br, e);
+      } else {
+        const Var window = halo_fn(xr, &comm, static_cast<int>(W), e);
+        out = conv_fn(window, window_doc_ids(ctx.doc_ids(), ctx.seq_start(), ctx.local_seq_len(), static_cast<int>(W)),
+                      wr, br);
+      }
+      backward(dot(out, local(gy, ctx)));
       y[r] = out.value();
       dx[r] = xr.grad();
       dw[r] = wr.grad();
@@ -503,12 +540,21 @@ ConvRun run_conv(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo,
   return run;
 }
 
+// The shared conv run of the model's layer (the table's rows), or a fresh one.
+std::shared_ptr<const ConvRun> conv_run(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  if (halo || conv) return std::make_shared<ConvRun>(run_conv(s, o, halo, conv));
+  if (!s.runs->conv) s.runs->conv = std::make_shared<ConvRun>(run_conv(s, o, halo, conv));
+  return s.runs->conv;
+}
+
 }  // namespace
 
-PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  const LayoutCase& c = s.c;
   ErrorTally t{"conv_forward", c.cp};
   try {
-    const ConvRun run = run_conv(c, o, halo, conv);
+    const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
+    const ConvRun& run = *held;
     for (std::size_t e = 0; e < run.y.size(); ++e)
       t.expect_close(run.ref.y, cat(run.y[e], 1), kConvTolerance, "conv output" + exchange_tag(kExchanges[e]));
   } catch (const std::exception& e) {
@@ -517,10 +563,12 @@ PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, co
   return t.result(kConvTolerance);
 }
 
-PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  const LayoutCase& c = s.c;
   ErrorTally t{"conv_backward", c.cp};
   try {
-    const ConvRun run = run_conv(c, o, halo, conv);
+    const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
+    const ConvRun& run = *held;
     for (std::size_t e = 0; e < run.dx.size(); ++e) {
       bool all = true;
       for (const auto& g : run.dx[e]) all = all && g.defined();
@@ -539,6 +587,12 @@ PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, c
   return t.result(kConvTolerance);
 }
 
+struct RecurrenceRun {
+  RecurrenceReference ref;
+  Tensor o, dq, dk, dv, dbeta, dg;  // gathered, in global order
+  bool grads_defined = true;
+};
+
 namespace {
 
 // out[:, i] = t[:, perm[i]].
@@ -548,17 +602,15 @@ Tensor permute_sequence(const Tensor& t, const std::vector<std::int64_t>& perm) 
   return cat(cols, 1);
 }
 
-struct RecurrenceRun {
-  RecurrenceReference ref;
-  Tensor o, dq, dk, dv, dbeta, dg;  // gathered, in global order
-  bool grads_defined = true;
-};
-
-RecurrenceRun run_recurrence(const LayoutCase& c, const CheckOptions& opt, const RecurrenceFn& fn, Sharding sharding) {
-  const auto [B, S] = reference_shape(c.batch);
+// One recurrence layer per rank, forward and backward. Contiguous: on each rank's
+// packed context from shard_batch (the model's path). Zigzag (a negative control):
+// on the permuted sequence, with contexts built here.
+RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const RecurrenceFn& fn, Sharding sharding) {
+  const LayoutCase& c = s.c;
+  const std::int64_t B = s.shape.rows, S = s.shape.seq_len;
   const ReferenceGeometry g = reference_geometry(S, c.cp, sharding == Sharding::zigzag ? 2 : 1);
   const std::int64_t P = g.padded_len, L = g.local_len;
-  const Tensor ids = reference_padded_doc_ids(c, P);
+  const Tensor ids = reference_padded_doc_ids(s.truth, P);
   const RecurrenceInputs in = random_recurrence_inputs(B, P, opt.heads, opt.key_dim, opt.value_dim, mix_seed(c.seed, 51));
   const Tensor d_o = random_tensor({B, P, opt.heads, opt.value_dim}, DType::f64, mix_seed(c.seed, 52));
   RecurrenceRun run;
@@ -581,11 +633,12 @@ RecurrenceRun run_recurrence(const LayoutCase& c, const CheckOptions& opt, const
   std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), db(c.cp), dg(c.cp);
   run_ranks(c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
-    auto mine = [&](const Tensor& t) { return Var(narrow(t, 1, g.start(r), L), true); };
+    const PackedContext ctx =
+        sharding == Sharding::contiguous ? s.context(r) : PackedContext(ids_p, g.start(r), c.cp, S);
+    auto mine = [&](const Tensor& t) { return Var(local(t, ctx), true); };
     Var vq = mine(q), vk = mine(k), vv = mine(v), vb = mine(beta), vg = mine(gg);
-    const PackedContext ctx(ids_p, g.start(r), c.cp, S);
     const Var out = fn(vq, vk, vv, vb, vg, ctx, &comm);
-    backward(dot(out, narrow(up, 1, g.start(r), L)));
+    backward(dot(out, local(up, ctx)));
     o[r] = out.value();
     dq[r] = vq.grad(), dk[r] = vk.grad(), dv[r] = vv.grad(), db[r] = vb.grad(), dg[r] = vg.grad();
   }, run_options(opt), {&o, &dq, &dk, &dv, &db, &dg});
@@ -599,16 +652,26 @@ RecurrenceRun run_recurrence(const LayoutCase& c, const CheckOptions& opt, const
   };
   run.o = global(o);
   run.dq = global(dq), run.dk = global(dk), run.dv = global(dv), run.dbeta = global(db), run.dg = global(dg);
+  (void)L;
   return run;
+}
+
+std::shared_ptr<const RecurrenceRun> recurrence_run(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn,
+                                                    Sharding sharding) {
+  if (fn || sharding != Sharding::contiguous)
+    return std::make_shared<RecurrenceRun>(run_recurrence(s, o, fn ? fn : default_recurrence(), sharding));
+  if (!s.runs->recurrence) s.runs->recurrence = std::make_shared<RecurrenceRun>(run_recurrence(s, o, default_recurrence(), sharding));
+  return s.runs->recurrence;
 }
 
 }  // namespace
 
-PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
-                                        Sharding sharding) {
+PropertyResult recurrence_forward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
+  const LayoutCase& c = s.c;
   ErrorTally t{"recurrence_forward", c.cp};
   try {
-    const RecurrenceRun run = run_recurrence(c, o, fn, sharding);
+    const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
+    const RecurrenceRun& run = *held;
     t.expect_close(run.ref.o, run.o, kRecurrenceTolerance, "recurrence output o");
   } catch (const std::exception& e) {
     return failed("recurrence_forward", c.cp, std::string("threw: ") + e.what());
@@ -616,11 +679,12 @@ PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions&
   return t.result(kRecurrenceTolerance);
 }
 
-PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
-                                         Sharding sharding) {
+PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
+  const LayoutCase& c = s.c;
   ErrorTally t{"recurrence_backward", c.cp};
   try {
-    const RecurrenceRun run = run_recurrence(c, o, fn, sharding);
+    const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
+    const RecurrenceRun& run = *held;
     t.expect_close(run.ref.dq, run.dq, kRecurrenceTolerance, "dq");
     t.expect_close(run.ref.dk, run.dk, kRecurrenceTolerance, "dk");
     t.expect_close(run.ref.dv, run.dv, kRecurrenceTolerance, "dv");
@@ -632,10 +696,139 @@ PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions
   return t.result(kRecurrenceTolerance);
 }
 
+// ---------------------------------------------------------------------------
+// The public checks: each prepares its case and runs one row's check.
+
+namespace {
+// A failed preparation (a reference that cannot read the batch) fails the property, never the harness.
+template <class F>
+PropertyResult prepared(const LayoutCase& c, const char* name, F&& f) {
+  std::optional<Prepared> p;
+  try {
+    p.emplace(c);
+  } catch (const std::exception& e) {
+    return failed(name, c.cp, std::string("could not prepare the case: ") + e.what());
+  }
+  return f(*p);
+}
+}  // namespace
+
+PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
+  return prepared(c, "gather_forward", [&](Prepared& p) { return gather_forward_of(p, o, gather); });
+}
+PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
+  return prepared(c, "gather_backward", [&](Prepared& p) { return gather_backward_of(p, o, gather); });
+}
+PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
+  return prepared(c, "anchor", [&](Prepared& p) { return anchor_of(p, o, gather, anchor); });
+}
+PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
+  return prepared(c, "halo_forward", [&](Prepared& p) { return halo_forward_of(p, o, halo); });
+}
+PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
+  return prepared(c, "halo_backward", [&](Prepared& p) { return halo_backward_of(p, o, halo); });
+}
+PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  return prepared(c, "conv_forward", [&](Prepared& p) { return conv_forward_of(p, o, halo, conv); });
+}
+PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  return prepared(c, "conv_backward", [&](Prepared& p) { return conv_backward_of(p, o, halo, conv); });
+}
+PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
+                                        Sharding sharding) {
+  return prepared(c, "recurrence_forward", [&](Prepared& p) { return recurrence_forward_of(p, o, fn, sharding); });
+}
+PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
+                                         Sharding sharding) {
+  return prepared(c, "recurrence_backward", [&](Prepared& p) { return recurrence_backward_of(p, o, fn, sharding); });
+}
+
+// ---------------------------------------------------------------------------
+// The table.
+
+namespace {
+
+std::int64_t halo_bytes(const Prepared& p, const CheckOptions& o) {
+  // Both exchanges, one rank: the all_gather of its tail, and every send_recv hop.
+  const HaloPlan plan = halo_plan(p.g.local_len, o.conv_width, 0, p.c.cp);
+  std::int64_t positions = p.c.cp > 1 ? plan.tail : 0;
+  for (const HaloHop& hop : plan.hops) positions += hop.count;
+  return positions * p.shape.rows * o.channels * 8;
+}
+
+}  // namespace
+
+const std::vector<PropertyRow>& property_table() {
+  static const std::vector<PropertyRow> rows = [] {
+    const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
+    std::vector<PropertyRow> t;
+    t.push_back({"layout", "doc ids, padding and positions of SPEC §1; round trips; unpack_row_layout",
+                 Comparison::bitwise, 0, false, none,
+                 [](Prepared& p, const CheckOptions&) { return check_layout(p.c); }});
+    t.push_back({"shard", "shards concatenate to the padded global tensors; contexts tile each shard",
+                 Comparison::bitwise, 0, false, none, [](Prepared& p, const CheckOptions&) { return check_shard(p.c); }});
+    t.push_back({"gather_forward", "gather_sequence is bitwise the global tensor, every dtype", Comparison::bitwise, 0,
+                 true,
+                 [](const Prepared& p, const CheckOptions& o) {
+                   // f32, f64, bf16, i32, i64, bool shards as gather_forward_of draws them.
+                   return p.shape.rows * p.g.local_len * (o.channels * 4 + 2 * 8 + o.channels * 2 + 3 * 4 + 8 + 4);
+                 },
+                 [](Prepared& p, const CheckOptions& o) { return gather_forward_of(p, o, default_gather()); }});
+    t.push_back({"gather_backward", "each rank's gradient is the rank-order sum of the upstream slices",
+                 Comparison::bitwise, 0, true,
+                 [](const Prepared& p, const CheckOptions& o) {
+                   return 2 * p.shape.rows * p.g.local_len * o.channels * (8 + 4) * p.c.cp;
+                 },
+                 [](Prepared& p, const CheckOptions& o) { return gather_backward_of(p, o, default_gather()); }});
+    t.push_back({"anchor", "the anchor makes every rank run backward; without it the skip is reported",
+                 Comparison::bitwise, 0, true,
+                 [](const Prepared& p, const CheckOptions& o) {
+                   return 2 * p.shape.rows * p.g.local_len * o.channels * 8 * p.c.cp;
+                 },
+                 [](Prepared& p, const CheckOptions& o) { return anchor_of(p, o, default_gather(), default_anchor()); }});
+    t.push_back({"halo_forward", "convolution_history is the zero-padded previous W-1 positions", Comparison::bitwise, 0,
+                 true, halo_bytes,
+                 [](Prepared& p, const CheckOptions& o) { return halo_forward_of(p, o, default_halo()); }});
+    t.push_back({"halo_backward", "history gradients return to the ranks that own the positions",
+                 Comparison::tolerance, kConvTolerance, true,
+                 [](const Prepared& p, const CheckOptions& o) { return 2 * halo_bytes(p, o); },
+                 [](Prepared& p, const CheckOptions& o) { return halo_backward_of(p, o, default_halo()); }});
+    t.push_back({"conv_forward", "the sharded packed causal conv matches the unsharded one", Comparison::tolerance,
+                 kConvTolerance, true, halo_bytes,
+                 [](Prepared& p, const CheckOptions& o) { return conv_forward_of(p, o, {}, {}); }});
+    t.push_back({"conv_backward", "dx, and dw, dbias summed over ranks, match the unsharded conv",
+                 Comparison::tolerance, kConvTolerance, true,
+                 [](const Prepared& p, const CheckOptions& o) { return 2 * halo_bytes(p, o); },
+                 [](Prepared& p, const CheckOptions& o) { return conv_backward_of(p, o, {}, {}); }});
+    t.push_back({"recurrence_forward", "the CP gated delta rule matches the unsharded recurrence (o)",
+                 Comparison::tolerance, kRecurrenceTolerance, true,
+                 [](const Prepared& p, const CheckOptions& o) {
+                   return recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
+                 },
+                 [](Prepared& p, const CheckOptions& o) { return recurrence_forward_of(p, o, {}, Sharding::contiguous); }});
+    t.push_back({"recurrence_backward", "gradients of q, k, v, beta, g match the unsharded recurrence",
+                 Comparison::tolerance, kRecurrenceTolerance, true,
+                 [](const Prepared& p, const CheckOptions& o) {
+                   return 2 * recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
+                 },
+                 [](Prepared& p, const CheckOptions& o) { return recurrence_backward_of(p, o, {}, Sharding::contiguous); }});
+    return t;
+  }();
+  return rows;
+}
+
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o) {
-  return {check_layout(c),         check_shard(c),           check_gather_forward(c, o), check_gather_backward(c, o),
-          check_anchor(c, o),      check_halo_forward(c, o), check_halo_backward(c, o),  check_conv_forward(c, o),
-          check_conv_backward(c, o),      check_recurrence_forward(c, o), check_recurrence_backward(c, o)};
+  std::vector<PropertyResult> out;
+  std::optional<Prepared> p;
+  std::string why;
+  try {
+    p.emplace(c);
+  } catch (const std::exception& e) {
+    why = std::string("could not prepare the case: ") + e.what();
+  }
+  for (const PropertyRow& row : property_table())
+    out.push_back(p ? row.check(*p, o) : failed(row.name, c.cp, why));
+  return out;
 }
 
 }  // namespace cpsim::verify

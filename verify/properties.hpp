@@ -1,12 +1,19 @@
-// The properties cpsim verifies (SPEC §5), as functions that tests and the CLI
-// call. Each compares a sharded result, gathered from every rank of a simulated
-// group, with an unsharded reference. The implementation under test is a
-// parameter (defaulting to the real one), so negative-control tests can hand a
+// The properties cpsim verifies (SPEC §5). Each compares a sharded result,
+// gathered from every rank of a group of a registered backend, with an unsharded
+// reference. They form one table (property_table): each row names what it runs,
+// how it compares (bitwise, or within a tolerance) and the bytes a rank moves, and
+// one harness (check_all) runs every row on a case prepared once, on the model's
+// path: shard_batch gives each rank its packed context, and the operators run on
+// it as a training step calls them.
+//
+// The check_* functions run one row with the implementation under test as a
+// parameter (defaulting to the real one), so negative-control tests hand a
 // deliberately broken variant to the same property and watch it fail.
 #pragma once
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +21,7 @@
 #include "core/halo.hpp"
 #include "core/shard.hpp"
 #include "verify/cases.hpp"
+#include "verify/reference.hpp"
 
 namespace cpsim::verify {
 
@@ -31,6 +39,29 @@ struct PropertyResult {
   bool ok = false;
   double error = 0;    // wrong elements, or relative RMSE for floating-point results
   std::string detail;  // why it failed
+};
+
+// One case prepared once: its reference layout and geometry (never from the code
+// under test), and every rank's packed context from shard_batch (the code under
+// test, as a training step runs it). Simulations several rows share (the conv and
+// the recurrence, forward and backward) are run once and kept here.
+class Prepared {
+ public:
+  explicit Prepared(LayoutCase c);
+  LayoutCase c;
+  ReferenceShape shape;
+  ReferenceGeometry g;
+  LayoutTruth truth;
+  Tensor padded_ids;  // [B, P], reference
+  // Rank r's context; throws (naming why) when shard_batch threw for this case.
+  const PackedContext& context(int rank) const;
+
+  struct Runs;
+  std::shared_ptr<Runs> runs;
+
+ private:
+  std::vector<PackedContext> contexts;
+  std::string shard_error;
 };
 
 using LayoutFn = std::function<Layout(const Batch& batch)>;
@@ -78,25 +109,46 @@ PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, co
 // Halo backward returns each history gradient to the rank that owns the position.
 PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = default_halo());
 // Sharded packed causal conv matches the unsharded reference (relative RMSE <= 1e-12).
-PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = default_halo(),
-                                  const ConvFn& conv = default_conv());
+// With neither part given, the model's layer (sharded_packed_conv); a given part
+// replaces that part of the layer (halo, then conv over the window's doc ids).
+PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = {},
+                                  const ConvFn& conv = {});
 // dx per rank, dw and dbias summed over ranks, match the unsharded reference.
-PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = default_halo(),
-                                   const ConvFn& conv = default_conv());
+PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = {},
+                                   const ConvFn& conv = {});
 
 inline constexpr double kConvTolerance = 1e-12;
 inline constexpr double kRecurrenceTolerance = 1e-10;
 
 // The CP gated delta rule: outputs o match the unsharded recurrence.
-PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o,
-                                        const RecurrenceFn& fn = default_recurrence(),
+PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn = {},
                                         Sharding sharding = Sharding::contiguous);
 // Gradients of q, k, v, beta, g match the unsharded recurrence.
-PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o,
-                                         const RecurrenceFn& fn = default_recurrence(),
+PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn = {},
                                          Sharding sharding = Sharding::contiguous);
 
+// ---------------------------------------------------------------------------
+// The table: like nccl-tests' table of collectives, one row per property.
+
+enum class Comparison { bitwise, tolerance };
+
+struct PropertyRow {
+  std::string name;
+  std::string claim;
+  // How results compare on a backend whose sums run in rank order; sums on other
+  // backends compare within a tolerance (Capabilities::rank_order_sums).
+  Comparison comparison = Comparison::bitwise;
+  double tolerance = 0;      // relative RMSE bound, for Comparison::tolerance
+  bool runs_ranks = false;   // needs a backend (else a single-process check)
+  // Bytes one rank sends through its communicator for one case.
+  std::function<std::int64_t(const Prepared&, const CheckOptions&)> bytes;
+  std::function<PropertyResult(Prepared&, const CheckOptions&)> check;
+};
+
 // Every property, in the order `cpsim check` reports them.
+const std::vector<PropertyRow>& property_table();
+
+// Every row of the table on one case, prepared once.
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o);
 
 }  // namespace cpsim::verify

@@ -225,8 +225,7 @@ std::int64_t count_wrong(const Tensor& ref, const Tensor& got) {
 
 namespace cpsim::verify {
 
-Tensor reference_padded_doc_ids(const LayoutCase& c, std::int64_t P) {
-  const LayoutTruth t = reference_layout(c.batch);
+Tensor reference_padded_doc_ids(const LayoutTruth& t, std::int64_t P) {
   const std::int64_t B = t.doc_ids.dim(0);
   Tensor out({B, P}, DType::i64);
   for (std::int64_t b = 0; b < B; ++b) {
@@ -236,8 +235,7 @@ Tensor reference_padded_doc_ids(const LayoutCase& c, std::int64_t P) {
   return out;
 }
 
-Tensor masked_activation(const LayoutCase& c, std::int64_t P, std::int64_t C, std::uint64_t seed) {
-  const LayoutTruth t = reference_layout(c.batch);
+Tensor masked_activation(const LayoutTruth& t, std::int64_t P, std::int64_t C, std::uint64_t seed) {
   const std::int64_t B = t.padding.dim(0), S = t.padding.dim(1);
   Tensor x = random_tensor({B, P, C}, DType::f64, seed);
   for (std::int64_t b = 0; b < B; ++b)

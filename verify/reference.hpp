@@ -52,9 +52,9 @@ std::int64_t count_wrong(const Tensor& ref, const Tensor& got);
 namespace cpsim::verify {
 
 // The masked global activation [B, P, C] a case convolves: seeded, zero at padding.
-Tensor masked_activation(const LayoutCase& c, std::int64_t padded_len, std::int64_t channels, std::uint64_t seed);
-// Global doc ids [B, P] of a case, padded with 0.
-Tensor reference_padded_doc_ids(const LayoutCase& c, std::int64_t padded_len);
+Tensor masked_activation(const LayoutTruth& layout, std::int64_t padded_len, std::int64_t channels, std::uint64_t seed);
+// Global doc ids [B, P] of a layout, padded with 0.
+Tensor reference_padded_doc_ids(const LayoutTruth& layout, std::int64_t padded_len);
 
 // Halo of rank `rank`: the W-1 positions before rank*L (zeros before 0), then the shard.
 Tensor reference_history(const Tensor& global, std::int64_t rank_start, std::int64_t L, int width);
