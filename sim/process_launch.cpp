@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "core/error.hpp"
-#include "sim/gloo_communicator.hpp"
+#include "sim/gloo/gloo.hpp"
 
 namespace cpsim::sim {
 

@@ -7,7 +7,7 @@
 #include <map>
 #include <memory>
 
-#include "sim/gloo_communicator.hpp"
+#include "sim/gloo/gloo.hpp"
 
 namespace cpsim::sim {
 

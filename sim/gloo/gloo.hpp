@@ -1,4 +1,7 @@
-// The `gloo` backend: every collective runs over Gloo's TCP transport, between
+// The `gloo` backend (sim/gloo/: store.cpp stores and failure records, connect.cpp
+// devices and connections, rank.cpp the call exchange, communicator.cpp the
+// collectives, pool.cpp in-process groups and the registration). Every
+// collective runs over Gloo's TCP transport, between
 // threads of one process (in-process mode) or between processes on one or many
 // hosts (process mode, sim/world.hpp). Both modes share GlooRank.
 //
@@ -57,6 +60,10 @@ inline bool is_gloo_timeout(const std::string& what) { return what.find("imed ou
 
 // Whether `key` is in the store now (no waiting).
 bool store_has(Store& store, const std::string& key);
+
+// The records cpsim launch wrote for dead processes among ranks [0, size) other
+// than `except`, each on a line of its own ("\n  ..."), or "".
+std::string launch_records(Store& records, int size, int except);
 
 // The TCP device ranks listen on. `host` is an address or host name to bind; empty
 // means CPSIM_GLOO_HOST, else the interface CPSIM_GLOO_IFNAME, else this host's name.

@@ -1,0 +1,147 @@
+// The gloo Communicator: each call checked by the exchange, then Gloo's own collectives.
+#include <gloo/allgather.h>
+#include <gloo/alltoall.h>
+#include <gloo/broadcast.h>
+#include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <cstring>
+
+#include "core/reduce.hpp"
+#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/protocol.hpp"
+
+namespace cpsim::sim {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------------------
+// The communicator.
+
+namespace {
+
+class GlooCommunicator final : public Communicator {
+ public:
+  explicit GlooCommunicator(std::shared_ptr<GlooRank> g) : g_(std::move(g)) {}
+  int rank() const override { return g_->rank(); }
+  int size() const override { return g_->size(); }
+  std::chrono::milliseconds timeout() const override { return g_->timeout(); }
+  std::string backend_name() const override { return "gloo"; }
+  Capabilities capabilities() const override { return kGlooCapabilities; }
+
+  void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
+    const auto t = g_->pick(o);
+    const CallRecord c = checked({CollectiveKind::all_gather, 0, count, dt}, t);
+    const std::size_t bytes = count * dtype_size(dt);
+    if (bytes == 0) return;
+    if (size() == 1) {
+      std::memcpy(recv, send, bytes);
+      return;
+    }
+    g_->transport(c, [&] { gather_bytes(send, recv, bytes, t); });
+  }
+
+  void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
+    const auto t = g_->pick(o);
+    const CallRecord c = checked({CollectiveKind::reduce_scatter, 0, count, dt}, t);
+    const std::size_t bytes = count * dtype_size(dt);
+    if (bytes == 0) return;
+    if (size() == 1) {
+      std::memcpy(recv, send, bytes);
+      return;
+    }
+    // Every rank's slice for this rank arrives (alltoall), then adds up in rank order.
+    std::vector<std::uint8_t> parts(bytes * size());
+    g_->transport(c, [&] {
+      gloo::AlltoallOptions opts(g_->context_ptr());
+      opts.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(send)), bytes * size());
+      opts.setOutput(parts.data(), parts.size());
+      opts.setTimeout(t);
+      gloo::alltoall(opts);
+    });
+    sum_parts(parts, recv, count, dt);
+  }
+
+  void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override {
+    const auto t = g_->pick(o);
+    const CallRecord c = checked({CollectiveKind::all_reduce, 0, count, dt}, t);
+    const std::size_t bytes = count * dtype_size(dt);
+    if (bytes == 0 || size() == 1) return;
+    std::vector<std::uint8_t> parts(bytes * size());
+    g_->transport(c, [&] { gather_bytes(buf, parts.data(), bytes, t); });
+    sum_parts(parts, buf, count, dt);
+  }
+
+  void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
+    const auto t = g_->pick(o);
+    const CallRecord c = checked(send_recv_record(step, dt), t);
+    const void* send = step.send;
+    void* recv = step.recv;
+    const int dst = step.dst, src = step.src;
+    const std::size_t send_bytes = c.count * dtype_size(dt), recv_bytes = c.recv_count * dtype_size(dt);
+    if (size() == 1) {  // the only pairing with one rank is with itself
+      if (recv_bytes) std::memcpy(recv, send, recv_bytes);
+      return;
+    }
+    g_->transport(c, [&] {
+      std::unique_ptr<gloo::transport::UnboundBuffer> out, in;
+      if (dst >= 0 && send_bytes) {
+        out = g_->context().createUnboundBuffer(const_cast<void*>(send), send_bytes);
+        out->send(dst, kPointToPointSlot);
+      }
+      if (src >= 0 && recv_bytes) {
+        in = g_->context().createUnboundBuffer(recv, recv_bytes);
+        in->recv(src, kPointToPointSlot);
+      }
+      if (in) in->waitRecv(t);
+      if (out) out->waitSend(t);
+    });
+  }
+
+  void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
+    const auto t = g_->pick(o);
+    CallRecord r{CollectiveKind::broadcast, 0, count, dt};
+    r.root = root;
+    const CallRecord c = checked(r, t);
+    const std::size_t bytes = count * dtype_size(dt);
+    if (bytes == 0 || size() == 1) return;
+    g_->transport(c, [&] {
+      gloo::BroadcastOptions opts(g_->context_ptr());
+      opts.setOutput(static_cast<std::uint8_t*>(buf), bytes);
+      opts.setRoot(root);
+      opts.setTimeout(t);
+      gloo::broadcast(opts);
+    });
+  }
+
+  // The call exchange is an all-to-all barrier.
+  void barrier(CallOptions o) override { checked(CallRecord{CollectiveKind::barrier}, g_->pick(o)); }
+
+ private:
+  CallRecord checked(const CallRecord& c, std::chrono::milliseconds t) {
+    return g_->exchange(c, GlooRank::Status::call, "", t)[g_->rank()];
+  }
+  void gather_bytes(const void* send, void* recv, std::size_t bytes, std::chrono::milliseconds t) {
+    gloo::AllgatherOptions opts(g_->context_ptr());
+    opts.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(send)), bytes);
+    opts.setOutput(static_cast<std::uint8_t*>(recv), bytes * size());
+    opts.setTimeout(t);
+    gloo::allgather(opts);
+  }
+  void sum_parts(const std::vector<std::uint8_t>& parts, void* out, std::size_t count, DType dt) {
+    const std::size_t bytes = count * dtype_size(dt);
+    std::vector<const void*> srcs;
+    for (int q = 0; q < size(); ++q) srcs.push_back(parts.data() + q * bytes);
+    sum_in_order(dt, out, srcs.data(), srcs.size(), count);
+  }
+  std::shared_ptr<GlooRank> g_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> GlooRank::communicator() {
+  return std::make_unique<GlooCommunicator>(shared_from_this());
+}
+
+}  // namespace cpsim::sim

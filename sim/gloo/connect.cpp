@@ -1,0 +1,107 @@
+// Devices and connections: the TCP device ranks listen on, and the full mesh of a
+// group, after every rank has announced itself.
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <signal.h>
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "sim/gloo/gloo.hpp"
+
+namespace cpsim::sim {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& host) {
+  static std::mutex mutex;
+  static std::map<std::string, std::shared_ptr<gloo::transport::Device>> devices;
+  gloo::transport::tcp::attr attr;
+  std::string key = host;
+  if (!host.empty()) {
+    attr.hostname = host;
+  } else if (const char* h = std::getenv("CPSIM_GLOO_HOST"); h && *h) {
+    attr.hostname = h;
+    key = h;
+  } else if (const char* i = std::getenv("CPSIM_GLOO_IFNAME"); i && *i) {
+    attr.iface = i;
+    key = std::string("iface:") + i;
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& device = devices[key];
+  if (!device) {
+    try {
+      device = gloo::transport::tcp::CreateDevice(attr);
+    } catch (const std::exception& e) {
+      throw CollectiveError("cannot open a Gloo TCP device on '" + (key.empty() ? "this host's name" : key) +
+                            "' (set CPSIM_GLOO_HOST or CPSIM_GLOO_IFNAME): " + e.what());
+    }
+  }
+  return device;
+}
+
+namespace {
+// Every rank announces itself, then waits for the others, watching the failure
+// records: a peer that died before it came is named at once, not after the timeout.
+void await_peers(int rank, int size, Store& store, Store& records, std::chrono::milliseconds timeout) {
+  const std::string me = "present/" + std::to_string(rank);
+  store.set(me, std::vector<char>{'1'});
+  const auto deadline = Clock::now() + timeout;
+  std::vector<bool> here(size, false);
+  here[rank] = true;
+  for (;;) {
+    std::vector<int> missing;
+    for (int q = 0; q < size; ++q)
+      if (!here[q] && !(here[q] = store_has(store, "present/" + std::to_string(q)))) missing.push_back(q);
+    if (missing.empty()) return;
+    const std::string died = launch_records(records, size, rank);
+    std::string names;
+    for (int q : missing) names += (names.empty() ? "" : ", ") + std::to_string(q);
+    if (!died.empty())
+      throw CollectiveError("rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                            " could not connect: rank" + (missing.size() > 1 ? "s " : " ") + names +
+                            " never came" + died);
+    if (Clock::now() >= deadline)
+      throw CollectiveError("rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                            " could not connect to its peers within " + std::to_string(timeout.count()) +
+                            " ms: rank" + (missing.size() > 1 ? "s " : " ") + names + " never came");
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
+                                            const std::shared_ptr<gloo::transport::Device>& device,
+                                            std::chrono::milliseconds timeout, Store* records) {
+  // Writing to a peer that died must fail the write, not kill this process.
+  static std::once_flag sigpipe;
+  std::call_once(sigpipe, [] {
+    struct sigaction old {};
+    if (sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) signal(SIGPIPE, SIG_IGN);
+  });
+  auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+  context->setTimeout(timeout);
+  auto dev = device;
+  try {
+    if (records) await_peers(rank, size, store, *records, timeout);
+    context->connectFullMesh(store, dev);
+  } catch (const CollectiveError&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    const bool stale = what.find("already set") != std::string::npos;
+    throw CollectiveError("rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                          (stale ? " found the keys of an earlier run in the store; give every run its own "
+                                   "CPSIM_JOB_ID or store directory"
+                                 : " could not connect to its peers within " + std::to_string(timeout.count()) + " ms") +
+                          " (gloo: " + what + ")" + (records ? launch_records(*records, size, rank) : ""));
+  }
+  return context;
+}
+
+}  // namespace cpsim::sim

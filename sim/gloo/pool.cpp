@@ -1,0 +1,139 @@
+// In-process groups, their pool, and the backend's registration.
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "core/comm/registry.hpp"
+#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/protocol.hpp"
+#include "sim/world.hpp"
+
+namespace cpsim::sim {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------------------
+// In-process groups and their pool.
+
+GlooThreadsGroup::GlooThreadsGroup(int size, std::chrono::milliseconds timeout)
+    : size_(size), connect_timeout_(timeout), store_(open_store("memory")), ranks_(size) {
+  CPSIM_ENFORCE(size >= 1, "a group needs at least one rank");
+}
+
+GlooThreadsGroup::~GlooThreadsGroup() = default;
+
+std::unique_ptr<Communicator> GlooThreadsGroup::communicator(int rank, std::chrono::milliseconds timeout) {
+  CPSIM_ENFORCE(rank >= 0 && rank < size_, "rank ", rank, " of ", size_);
+  if (!ranks_[rank]) {
+    std::shared_ptr<gloo::Context> context;
+    if (size_ > 1) context = connect_gloo(rank, size_, *store_, gloo_device("127.0.0.1"), connect_timeout_);
+    ranks_[rank] = std::make_shared<GlooRank>(context, rank, size_, store_, timeout, false);
+  }
+  ranks_[rank]->begin(timeout);
+  return ranks_[rank]->communicator();
+}
+
+void GlooThreadsGroup::finish(int rank) {
+  if (ranks_[rank]) ranks_[rank]->finish();
+}
+
+void GlooThreadsGroup::fail(int rank, const std::string& what) {
+  if (ranks_[rank]) ranks_[rank]->fail(what);
+}
+
+bool GlooThreadsGroup::broken() const {
+  for (const auto& r : ranks_)
+    if (!r || r->broken()) return true;
+  return false;
+}
+
+namespace {
+
+// Idle groups, most recently used last. An in-process group of n ranks holds
+// n(n-1) socket descriptors (both ends of every pair live here), so the pool keeps
+// at most a quarter of this process's descriptor limit and closes the least
+// recently used groups beyond it.
+std::mutex pool_mutex;
+std::vector<std::shared_ptr<GlooThreadsGroup>> pool;
+
+std::size_t descriptors(const GlooThreadsGroup& g) { return static_cast<std::size_t>(g.size()) * (g.size() - 1) + 1; }
+
+std::size_t descriptor_budget() {
+  static const std::size_t budget = [] {
+    rlimit lim{};
+    if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return std::size_t{256};
+    if (lim.rlim_cur < lim.rlim_max) {  // take what the system allows: groups of 16 ranks need 240 each
+      rlimit raised = lim;
+      raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? std::max<rlim_t>(lim.rlim_cur, 65536) : lim.rlim_max;
+      if (setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+    }
+    return static_cast<std::size_t>(std::min<rlim_t>(lim.rlim_cur, 1 << 20) / 4);
+  }();
+  return budget;
+}
+
+}  // namespace
+
+std::shared_ptr<GlooThreadsGroup> acquire_gloo_group(int n, std::chrono::milliseconds timeout) {
+  descriptor_budget();
+  {
+    std::lock_guard<std::mutex> lock(pool_mutex);
+    for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
+      if ((*it)->size() != n) continue;
+      auto group = *it;
+      pool.erase(std::next(it).base());
+      return group;
+    }
+  }
+  return std::make_shared<GlooThreadsGroup>(n, timeout);
+}
+
+void release_gloo_group(const std::shared_ptr<GlooThreadsGroup>& group) {
+  if (group->broken()) return;  // its contexts close with it; the next run connects anew
+  std::vector<std::shared_ptr<GlooThreadsGroup>> closing;  // closed outside the lock
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  pool.push_back(group);
+  std::size_t held = 0;
+  for (const auto& g : pool) held += descriptors(*g);
+  while (held > descriptor_budget() && pool.size() > 1) {
+    held -= descriptors(*pool.front());
+    closing.push_back(pool.front());
+    pool.erase(pool.begin());
+  }
+}
+
+namespace {
+
+// The pool hands a group to one run and takes it back when the run is done.
+class PooledGlooGroup final : public Group {
+ public:
+  PooledGlooGroup(int n, std::chrono::milliseconds timeout) : group_(acquire_gloo_group(n, timeout)), timeout_(timeout) {}
+  std::unique_ptr<Communicator> communicator(int rank) override { return group_->communicator(rank, timeout_); }
+  void finish(int rank) override { group_->finish(rank); }
+  void fail(int rank, const std::string& what) override { group_->fail(rank, what); }
+  void done() override { release_gloo_group(group_); }
+
+ private:
+  std::shared_ptr<GlooThreadsGroup> group_;
+  std::chrono::milliseconds timeout_;
+};
+
+const BackendRegistrar registrar{Backend{
+    "gloo", "real Gloo over TCP: ranks as threads on loopback, or processes of a job (cpsim launch)",
+    kGlooCapabilities,
+    [](int n, std::chrono::milliseconds timeout) { return std::make_shared<PooledGlooGroup>(n, timeout); },
+    [] { return std::optional<std::string>(); },
+    [](int n, const RankFn& fn, std::chrono::milliseconds timeout, const RankOutputs& outputs) {
+      if (!current_world()) return false;
+      run_in_world(n, fn, timeout, outputs);
+      return true;
+    }}};
+
+}  // namespace
+
+}  // namespace cpsim::sim

@@ -1,0 +1,256 @@
+// The call exchange of a Gloo group (the wire protocol), and how a group stops or breaks.
+#include <gloo/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/protocol.hpp"
+
+namespace cpsim::sim {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------------------
+// The call exchange.
+
+namespace {
+
+// A call record as it travels: fixed size, no pointers.
+struct Wire {
+  std::uint8_t status = 0, kind = 0, dtype = 0, pad = 0;
+  std::int32_t root = -1, dst = -1, src = -1;
+  std::uint64_t seq = 0, count = 0, recv_count = 0;
+  char text[200] = {};
+};
+static_assert(std::is_trivially_copyable_v<Wire>);
+
+Wire to_wire(const CallRecord& c, GlooRank::Status status, const std::string& text) {
+  Wire w;
+  w.status = static_cast<std::uint8_t>(status);
+  w.kind = static_cast<std::uint8_t>(c.kind);
+  w.dtype = static_cast<std::uint8_t>(c.dtype);
+  w.root = c.root, w.dst = c.dst, w.src = c.src;
+  w.seq = c.seq, w.count = c.count, w.recv_count = c.recv_count;
+  std::strncpy(w.text, text.c_str(), sizeof(w.text) - 1);
+  return w;
+}
+
+CallRecord from_wire(const Wire& w) {
+  CallRecord c;
+  c.kind = static_cast<CollectiveKind>(w.kind);
+  c.dtype = static_cast<DType>(w.dtype);
+  c.root = w.root, c.dst = w.dst, c.src = w.src;
+  c.seq = w.seq, c.count = w.count, c.recv_count = w.recv_count;
+  return c;
+}
+
+std::chrono::milliseconds remaining(Clock::time_point deadline) {
+  return std::max(1ms, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+}
+
+// "in all_gather #3 (...)", "returned (after 2 calls)" or "threw: ...".
+std::string state_of(const CallRecord& c, GlooRank::Status status, const std::string& text) {
+  switch (status) {
+    case GlooRank::Status::call: return "in " + describe_call(c);
+    case GlooRank::Status::returned: return "returned (after " + std::to_string(c.seq - 1) + " calls)";
+    case GlooRank::Status::threw: return "threw: " + text;
+  }
+  return "?";
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s;
+  for (int q : ranks) s += (s.empty() ? "" : ", ") + std::to_string(q);
+  return s;
+}
+
+}  // namespace
+
+GlooRank::GlooRank(std::shared_ptr<gloo::Context> context, int rank, int size, std::shared_ptr<Store> records,
+                   std::chrono::milliseconds timeout, bool processes)
+    : context_(std::move(context)),
+      rank_(rank),
+      size_(size),
+      records_(std::move(records)),
+      timeout_(timeout),
+      processes_(processes) {
+  CPSIM_ENFORCE(size_ == 1 || context_, "a Gloo group of ", size_, " ranks needs a context");
+}
+
+GlooRank::~GlooRank() = default;
+
+void GlooRank::begin(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  seq_ = 0;
+  stopped_.clear();
+}
+
+std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::milliseconds timeout) {
+  if (!records_ || suspects.empty()) return "";
+  // A peer writes its record before it closes its connections, and cpsim launch
+  // writes one for a process that died; give them a moment to land, and wait the
+  // whole moment for launch's record, which names the process that died.
+  //
+  // The rank that died need not be a suspect: this rank may have heard from it
+  // before it died and lost only a peer that lost it too (whose record says so).
+  // So launch's records are read for every rank of the group, the suspects'
+  // own records only for them.
+  const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout, 2000ms);
+  for (;;) {
+    std::string died, lost;  // records cpsim launch wrote for dead processes come first
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      const bool suspect = std::find(suspects.begin(), suspects.end(), q) != suspects.end();
+      if (!suspect && !processes_) continue;  // in-process ranks are never killed alone
+      const std::string key = "failed/" + std::to_string(q);
+      if (!store_has(*records_, key)) continue;
+      try {
+        const auto v = records_->get(key);
+        const std::string line(v.begin(), v.end());
+        if (line.find(kLaunchRecordTag) != std::string::npos) died += "\n  " + line;
+        else if (suspect) lost += "\n  " + line;
+      } catch (const std::exception&) {
+      }
+    }
+    // Peers' records only say they lost someone too; the root cause is worth the wait.
+    if (!died.empty() || (!lost.empty() && (!processes_ || Clock::now() >= deadline))) return died + lost;
+    if (Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  return "\n  no failure record from rank" + std::string(suspects.size() > 1 ? "s " : " ") + rank_list(suspects) +
+         " (killed, crashed, or stuck outside cpsim)";
+}
+
+void GlooRank::break_group(const std::string& why, const std::vector<int>& suspects,
+                           std::chrono::milliseconds timeout) {
+  // Record first, so peers that lose their connection to this rank can name it.
+  if (records_) {
+    try {
+      const std::string line = why.substr(0, why.find('\n'));
+      records_->set("failed/" + std::to_string(rank_), std::vector<char>(line.begin(), line.end()));
+    } catch (const std::exception&) {
+    }
+  }
+  broken_ = why + records_of(suspects, timeout);
+  if (context_) {
+    try {
+      context_->closeConnections();
+    } catch (const std::exception&) {
+    }
+  }
+  throw CollectiveError(broken_);
+}
+
+std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status, const std::string& text,
+                                           std::chrono::milliseconds timeout) {
+  if (!broken_.empty()) throw CollectiveError("group broken by an earlier failure: " + broken_);
+  if (!stopped_.empty()) throw CollectiveError(stopped_);
+  CallRecord me = mine;
+  me.seq = ++seq_;
+  std::vector<CallRecord> calls(size_);
+  std::vector<Status> statuses(size_, Status::call);
+  std::vector<std::string> texts(size_);
+  calls[rank_] = me;
+  statuses[rank_] = status;
+  texts[rank_] = text;
+  if (size_ > 1) {
+    Wire out = to_wire(me, status, text);
+    std::vector<Wire> in(size_);
+    std::vector<bool> arrived(size_, false);
+    arrived[rank_] = true;
+    auto send = context_->createUnboundBuffer(&out, sizeof(Wire));
+    auto recv = context_->createUnboundBuffer(in.data(), sizeof(Wire) * size_);
+    const auto deadline = Clock::now() + timeout;
+    try {
+      for (int q = 0; q < size_; ++q)
+        if (q != rank_) recv->recv(q, kCallSlot, q * sizeof(Wire), sizeof(Wire));
+      for (int q = 0; q < size_; ++q)
+        if (q != rank_) send->send(q, kCallSlot);
+      for (int i = 1; i < size_; ++i) {
+        int src = -1;
+        recv->waitRecv(&src, remaining(deadline));
+        if (src >= 0 && src < size_) arrived[src] = true;
+      }
+      for (int i = 1; i < size_; ++i) send->waitSend(remaining(deadline));
+    } catch (const std::exception& e) {
+      std::vector<int> missing;
+      std::ostringstream states;
+      for (int q = 0; q < size_; ++q) {
+        states << "\n  rank " << q << ": ";
+        if (q == rank_) states << state_of(me, status, text);
+        else if (arrived[q])
+          states << state_of(from_wire(in[q]), static_cast<Status>(in[q].status),
+                             std::string(in[q].text, strnlen(in[q].text, sizeof(in[q].text))));
+        else {
+          missing.push_back(q);
+          states << "not in a collective (never arrived at " << collective_name(me.kind) << " #" << me.seq << ")";
+        }
+      }
+      const std::string what = e.what();
+      const bool timed_out = is_gloo_timeout(what) || Clock::now() >= deadline;
+      std::string why;
+      if (timed_out)
+        why = "timeout: rank " + std::to_string(rank_) + " waited " + std::to_string(timeout.count()) + " ms in " +
+              describe_call(me) + " for ranks that never arrived: " + rank_list(missing);
+      else
+        why = "rank " + std::to_string(rank_) + " lost its connection to rank" + (missing.size() > 1 ? "s " : " ") +
+              rank_list(missing) + " in " + describe_call(me) + " (gloo: " + what + ")";
+      break_group(why + states.str(), missing, timeout);
+    }
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      calls[q] = from_wire(in[q]);
+      statuses[q] = static_cast<Status>(in[q].status);
+      texts[q] = std::string(in[q].text, strnlen(in[q].text, sizeof(in[q].text)));
+    }
+  }
+  int threw = -1, returned = -1, waiting = -1;
+  for (int q = 0; q < size_; ++q) {
+    if (statuses[q] == Status::threw && threw < 0) threw = q;
+    if (statuses[q] == Status::returned && returned < 0) returned = q;
+    if (statuses[q] == Status::call && waiting < 0) waiting = q;
+  }
+  auto states = [&] {
+    std::ostringstream os;
+    for (int q = 0; q < size_; ++q) {
+      os << "\n  rank " << q << ": " << state_of(calls[q], statuses[q], texts[q]);
+    }
+    return os.str();
+  };
+  std::string why;
+  if (threw >= 0 || returned >= 0) {
+    if (waiting < 0) return calls;  // every rank has stopped: nobody waits
+    const CallRecord& w = calls[waiting];
+    const std::string joining = std::string(collective_name(w.kind)) + " #" + std::to_string(w.seq) +
+                                " that rank " + std::to_string(waiting) + " waits in";
+    why = threw >= 0 ? "rank " + std::to_string(threw) + " threw: " + texts[threw] + " (instead of joining " + joining + ")"
+                     : "rank " + std::to_string(returned) + " returned without joining " + joining;
+  } else if (auto mismatch = find_mismatch(calls)) {
+    why = "collective mismatch: " + *mismatch;
+  } else {
+    return calls;
+  }
+  stopped_ = why + states();
+  throw CollectiveError(stopped_);
+}
+
+void GlooRank::finish() {
+  if (!broken_.empty() || !stopped_.empty()) return;
+  exchange(CallRecord{}, Status::returned, "", timeout_);
+}
+
+void GlooRank::fail(const std::string& what) noexcept {
+  if (!broken_.empty() || !stopped_.empty()) return;
+  try {
+    exchange(CallRecord{}, Status::threw, what, timeout_);
+  } catch (...) {
+  }
+}
+
+}  // namespace cpsim::sim

@@ -1,0 +1,77 @@
+// Rendezvous stores (memory, file:DIR, redis://HOST:PORT) and the failure records in them.
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/hash_store.h>
+#include <gloo/rendezvous/redis_store.h>
+
+#include <filesystem>
+
+#include "sim/gloo/gloo.hpp"
+
+namespace cpsim::sim {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------------------
+// Stores and devices.
+
+std::shared_ptr<Store> open_store(const std::string& spec) {
+  if (spec == "memory") return std::make_shared<gloo::rendezvous::HashStore>();
+  if (spec.rfind("file:", 0) == 0) {
+    const std::string dir = spec.substr(5);
+    if (dir.empty()) CPSIM_INVALID("store '", spec, "': file: needs a directory, as in file:/shared/cpsim-job");
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (!std::filesystem::is_directory(dir)) CPSIM_INVALID("store '", spec, "': cannot create directory ", dir);
+    return std::make_shared<gloo::rendezvous::FileStore>(dir);
+  }
+  if (spec.rfind("redis://", 0) == 0) {
+    const std::string rest = spec.substr(8);
+    const auto colon = rest.rfind(':');
+    std::string host = rest;
+    int port = 6379;
+    if (colon != std::string::npos) {
+      host = rest.substr(0, colon);
+      try {
+        std::size_t used = 0;
+        port = std::stoi(rest.substr(colon + 1), &used);
+        if (used != rest.size() - colon - 1 || port <= 0 || port > 65535) throw std::invalid_argument("port");
+      } catch (const std::exception&) {
+        CPSIM_INVALID("store '", spec, "': the port must be a number from 1 to 65535");
+      }
+    }
+    if (host.empty()) CPSIM_INVALID("store '", spec, "': redis:// needs a host, as in redis://10.0.0.1:6379");
+    try {
+      return std::make_shared<gloo::rendezvous::RedisStore>(host, port);
+    } catch (const std::exception& e) {
+      throw CollectiveError("cannot reach the Redis store at " + host + ":" + std::to_string(port) + ": " + e.what());
+    }
+  }
+  CPSIM_INVALID("store '", spec, "': expected file:DIR or redis://HOST:PORT");
+}
+
+bool store_has(Store& store, const std::string& key) {
+  try {
+    store.wait({key}, 1ms);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// The records cpsim launch wrote for dead processes among ranks [0, size), one per line.
+std::string launch_records(Store& records, int size, int except) {
+  std::string died;
+  for (int q = 0; q < size; ++q) {
+    if (q == except || !store_has(records, "failed/" + std::to_string(q))) continue;
+    try {
+      const auto v = records.get("failed/" + std::to_string(q));
+      const std::string line(v.begin(), v.end());
+      if (line.find(kLaunchRecordTag) != std::string::npos) died += "\n  " + line;
+    } catch (const std::exception&) {
+    }
+  }
+  return died;
+}
+
+}  // namespace cpsim::sim
