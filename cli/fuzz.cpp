@@ -1,0 +1,89 @@
+// cpsim fuzz: random layouts, shrunk to the smallest failing one.
+#include <unistd.h>
+
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <map>
+
+#include "cli/job.hpp"
+#include "verify/batch_io.hpp"
+#include "verify/generators.hpp"
+#include "verify/properties.hpp"
+#include "verify/property_runner.hpp"
+
+namespace cpsim::cli {
+
+using namespace cpsim::verify;
+
+namespace {
+
+// Progress bar on a terminal; silent otherwise.
+struct Progress : PropertyListener {
+  int total, done = 0;
+  bool tty;
+  Progress(int n, bool report) : total(n), tty(report && isatty(STDERR_FILENO) != 0) {}
+  void on_case() override {
+    ++done;
+    if (!tty) return;
+    const int width = 40, fill = total ? std::min(width, done * width / total) : width;
+    std::fprintf(stderr, "\r[%s%s] %d/%d", std::string(fill, '#').c_str(), std::string(width - fill, ' ').c_str(),
+                 std::min(done, total), total);
+  }
+  void on_shrink(bool accepted) override {
+    if (tty && accepted) std::fprintf(stderr, "\rshrinking...%40s", "");
+  }
+  void on_done() override {
+    if (tty) std::fprintf(stderr, "\n");
+  }
+};
+
+}  // namespace
+
+int run_fuzz(FuzzArgs a) {
+  join_job(a.job);
+  CheckOptions o;
+  o.backend = a.job.backend;
+  o.timeout = milliseconds_of(a.job.timeout);
+  o.conv_width = a.conv_width;
+  if (a.job.multi) a.max_cp = std::min(a.max_cp, a.job.size);
+  std::optional<LayoutCase> smallest;
+  std::string failure;
+  std::map<std::string, int> passed;
+  auto property = [&](const LayoutCase& c) {
+    if (job_broken()) RC_FAIL("the job stopped");
+    for (const auto& r : check_all(c, o)) {
+      if (!r.ok) {
+        smallest = c;  // the last failure seen is the most shrunk one
+        failure = r.property + " at cp=" + std::to_string(r.cp) + ": " + r.detail;
+        RC_FAIL(failure);
+      }
+      passed[r.property]++;
+    }
+  };
+  PropertySettings settings;
+  settings.name = "cpsim fuzz";
+  settings.cases = a.cases;
+  settings.seed = a.seed;
+  Progress progress(a.cases, a.job.rank == 0);
+  const auto gen = gen_layout_case(a.max_cp);
+  const PropertyOutcome result = run_property(settings, [&] { property(*gen); }, &progress);
+  if (result.ok) {
+    std::cout << "fuzz: " << a.cases << " random layouts (seed " << a.seed << ", cp 1-" << a.max_cp << ", backend "
+              << a.job.backend << (a.job.multi ? ", " + std::to_string(a.job.size) + " processes" : std::string())
+              << "): every property holds\n";
+    for (const auto& [name, n] : passed) std::cout << "  " << std::left << std::setw(21) << name << n << " cases\n";
+    return finish_job(a.job, kExitOk);
+  }
+  if (job_broken()) return finish_job(a.job, kExitFailed);  // the job failed, not a layout
+  std::cout << "fuzz: property failed: " << failure << "\n";
+  if (smallest && a.job.rank == 0) {
+    write_batch_json(a.out, smallest->batch, smallest->pad_token_id);
+    std::cout << "smallest failing layout (cp=" << smallest->cp << "): " << *smallest << "\n"
+              << "saved to " << a.out << "; replay with: cpsim check " << a.out << " --cp " << smallest->cp
+              << " --seed " << smallest->seed << "\n";
+  }
+  return finish_job(a.job, kExitFailed);
+}
+
+}  // namespace cpsim::cli

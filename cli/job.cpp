@@ -1,0 +1,71 @@
+#include "cli/job.hpp"
+
+#include <unistd.h>
+
+#include <iostream>
+
+#include "sim/world.hpp"
+
+namespace cpsim::cli {
+
+std::chrono::milliseconds milliseconds_of(double seconds) {
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
+}
+
+// FNV-1a of the command line (and, for check, the batch files): the processes of
+// one job must agree on it.
+namespace {
+std::uint64_t fingerprint = 14695981039346656037ull;
+// "cpsim: ", or "cpsim: rank R: " in a multi-process job.
+std::string error_prefix = "cpsim: ";
+}  // namespace
+void fingerprint_bytes(const std::string& bytes) {
+  for (unsigned char ch : bytes) fingerprint = (fingerprint ^ ch) * 1099511628211ull;
+  fingerprint = (fingerprint ^ 0xff) * 1099511628211ull;  // separator
+}
+
+// One line on stderr in one write, so the lines of several ranks do not interleave.
+void report_error(const std::string& what) {
+  const std::string line = error_prefix + what + "\n";
+  (void)!write(STDERR_FILENO, line.data(), line.size());
+}
+
+// Joins the multi-process job the environment describes (cpsim launch, RANK/WORLD_SIZE,
+// Slurm, Open MPI), if any. Only rank 0 writes the report; every process computes it.
+void join_job(JobArgs& a) {
+  auto world = sim::world_from_environment();
+  if (!world) return;
+  if (!a.backend_given) a.backend = "gloo";
+  if (a.backend != "gloo")
+    throw UsageError("this process is rank " + std::to_string(world->rank) + " of " + std::to_string(world->size) +
+                     " (from " + world->source + "); a multi-process job runs on --backend gloo, not " + a.backend);
+  if (!a.store.empty()) world->store = a.store;
+  world->timeout = milliseconds_of(a.timeout);
+  error_prefix = "cpsim: rank " + std::to_string(world->rank) + ": ";
+  sim::join_world(*world);
+  sim::expect_same_job(fingerprint);
+  a.multi = true;
+  a.rank = world->rank;
+  a.size = world->size;
+  if (a.rank != 0) std::cout.setstate(std::ios::badbit);  // rank 0 reports
+}
+
+// The exit status of a job: a broken job (timeout, lost peer) is an error on every rank.
+int finish_job(const JobArgs& a, int status) {
+  if (!a.multi) return status;
+  const auto world = sim::current_world();
+  sim::leave_world();
+  std::cout.clear();
+  if (world && !world->failure.empty()) {
+    report_error("error: " + world->failure);
+    return kExitFailed;
+  }
+  return status;
+}
+
+bool job_broken() {
+  const auto world = sim::current_world();
+  return world && !world->failure.empty();
+}
+
+}  // namespace cpsim::cli

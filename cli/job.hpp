@@ -1,0 +1,31 @@
+// What every rank-running command shares: joining the multi-process job the
+// environment describes, the job fingerprint, one-line errors, exit statuses.
+#pragma once
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+
+#include "cli/options.hpp"
+
+namespace cpsim::cli {
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::chrono::milliseconds milliseconds_of(double seconds);
+// Adds bytes to the fingerprint every process of a job must agree on.
+void fingerprint_bytes(const std::string& bytes);
+// One line on stderr in one write ("cpsim: " or "cpsim: rank R: " first).
+void report_error(const std::string& what);
+// Joins the job the environment describes, if any (only rank 0 then writes).
+void join_job(JobArgs& a);
+// The exit status of a job: a broken job is an error on every rank.
+int finish_job(const JobArgs& a, int status);
+bool job_broken();
+
+int run_check(CheckArgs a);
+int run_fuzz(FuzzArgs a);
+
+}  // namespace cpsim::cli

@@ -1,0 +1,69 @@
+#include "cli/options.hpp"
+
+#include <CLI/CLI.hpp>
+
+#include "core/comm/registry.hpp"
+
+namespace cpsim::cli {
+
+namespace {
+
+// Options every rank-running command takes.
+void add_job_options(CLI::App* cmd, JobArgs& job) {
+  cmd->add_option("--backend", job.backend, "threads | gloo (default: threads; gloo in a multi-process job)")
+      ->check(CLI::IsMember(backend_names()))
+      ->each([&job](const std::string&) { job.backend_given = true; });
+  cmd->add_option("--store", job.store, "rendezvous of a multi-process job: file:DIR or redis://HOST:PORT "
+                                        "(default: $CPSIM_STORE, which cpsim launch sets)");
+  cmd->add_option("--timeout", job.timeout, "seconds a rank waits for its peers before it reports them")
+      ->check(CLI::Range(0.05, 86400.0));
+}
+
+}  // namespace
+
+Parsed parse_options(int argc, char** argv) {
+  Options o;
+  CLI::App app{"cpsim: verify contiguous context parallelism over packed sequences"};
+  app.require_subcommand(1);
+  CheckArgs& check = o.check;
+  auto* c = app.add_subcommand("check", "verify every property on batch files at each CP size");
+  c->add_option("batch", check.batches, "BATCH files (JSON)")->required()->check(CLI::ExistingFile);
+  c->add_option("--cp", check.cp_sizes, "CP sizes (default 1,2,3,4,8; in a multi-process job, its size)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1024))
+      ->each([&check](const std::string&) { check.cp_given = true; });
+  add_job_options(c, check.job);
+  c->add_option("--conv-width", check.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
+  c->add_option("--channels", check.channels, "activation channels")->check(CLI::Range(1, 4096));
+  c->add_option("--heads", check.heads, "recurrence heads H")->check(CLI::Range(1, 64));
+  c->add_option("--key-dim", check.key_dim, "recurrence key size K")->check(CLI::Range(1, 256));
+  c->add_option("--value-dim", check.value_dim, "recurrence value size V")->check(CLI::Range(1, 256));
+  c->add_option("--seed", check.seed, "seed of the activations");
+  c->add_flag("--json", check.json, "one JSON object instead of a table");
+  FuzzArgs& fuzz = o.fuzz;
+  auto* f = app.add_subcommand("fuzz", "random layouts, shrunk to the smallest failing one");
+  f->add_option("--cases", fuzz.cases, "random layouts")->check(CLI::Range(1, 10000000));
+  f->add_option("--seed", fuzz.seed, "generator seed");
+  f->add_option("--max-cp", fuzz.max_cp, "largest CP size drawn")->check(CLI::Range(1, 64));
+  add_job_options(f, fuzz.job);
+  f->add_option("--conv-width", fuzz.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
+  f->add_option("--out", fuzz.out, "where the smallest failing batch is saved");
+  LaunchArgs& launch = o.launch;
+  auto* l = app.add_subcommand("launch", "start N processes of one Gloo job on this host: launch -n N -- cpsim ...");
+  l->add_option("-n,--nproc", launch.launch.processes, "processes (ranks)")->required()->check(CLI::Range(1, 1024));
+  l->add_option("--store", launch.launch.store,
+                "rendezvous: file:DIR or redis://HOST:PORT (default: a fresh temporary directory)");
+  l->add_option("--grace", launch.grace, "seconds the others get to exit after one process fails, before they are killed")
+      ->check(CLI::Range(0.0, 86400.0));
+  l->add_option("command", launch.launch.command, "the command each process runs, after --")->required();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return {std::nullopt, code == 0 ? kExitOk : kExitUsage};
+  }
+  o.command = c->parsed() ? Command::check : f->parsed() ? Command::fuzz : Command::launch;
+  return {o, kExitOk};
+}
+
+}  // namespace cpsim::cli

@@ -1,0 +1,69 @@
+// The command line's options, parsed once (cli/options.cpp) into one struct that
+// the commands read.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sim/process_launch.hpp"
+
+namespace cpsim::cli {
+
+inline constexpr int kExitOk = 0, kExitFailed = 1, kExitUsage = 2;
+
+// Options of every command that runs ranks.
+struct JobArgs {
+  std::string backend = "threads";
+  bool backend_given = false;
+  std::string store;     // process mode: overrides CPSIM_STORE
+  double timeout = 20;   // seconds a rank waits for its peers
+  int rank = 0, size = 1;  // this process in a multi-process job
+  bool multi = false;
+};
+
+struct CheckArgs {
+  std::vector<std::string> batches;
+  std::vector<int> cp_sizes{1, 2, 3, 4, 8};
+  bool cp_given = false;
+  JobArgs job;
+  int conv_width = 4, channels = 8;
+  int heads = 2, key_dim = 4, value_dim = 4;
+  std::uint64_t seed = 0;
+  bool json = false;
+};
+
+struct FuzzArgs {
+  int cases = 200;
+  std::uint64_t seed = 1;
+  int max_cp = 16;
+  JobArgs job;
+  int conv_width = 4;
+  std::string out = "cpsim-counterexample.json";
+};
+
+struct LaunchArgs {
+  sim::LaunchOptions launch;
+  double grace = 30;  // seconds
+};
+
+enum class Command { check, fuzz, launch };
+
+struct Options {
+  Command command = Command::check;
+  CheckArgs check;
+  FuzzArgs fuzz;
+  LaunchArgs launch;
+};
+
+// The options of argv, or the exit status when parsing ended the run (--help: 0,
+// a usage error: 2, after CLI11 printed its message).
+struct Parsed {
+  std::optional<Options> options;
+  int exit_status = kExitOk;
+};
+Parsed parse_options(int argc, char** argv);
+
+}  // namespace cpsim::cli
