@@ -7,6 +7,8 @@
 #include <thread>
 
 #include "core/gather.hpp"
+#include "core/comm/checked.hpp"
+#include "core/comm/rendezvous.hpp"
 #include "core/comm/run_ranks.hpp"
 
 using namespace cpsim;
@@ -196,4 +198,70 @@ TEST(Gather, NullOrOneRankCommunicatorIsTheIdentity) {
   Var x(Tensor::full({1, 3}, DType::f32, 1.0), true);
   EXPECT_EQ(gather_sequence(x, nullptr, true).impl(), x.impl());
   run_ranks(1, [&](Communicator& comm) { EXPECT_EQ(gather_sequence(x, &comm, true).impl(), x.impl()); });
+}
+
+// The call check wraps any communicator: here a stub that only counts its calls,
+// checked over a channel of its own (an in-memory rendezvous). Matching calls reach
+// the stub; a mismatch is reported on every rank and never reaches it.
+namespace {
+struct CountingStub final : Communicator {
+  int r, n;
+  std::atomic<int>* calls;
+  CountingStub(int rank, int size, std::atomic<int>* c) : r(rank), n(size), calls(c) {}
+  int rank() const override { return r; }
+  int size() const override { return n; }
+  std::chrono::milliseconds timeout() const override { return 2000ms; }
+  std::string backend_name() const override { return "stub"; }
+  Capabilities capabilities() const override { return {}; }
+  void all_gather(const void*, void*, std::size_t, DType, CallOptions) override { ++*calls; }
+  void reduce_scatter(const void*, void*, std::size_t, DType, CallOptions) override { ++*calls; }
+  void all_reduce(void*, std::size_t, DType, CallOptions) override { ++*calls; }
+  void send_recv(const SendRecv&, DType, CallOptions) override { ++*calls; }
+  void broadcast(void*, std::size_t, DType, int, CallOptions) override { ++*calls; }
+  void barrier(CallOptions) override { ++*calls; }
+};
+struct RendezvousChannel final : CallChannel {
+  std::shared_ptr<Rendezvous> rv;
+  int rank;
+  std::uint64_t seq = 0;
+  RendezvousChannel(std::shared_ptr<Rendezvous> r, int q) : rv(std::move(r)), rank(q) {}
+  std::vector<CallRecord> exchange(const CallRecord& call, std::chrono::milliseconds timeout) override {
+    std::vector<CallRecord> out;
+    CallRecord mine = call;
+    mine.seq = ++seq;  // the channel numbers the calls
+    // The rendezvous checks too; give it one kind so that only the wrapper compares.
+    CallRecord barrier = call_record(CollectiveKind::barrier);
+    barrier.send = &mine;
+    rv->run(rank, barrier, timeout, [&](const std::vector<CallRecord>& all) {
+      for (const auto& a : all) out.push_back(*static_cast<const CallRecord*>(a.send));
+    });
+    return out;
+  }
+  [[noreturn]] void stop(const std::string& why) override { throw CollectiveError(why); }
+};
+}  // namespace
+
+TEST(CheckedCommunicator, ChecksEveryCallOverItsChannelBeforeTheInnerCall) {
+  auto rv = std::make_shared<Rendezvous>(2, 2000ms);
+  std::atomic<int> inner_calls{0};
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      auto comm = checked_communicator(std::make_unique<CountingStub>(r, 2, &inner_calls),
+                                       std::make_shared<RendezvousChannel>(rv, r));
+      double x = 0;
+      comm->all_reduce(&x, 1, DType::f64);  // matching: reaches the stub
+      try {
+        if (r == 0) comm->all_reduce(&x, 1, DType::f64);
+        else comm->broadcast(&x, 1, DType::f64, 0);
+      } catch (const CollectiveError& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(inner_calls, 2) << "only the matching call may reach the inner communicator";
+  for (const auto& e : errors)
+    EXPECT_THAT(e, AllOf(HasSubstr("collective mismatch"), HasSubstr("rank 0: in all_reduce #2"),
+                         HasSubstr("rank 1: in broadcast #2")));
 }

@@ -1,4 +1,5 @@
-// The gloo Communicator: each call checked by the exchange, then Gloo's own collectives.
+// The gloo transport: Gloo's own collectives, run after the checked communicator
+// (core/comm/checked.hpp) has compared every rank's call over the exchange.
 #include <gloo/allgather.h>
 #include <gloo/alltoall.h>
 #include <gloo/broadcast.h>
@@ -32,7 +33,7 @@ class GlooCommunicator final : public Communicator {
 
   void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord c = checked({CollectiveKind::all_gather, 0, count, dt}, t);
+    const CallRecord& c = g_->current();
     const std::size_t bytes = count * dtype_size(dt);
     if (bytes == 0) return;
     if (size() == 1) {
@@ -44,7 +45,7 @@ class GlooCommunicator final : public Communicator {
 
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord c = checked({CollectiveKind::reduce_scatter, 0, count, dt}, t);
+    const CallRecord& c = g_->current();
     const std::size_t bytes = count * dtype_size(dt);
     if (bytes == 0) return;
     if (size() == 1) {
@@ -65,7 +66,7 @@ class GlooCommunicator final : public Communicator {
 
   void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord c = checked({CollectiveKind::all_reduce, 0, count, dt}, t);
+    const CallRecord& c = g_->current();
     const std::size_t bytes = count * dtype_size(dt);
     if (bytes == 0 || size() == 1) return;
     std::vector<std::uint8_t> parts(bytes * size());
@@ -75,7 +76,7 @@ class GlooCommunicator final : public Communicator {
 
   void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord c = checked(send_recv_record(step, dt), t);
+    const CallRecord& c = g_->current();
     const void* send = step.send;
     void* recv = step.recv;
     const int dst = step.dst, src = step.src;
@@ -103,7 +104,7 @@ class GlooCommunicator final : public Communicator {
     const auto t = g_->pick(o);
     CallRecord r{CollectiveKind::broadcast, 0, count, dt};
     r.root = root;
-    const CallRecord c = checked(r, t);
+    const CallRecord& c = g_->current();
     const std::size_t bytes = count * dtype_size(dt);
     if (bytes == 0 || size() == 1) return;
     g_->transport(c, [&] {
@@ -115,13 +116,10 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  // The call exchange is an all-to-all barrier.
-  void barrier(CallOptions o) override { checked(CallRecord{CollectiveKind::barrier}, g_->pick(o)); }
+  // The checked communicator's exchange is the barrier.
+  void barrier(CallOptions) override {}
 
  private:
-  CallRecord checked(const CallRecord& c, std::chrono::milliseconds t) {
-    return g_->exchange(c, GlooRank::Status::call, "", t)[g_->rank()];
-  }
   void gather_bytes(const void* send, void* recv, std::size_t bytes, std::chrono::milliseconds t) {
     gloo::AllgatherOptions opts(g_->context_ptr());
     opts.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(send)), bytes);
@@ -141,7 +139,7 @@ class GlooCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> GlooRank::communicator() {
-  return std::make_unique<GlooCommunicator>(shared_from_this());
+  return checked_communicator(std::make_unique<GlooCommunicator>(shared_from_this()), shared_from_this());
 }
 
 }  // namespace cpsim::sim

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "core/comm/communicator.hpp"
-#include "core/comm/call_check.hpp"
+#include "core/comm/checked.hpp"
 
 namespace gloo {
 class Context;
@@ -79,7 +79,7 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
                                             const std::shared_ptr<gloo::transport::Device>& device,
                                             std::chrono::milliseconds timeout, Store* records = nullptr);
 
-class GlooRank : public std::enable_shared_from_this<GlooRank> {
+class GlooRank : public CallChannel, public std::enable_shared_from_this<GlooRank> {
  public:
   // `records` holds the failure records of the job (keys failed/<rank>); it may
   // be shared with other groups of the same job. With `processes`, peers are
@@ -105,10 +105,16 @@ class GlooRank : public std::enable_shared_from_this<GlooRank> {
   bool broken() const { return !broken_.empty(); }
   const std::string& broken_reason() const { return broken_; }
 
-  // One call of the protocol; used by the communicator view.
+  // One call of the protocol: every rank's record and status. A rank that threw
+  // or returned while others call stops the run.
   enum class Status : std::uint8_t { call, returned, threw };
   std::vector<CallRecord> exchange(const CallRecord& mine, Status status, const std::string& text,
                                    std::chrono::milliseconds timeout);
+  // The CallChannel the checked communicator runs over.
+  std::vector<CallRecord> exchange(const CallRecord& mine, std::chrono::milliseconds timeout) override;
+  [[noreturn]] void stop(const std::string& why) override;
+  // The call the last exchange agreed on (its sequence number), for transport errors.
+  const CallRecord& current() const { return current_; }
   // Moves data after a successful exchange; a transport failure breaks the group.
   template <class F>
   void transport(const CallRecord& call, F&& f);
@@ -128,6 +134,7 @@ class GlooRank : public std::enable_shared_from_this<GlooRank> {
   std::chrono::milliseconds timeout_;
   bool processes_;
   std::uint64_t seq_ = 0;
+  CallRecord current_;
   std::string stopped_;  // why this run stopped (empty: in step)
   std::string broken_;   // why the group is broken (empty: usable)
 };

@@ -231,12 +231,21 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
                                 " that rank " + std::to_string(waiting) + " waits in";
     why = threw >= 0 ? "rank " + std::to_string(threw) + " threw: " + texts[threw] + " (instead of joining " + joining + ")"
                      : "rank " + std::to_string(returned) + " returned without joining " + joining;
-  } else if (auto mismatch = find_mismatch(calls)) {
-    why = "collective mismatch: " + *mismatch;
   } else {
-    return calls;
+    return calls;  // the mismatch check is the checked communicator's (core/comm/checked.hpp)
   }
   stopped_ = why + states();
+  throw CollectiveError(stopped_);
+}
+
+std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, std::chrono::milliseconds timeout) {
+  auto calls = exchange(mine, Status::call, "", timeout);
+  current_ = calls[rank_];
+  return calls;
+}
+
+void GlooRank::stop(const std::string& why) {
+  stopped_ = why;
   throw CollectiveError(stopped_);
 }
 
