@@ -52,14 +52,7 @@ Var packed_causal_conv(const Var& x_window, const Tensor& ids, const Var& weight
 }
 
 Tensor window_doc_ids(const Tensor& global, std::int64_t start, std::int64_t len, int width) {
-  const std::int64_t B = global.dim(0), P = global.dim(1), NW = len + width - 1;
-  Tensor out({B, NW}, DType::i64);
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t i = 0; i < NW; ++i) {
-      const std::int64_t p = start - (width - 1) + i;
-      out.data<std::int64_t>()[b * NW + i] = p < 0 ? kBeforeSequenceDocId : global.data<std::int64_t>()[b * P + p];
-    }
-  return out;
+  return slice_sequence(global, start - (width - 1), len + width - 1, kBeforeSequenceDocId);
 }
 
 Var sharded_packed_conv(const Var& x_masked, const PackedContext& context, Communicator* comm, const Var& weight,

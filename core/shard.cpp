@@ -1,8 +1,27 @@
 #include "core/shard.hpp"
 
 #include <algorithm>
+#include <cstring>
+
+#include "core/kernels/table.hpp"
 
 namespace cpsim {
+
+Tensor slice_sequence(const Tensor& t, std::int64_t start, std::int64_t len, std::int64_t fill) {
+  CPSIM_ENFORCE(t.ndim() == 2, "slice_sequence takes [B, S], got ", shape_str(t.shape()));
+  std::uint64_t bits = 0;
+  visit_dtype(t.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T v;
+    if constexpr (std::is_integral_v<T>) v = static_cast<T>(fill);
+    else v = from_f64<T>(static_cast<double>(fill));
+    std::memcpy(&bits, &v, sizeof(T));
+  });
+  Tensor out({t.dim(0), len}, t.dtype(), t.device());
+  kernels::kernels_for(t.device())
+      .slice({t.raw(), out.raw(), t.dim(0), t.dim(1), start, len, dtype_size(t.dtype()), bits}, kernels::current_stream());
+  return out;
+}
 
 ShardGeometry shard_geometry(std::int64_t seq_len, int cp_size, std::int64_t pad_multiple) {
   if (cp_size < 1) CPSIM_INVALID("cp_size: must be >= 1, got ", cp_size);
@@ -37,7 +56,7 @@ PackedContext& PackedContext::operator=(const PackedContext& o) {
   return *this;
 }
 
-Tensor PackedContext::local_doc_ids() const { return narrow(doc_ids_, 1, seq_start_, local_seq_len()); }
+Tensor PackedContext::local_doc_ids() const { return slice_sequence(doc_ids_, seq_start_, local_seq_len(), 0); }
 
 const std::vector<std::int64_t>& PackedContext::row_cu_seqlens(int row) const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -55,31 +74,29 @@ ShardedBatch shard_batch_at(int rank, int cp_size, Batch batch, std::optional<Te
   const ShardGeometry g = shard_geometry(S, cp_size, pad_multiple);
   if (rank < 0 || rank >= cp_size) CPSIM_INVALID("rank: ", rank, " outside a CP group of ", cp_size);
   // The document map must be resolved before packing metadata is removed.
-  Tensor doc_ids = pad_sequence_dim(global_doc_ids(batch), g.padded_len, static_cast<double>(kPadDocId));
+  Tensor doc_ids = slice_sequence(global_doc_ids(batch), 0, g.padded_len, kPadDocId);
   unpack_row_layout(batch);
   if (loss_mask) batch["loss_mask"] = *loss_mask;
   sequence_length(batch);  // loss_mask shape check
 
-  // Position ids continue last+1, ... into the padded tail.
-  Tensor padded_pos = pad_sequence_dim(batch.at("position_ids"), g.padded_len, 0.0);  // int64 (derive_layout)
-  auto* p = padded_pos.data<std::int64_t>();
-  for (std::int64_t r = 0; r < padded_pos.dim(0); ++r)
-    for (std::int64_t t = S; t < g.padded_len; ++t) p[r * g.padded_len + t] = p[r * g.padded_len + t - 1] + 1;
-  batch["position_ids"] = padded_pos;
-
   // SPEC §2 fill values; every other [B, S] key (token_type_ids, say) is padded with 0.
-  const std::map<std::string, double> fill = {{"input_ids", static_cast<double>(pad_token_id)},
-                                              {"labels", static_cast<double>(kIgnoreLabel)},
-                                              {"padding_mask", 1.0},
-                                              {"loss_mask", 0.0},
-                                              {"attention_mask", 0.0}};
+  const std::map<std::string, std::int64_t> fill = {
+      {"input_ids", pad_token_id}, {"labels", kIgnoreLabel}, {"padding_mask", 1}, {"loss_mask", 0}, {"attention_mask", 0}};
   for (auto& [key, t] : batch) {
-    if (key == "position_ids") continue;  // padded above
+    const bool global = key == "input_ids" && !shard_primary;  // padded to P, kept whole
+    const std::int64_t start = global ? 0 : g.start(rank), len = global ? g.padded_len : g.local_len;
     const auto f = fill.find(key);
-    t = pad_sequence_dim(t, g.padded_len, f == fill.end() ? 0.0 : f->second);
-    if (key != "input_ids" || shard_primary) t = narrow(t, 1, g.start(rank), g.local_len);
+    Tensor local = slice_sequence(t, start, len, f == fill.end() ? 0 : f->second);
+    if (key == "position_ids") {
+      // Position ids continue last+1, ... into the padded tail (derive_layout made them int64).
+      auto* p = local.data<std::int64_t>();
+      const auto* src = t.data<std::int64_t>();
+      for (std::int64_t r = 0; r < t.dim(0); ++r)
+        for (std::int64_t j = std::max<std::int64_t>(0, S - start); j < len; ++j)
+          p[r * len + j] = src[r * S + S - 1] + (start + j - S + 1);
+    }
+    t = std::move(local);
   }
-  batch["position_ids"] = narrow(batch.at("position_ids"), 1, g.start(rank), g.local_len);
   return {std::move(batch), PackedContext(std::move(doc_ids), g.start(rank), cp_size, S)};
 }
 

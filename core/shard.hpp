@@ -14,6 +14,10 @@
 
 namespace cpsim {
 
+// Positions [start, start+len) of a [B, S] tensor, `fill` outside [0, S) (the
+// slice kernel): a shard of the padded sequence, or a window before position 0.
+Tensor slice_sequence(const Tensor& t, std::int64_t start, std::int64_t len, std::int64_t fill);
+
 // P = roundup(S, c*m); rank r owns [r*L, (r+1)*L) with L = P/c.
 struct ShardGeometry {
   std::int64_t seq_len = 0;     // S

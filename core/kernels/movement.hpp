@@ -5,6 +5,8 @@
 // Thrust execution policy (thrust::host here, a CUDA stream policy in gpu/).
 #pragma once
 
+#include <cstring>
+
 #include "core/kernels/hd.hpp"
 #include "core/kernels/table.hpp"
 
@@ -43,6 +45,19 @@ struct CopyPositions {
   CPSIM_HD void operator()(index_t i) const {
     const index_t b = i / (n * P), rem = i - b * n * P, k = rem / P, e = rem - k * P;
     dst[(b * dst_len + to + k) * P + e] = src[(b * src_len + from + k) * P + e];
+  }
+};
+
+// dst[b][j] = src[b][start + j] inside [0, src_len), else fill.
+template <class E>
+struct SliceWithFill {
+  const E* src;
+  E* dst;
+  index_t src_len, start, len;
+  E fill;
+  CPSIM_HD void operator()(index_t i) const {
+    const index_t b = i / len, j = i - b * len, p = start + j;
+    dst[i] = (p >= 0 && p < src_len) ? src[b * src_len + p] : fill;
   }
 };
 
@@ -118,6 +133,24 @@ void copy_positions(Policy&& policy, const PositionCopy& a) {
                    CopyPositions<W>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.src_len, a.dst_len, a.from,
                                     a.to, a.n, P});
   });
+}
+
+template <class Policy>
+void slice(Policy&& policy, const Slice& a) {
+  auto run = [&](auto element) {
+    using E = decltype(element);
+    E fill;
+    static_assert(sizeof(E) <= sizeof(a.fill));
+    std::memcpy(&fill, &a.fill, sizeof(E));  // little-endian: the element's bytes are the low ones
+    for_each_index(policy, a.rows * a.len,
+                   SliceWithFill<E>{static_cast<const E*>(a.src), static_cast<E*>(a.dst), a.src_len, a.start, a.len, fill});
+  };
+  switch (a.element_bytes) {
+    case 1: return run(std::uint8_t{});
+    case 2: return run(std::uint16_t{});
+    case 4: return run(std::uint32_t{});
+    default: return run(std::uint64_t{});
+  }
 }
 
 template <class Policy>

@@ -31,6 +31,18 @@ struct PositionCopy {
   std::size_t position_bytes = 0;
 };
 
+// dst[b][j] = src[b][start + j] where 0 <= start + j < src_len, else `fill`: a
+// shard of a padded sequence (SPEC §2 fill values), or a window that begins before
+// position 0. Elements are element_bytes (1, 2, 4 or 8) long; fill holds the
+// element's bytes in its low bytes.
+struct Slice {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  std::int64_t rows = 0, src_len = 0, start = 0, len = 0;
+  std::size_t element_bytes = 0;
+  std::uint64_t fill = 0;
+};
+
 // The convolution history of rank `rank`: window [B, L + H, ...] and the shard
 // tails [c][B][T][...] (the last T = min(L, H) positions of every rank).
 struct History {
@@ -95,6 +107,7 @@ struct KernelTable {
   void (*blocks_to_sequence)(const Rearrange&, void* stream);
   void (*sequence_to_blocks)(const Rearrange&, void* stream);
   void (*copy_positions)(const PositionCopy&, void* stream);
+  void (*slice)(const Slice&, void* stream);
   // dst positions += src positions, elementwise in `dtype` (bool: or).
   void (*add_positions)(const PositionCopy&, DType dtype, void* stream);
   // Window slots [0, H) from the owners' tails (slots before position 0 stay zero).
