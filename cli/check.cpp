@@ -48,9 +48,9 @@ int run_check(CheckArgs a) {
   // Load and validate every batch first: invalid input is exit 2 before any work.
   std::vector<BatchFile> files;
   for (const auto& path : a.batches) {
-    const std::string text = read_batch_text(path);
-    fingerprint_bytes(text);
-    BatchFile f = parse_batch_json(text, path);
+    const MappedFile file(path);
+    fingerprint_bytes(file.bytes());
+    BatchFile f = parse_batch(file.bytes(), path);
     derive_layout(f.batch);
     files.push_back(std::move(f));
   }

@@ -19,7 +19,7 @@ std::uint64_t fingerprint = 14695981039346656037ull;
 // "cpsim: ", or "cpsim: rank R: " in a multi-process job.
 std::string error_prefix = "cpsim: ";
 }  // namespace
-void fingerprint_bytes(const std::string& bytes) {
+void fingerprint_bytes(std::string_view bytes) {
   for (unsigned char ch : bytes) fingerprint = (fingerprint ^ ch) * 1099511628211ull;
   fingerprint = (fingerprint ^ 0xff) * 1099511628211ull;  // separator
 }

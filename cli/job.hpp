@@ -5,6 +5,7 @@
 #include <chrono>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "cli/options.hpp"
 
@@ -16,7 +17,7 @@ struct UsageError : std::runtime_error {
 
 std::chrono::milliseconds milliseconds_of(double seconds);
 // Adds bytes to the fingerprint every process of a job must agree on.
-void fingerprint_bytes(const std::string& bytes);
+void fingerprint_bytes(std::string_view bytes);
 // One line on stderr in one write ("cpsim: " or "cpsim: rank R: " first).
 void report_error(const std::string& what);
 // Joins the job the environment describes, if any (only rank 0 then writes).

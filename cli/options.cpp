@@ -27,7 +27,7 @@ Parsed parse_options(int argc, char** argv) {
   app.require_subcommand(1);
   CheckArgs& check = o.check;
   auto* c = app.add_subcommand("check", "verify every property on batch files at each CP size");
-  c->add_option("batch", check.batches, "BATCH files (JSON)")->required()->check(CLI::ExistingFile);
+  c->add_option("batch", check.batches, "BATCH files (JSON, or safetensors as safetensors.torch.save_file writes them)")->required()->check(CLI::ExistingFile);
   c->add_option("--cp", check.cp_sizes, "CP sizes (default 1,2,3,4,8; in a multi-process job, its size)")
       ->delimiter(',')
       ->check(CLI::Range(1, 1024))

@@ -39,7 +39,9 @@ TEST(Cli, EveryInvalidExampleIsExitTwoNamingTheKey) {
       {"bad_positions.json", "position_ids"},     {"lengths_overflow.json", "seq_lens_padded"},
       {"malformed.json", "malformed JSON"},       {"sentinel_in_middle.json", "seq_lens"},
       {"wrong_shape.json", "input_ids"},          {"seq_lens_padded_alone.json", "seq_lens_padded"},
-      {"other_key_wrong_shape.json", "token_type_ids"}, {"empty_sequence.json", "input_ids"}};
+      {"other_key_wrong_shape.json", "token_type_ids"}, {"empty_sequence.json", "input_ids"},
+      {"duplicate_key.json", "input_ids: key appears twice"}, {"deep_nesting.json", "nested deeper than 8 levels"},
+      {"int64_overflow.json", "input_ids row 0 index 1"}};
   const auto files = json_files(kExamples / "invalid");
   ASSERT_EQ(files.size(), names.size()) << "each invalid example needs its expected key here";
   for (const auto& f : files) {

@@ -1,8 +1,20 @@
 #include "verify/batch_io.hpp"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
+
+#include "verify/safetensors.hpp"
+#include "verify/strict_json.hpp"
 
 namespace cpsim::verify {
 
@@ -28,10 +40,12 @@ Tensor tensor_from_json(const json& value, const std::string& key) {
     for (std::int64_t i = 0; i < cols; ++i) {
       const json& v = row[i];
       if (v.is_boolean()) t.set(r * cols + i, v.get<bool>() ? 1.0 : 0.0);
+      else if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))
+        CPSIM_INVALID(key, " row ", r, " index ", i, ": ", v.get<std::uint64_t>(), " does not fit in int64");
       else if (v.is_number_integer()) {
         if (t.dtype() == DType::b8) t.set(r * cols + i, v.get<std::int64_t>() != 0 ? 1.0 : 0.0);
         else t.data<std::int64_t>()[r * cols + i] = v.get<std::int64_t>();
-      } else CPSIM_INVALID(key, " row ", r, " index ", i, ": expected an integer, got ", v.dump());
+      } else CPSIM_INVALID(key, " row ", r, " index ", i, ": expected an integer, got ", v.type_name());
     }
   }
   return t;
@@ -54,20 +68,49 @@ json tensor_to_json(const Tensor& t) {
 
 }  // namespace
 
-BatchFile parse_batch_json(const std::string& text, const std::string& source) {
+json parse_strict_json(std::string_view text, const std::string& source, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char ch : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (ch == '\\') escaped = true;
+      else if (ch == '"') in_string = false;
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      if (++depth > max_depth) CPSIM_INVALID(source, ": nested deeper than ", max_depth, " levels");
+    } else if (ch == ']' || ch == '}') {
+      --depth;
+    }
+  }
+  std::set<std::string> keys;
+  std::string duplicate;
   json doc;
   try {
-    doc = json::parse(text);
+    doc = json::parse(text.begin(), text.end(), [&](int d, json::parse_event_t event, json& parsed) {
+      if (event == json::parse_event_t::key && d == 1 && !keys.insert(parsed.get<std::string>()).second)
+        duplicate = parsed.get<std::string>();
+      return true;
+    });
   } catch (const json::parse_error& e) {
-    CPSIM_INVALID(source, ": malformed JSON at byte ", e.byte, ": ", e.what());
+    CPSIM_INVALID(source, ": malformed JSON at byte ", e.byte);
   }
+  if (!duplicate.empty()) CPSIM_INVALID(duplicate, ": key appears twice in ", source);
+  return doc;
+}
+
+BatchFile parse_batch_json(std::string_view text, const std::string& source) {
+  // Batch keys nest two levels deep.
+  const json doc = parse_strict_json(text, source, 8);
   if (!doc.is_object()) CPSIM_INVALID(source, ": expected a JSON object of batch keys");
   BatchFile out;
   std::int64_t seq_len = -1;
   for (auto it = doc.begin(); it != doc.end(); ++it) {
     const std::string& key = it.key();
     if (key == "pad_token_id") {
-      if (!it->is_number_integer()) CPSIM_INVALID("pad_token_id: expected an integer");
+      if (!it->is_number_integer() || (it->is_number_unsigned() && it->get<std::uint64_t>() > INT64_MAX))
+        CPSIM_INVALID("pad_token_id: expected an integer that fits in int64");
       out.pad_token_id = it->get<std::int64_t>();
     } else if (key == "seq_len") {
       if (!it->is_number_integer() || it->get<std::int64_t>() < 1) CPSIM_INVALID("seq_len: expected a positive integer");
@@ -93,15 +136,44 @@ BatchFile parse_batch_json(const std::string& text, const std::string& source) {
   return out;
 }
 
-std::string read_batch_text(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) CPSIM_INVALID(path, ": cannot open the batch file");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+MappedFile::MappedFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) CPSIM_INVALID(path, ": cannot open the batch file (", std::strerror(errno), ")");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    CPSIM_INVALID(path, ": not a regular file");
+  }
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      ::close(fd);
+      CPSIM_INVALID(path, ": cannot map the batch file (", std::strerror(errno), ")");
+    }
+    data_ = static_cast<const char*>(p);
+  }
+  ::close(fd);
 }
 
-BatchFile read_batch_file(const std::string& path) { return parse_batch_json(read_batch_text(path), path); }
+MappedFile::~MappedFile() {
+  if (data_) ::munmap(const_cast<char*>(data_), size_);
+}
+
+bool is_safetensors_path(const std::string& path) {
+  return path.size() >= 12 && path.compare(path.size() - 12, 12, ".safetensors") == 0;
+}
+
+BatchFile parse_batch(std::string_view bytes, const std::string& source) {
+  if (is_safetensors_path(source) || (!bytes.empty() && bytes[0] != '{' && looks_like_safetensors(bytes)))
+    return parse_batch_safetensors(bytes, source);
+  return parse_batch_json(bytes, source);
+}
+
+BatchFile read_batch_file(const std::string& path) {
+  const MappedFile file(path);
+  return parse_batch(file.bytes(), path);
+}
 
 std::string batch_to_json(const Batch& batch, std::int64_t pad_token_id, bool pretty) {
   json doc = json::object();

@@ -1,10 +1,12 @@
 // BATCH files (SPEC §6): JSON with the keys of SPEC §1 as nested integer arrays,
 // an optional "pad_token_id", and "seq_len" standing in for token tensors when only
-// lengths are given. Errors are InvalidInput naming the key, row and index.
+// lengths are given; or safetensors as a training step writes them
+// (verify/safetensors.hpp). Errors are InvalidInput naming the key, row and index.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "core/layout.hpp"
 
@@ -15,9 +17,25 @@ struct BatchFile {
   std::int64_t pad_token_id = 0;
 };
 
-BatchFile parse_batch_json(const std::string& text, const std::string& source = "batch");
-// The bytes of a batch file; InvalidInput when it cannot be opened.
-std::string read_batch_text(const std::string& path);
+// A batch file mapped read-only into memory; InvalidInput when it cannot be opened.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  std::string_view bytes() const { return {data_ ? data_ : "", size_}; }
+
+ private:
+  const char* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+// JSON: duplicate keys, nesting deeper than a batch, and integers that do not fit
+// int64 are invalid input.
+BatchFile parse_batch_json(std::string_view text, const std::string& source = "batch");
+// JSON or safetensors: by the name (*.safetensors), else by the content.
+BatchFile parse_batch(std::string_view bytes, const std::string& source);
 BatchFile read_batch_file(const std::string& path);
 std::string batch_to_json(const Batch& batch, std::int64_t pad_token_id, bool pretty = false);
 void write_batch_json(const std::string& path, const Batch& batch, std::int64_t pad_token_id);

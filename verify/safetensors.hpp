@@ -1,0 +1,26 @@
+// safetensors batches, as safetensors.torch.save_file(batch, path) writes them:
+// an 8-byte little-endian header length N, N bytes of JSON header
+// {"key": {"dtype": "I64", "shape": [B, S], "data_offsets": [begin, end]}, ...,
+// "__metadata__": {"pad_token_id": "0"}}, then the data (offsets relative to it).
+// Every malformed file is an InvalidInput naming the key and what is wrong: a
+// truncated file, a header whose length, offsets or sizes lie, overlapping or
+// out-of-range data, an unknown dtype, a shape that disagrees with its byte count.
+// Memory is bounded by the file: nothing is allocated before its bytes are found
+// inside the file.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "verify/batch_io.hpp"
+
+namespace cpsim::verify {
+
+// Integer dtypes I64, I32, I16, I8, U8 become int64 tensors, BOOL a bool tensor;
+// floating dtypes (F32, BF16, ...) are refused: batch keys are integer tensors.
+BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& source);
+
+// Whether bytes look like a safetensors file (a plausible header length, then '{').
+bool looks_like_safetensors(std::string_view bytes);
+
+}  // namespace cpsim::verify
