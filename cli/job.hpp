@@ -28,5 +28,6 @@ bool job_broken();
 
 int run_check(CheckArgs a);
 int run_fuzz(FuzzArgs a);
+int run_show(const ShowArgs& a);
 
 }  // namespace cpsim::cli

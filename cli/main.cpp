@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
     switch (o.command) {
       case Command::check: return run_check(o.check);
       case Command::fuzz: return run_fuzz(o.fuzz);
+      case Command::show: return run_show(o.show);
       case Command::launch: {
         sim::LaunchOptions launch = o.launch.launch;
         launch.grace = milliseconds_of(o.launch.grace);

@@ -25,6 +25,8 @@ Parsed parse_options(int argc, char** argv) {
   Options o;
   CLI::App app{"cpsim: verify contiguous context parallelism over packed sequences"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", kVersion);
+  app.footer("Run 'cpsim COMMAND --help' for a command's options and an example.");
   CheckArgs& check = o.check;
   auto* c = app.add_subcommand("check", "verify every property on batch files at each CP size");
   c->add_option("batch", check.batches, "BATCH files (JSON, or safetensors as safetensors.torch.save_file writes them)")->required()->check(CLI::ExistingFile);
@@ -40,6 +42,10 @@ Parsed parse_options(int argc, char** argv) {
   c->add_option("--value-dim", check.value_dim, "recurrence value size V")->check(CLI::Range(1, 256));
   c->add_option("--seed", check.seed, "seed of the activations");
   c->add_flag("--json", check.json, "one JSON object instead of a table");
+  c->footer(
+      "Example:\n  cpsim check examples/spec_example.json --cp 1,2,3,4,8\n"
+      "  cpsim check batch.safetensors --backend gloo --json\n"
+      "Exit status: 0 every property holds, 1 a property failed, 2 bad usage or invalid input.");
   FuzzArgs& fuzz = o.fuzz;
   auto* f = app.add_subcommand("fuzz", "random layouts, shrunk to the smallest failing one");
   f->add_option("--cases", fuzz.cases, "random layouts")->check(CLI::Range(1, 10000000));
@@ -48,6 +54,16 @@ Parsed parse_options(int argc, char** argv) {
   add_job_options(f, fuzz.job);
   f->add_option("--conv-width", fuzz.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
   f->add_option("--out", fuzz.out, "where the smallest failing batch is saved");
+  f->footer("Example:\n  cpsim fuzz --cases 300 --seed 7 --max-cp 8\n"
+            "  then replay a failure: cpsim check cpsim-counterexample.json --cp N --seed S");
+  ShowArgs& show = o.show;
+  auto* s = app.add_subcommand("show", "draw a batch's layout: documents, padding, shard cuts, halos");
+  s->add_option("batch", show.batch, "BATCH file (JSON or safetensors)")->required()->check(CLI::ExistingFile);
+  s->add_option("--cp", show.cp, "CP size")->check(CLI::Range(1, 4096));
+  s->add_option("--conv-width", show.conv_width, "convolution taps W (halo of W-1 positions)")->check(CLI::Range(1, 64));
+  s->add_option("--svg", show.svg, "also write the picture as an SVG file");
+  s->add_option("--color", show.color, "auto | always | never")->check(CLI::IsMember({"auto", "always", "never"}));
+  s->footer("Example:\n  cpsim show examples/spec_example.json --cp 3 --svg layout.svg");
   LaunchArgs& launch = o.launch;
   auto* l = app.add_subcommand("launch", "start N processes of one Gloo job on this host: launch -n N -- cpsim ...");
   l->add_option("-n,--nproc", launch.launch.processes, "processes (ranks)")->required()->check(CLI::Range(1, 1024));
@@ -56,13 +72,14 @@ Parsed parse_options(int argc, char** argv) {
   l->add_option("--grace", launch.grace, "seconds the others get to exit after one process fails, before they are killed")
       ->check(CLI::Range(0.0, 86400.0));
   l->add_option("command", launch.launch.command, "the command each process runs, after --")->required();
+  l->footer("Example:\n  cpsim launch -n 4 -- cpsim check examples/spec_example.json");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
     return {std::nullopt, code == 0 ? kExitOk : kExitUsage};
   }
-  o.command = c->parsed() ? Command::check : f->parsed() ? Command::fuzz : Command::launch;
+  o.command = c->parsed() ? Command::check : f->parsed() ? Command::fuzz : s->parsed() ? Command::show : Command::launch;
   return {o, kExitOk};
 }
 

@@ -13,6 +13,7 @@
 namespace cpsim::cli {
 
 inline constexpr int kExitOk = 0, kExitFailed = 1, kExitUsage = 2;
+inline constexpr const char* kVersion = "cpsim 0.4.0";
 
 // Options of every command that runs ranks.
 struct JobArgs {
@@ -44,17 +45,26 @@ struct FuzzArgs {
   std::string out = "cpsim-counterexample.json";
 };
 
+struct ShowArgs {
+  std::string batch;
+  int cp = 1;
+  int conv_width = 4;
+  std::string svg;            // write an SVG here as well
+  std::string color = "auto";  // auto | always | never
+};
+
 struct LaunchArgs {
   sim::LaunchOptions launch;
   double grace = 30;  // seconds
 };
 
-enum class Command { check, fuzz, launch };
+enum class Command { check, fuzz, show, launch };
 
 struct Options {
   Command command = Command::check;
   CheckArgs check;
   FuzzArgs fuzz;
+  ShowArgs show;
   LaunchArgs launch;
 };
 

@@ -1,0 +1,55 @@
+// cpsim show: the layout of a batch at one CP size, in the terminal and as SVG.
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+
+#include "cli/job.hpp"
+#include "verify/batch_io.hpp"
+#include "verify/show.hpp"
+
+namespace cpsim::cli {
+
+namespace {
+
+int terminal_columns() {
+  winsize ws{};
+  if (isatty(STDOUT_FILENO) && ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) return ws.ws_col;
+  if (const char* c = std::getenv("COLUMNS")) {
+    const int n = std::atoi(c);
+    if (n > 0) return n;
+  }
+  return 100;
+}
+
+bool use_color(const std::string& mode) {
+  if (mode == "always") return true;
+  if (mode == "never") return false;
+  const char* term = std::getenv("TERM");
+  return isatty(STDOUT_FILENO) && !std::getenv("NO_COLOR") && term && std::string(term) != "dumb";
+}
+
+}  // namespace
+
+int run_show(const ShowArgs& a) {
+  const verify::BatchFile f = verify::read_batch_file(a.batch);
+  derive_layout(f.batch);  // invalid input is exit 2 before anything is drawn
+  verify::ShowOptions o;
+  o.cp = a.cp;
+  o.conv_width = a.conv_width;
+  o.columns = terminal_columns();
+  o.color = use_color(a.color);
+  o.title = a.batch;
+  std::cout << verify::show_text(f.batch, o);
+  if (!a.svg.empty()) {
+    std::ofstream out(a.svg);
+    if (!out) throw UsageError("--svg " + a.svg + ": cannot write");
+    out << verify::show_svg(f.batch, o);
+    std::cout << "wrote " << a.svg << "\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace cpsim::cli
