@@ -29,5 +29,6 @@ bool job_broken();
 int run_check(CheckArgs a);
 int run_fuzz(FuzzArgs a);
 int run_show(const ShowArgs& a);
+int run_golden(const GoldenArgs& a);
 
 }  // namespace cpsim::cli

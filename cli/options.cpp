@@ -64,6 +64,19 @@ Parsed parse_options(int argc, char** argv) {
   s->add_option("--svg", show.svg, "also write the picture as an SVG file");
   s->add_option("--color", show.color, "auto | always | never")->check(CLI::IsMember({"auto", "always", "never"}));
   s->footer("Example:\n  cpsim show examples/spec_example.json --cp 3 --svg layout.svg");
+  GoldenArgs& golden = o.golden;
+  auto* gd = app.add_subcommand("golden", "conformance vectors for another implementation, as safetensors");
+  gd->add_option("batch", golden.batch, "BATCH file (JSON or safetensors)")->required()->check(CLI::ExistingFile);
+  gd->add_option("--cp", golden.cp, "CP size")->check(CLI::Range(1, 1024));
+  gd->add_option("--out", golden.out, "folder to write")->required();
+  gd->add_option("--conv-width", golden.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
+  gd->add_option("--channels", golden.channels, "activation channels")->check(CLI::Range(1, 4096));
+  gd->add_option("--heads", golden.heads, "recurrence heads H")->check(CLI::Range(1, 64));
+  gd->add_option("--key-dim", golden.key_dim, "recurrence key size K")->check(CLI::Range(1, 256));
+  gd->add_option("--value-dim", golden.value_dim, "recurrence value size V")->check(CLI::Range(1, 256));
+  gd->add_option("--seed", golden.seed, "seed of the inputs (the same inputs cpsim check --seed draws)");
+  gd->footer("Example:\n  cpsim golden examples/spec_example.json --cp 3 --out golden/\n"
+             "  python3 examples/golden_check.py golden/   (compares a PyTorch or numpy implementation)");
   LaunchArgs& launch = o.launch;
   auto* l = app.add_subcommand("launch", "start N processes of one Gloo job on this host: launch -n N -- cpsim ...");
   l->add_option("-n,--nproc", launch.launch.processes, "processes (ranks)")->required()->check(CLI::Range(1, 1024));
@@ -79,7 +92,11 @@ Parsed parse_options(int argc, char** argv) {
     const int code = app.exit(e);
     return {std::nullopt, code == 0 ? kExitOk : kExitUsage};
   }
-  o.command = c->parsed() ? Command::check : f->parsed() ? Command::fuzz : s->parsed() ? Command::show : Command::launch;
+  o.command = c->parsed()    ? Command::check
+              : f->parsed()  ? Command::fuzz
+              : s->parsed()  ? Command::show
+              : gd->parsed() ? Command::golden
+                             : Command::launch;
   return {o, kExitOk};
 }
 

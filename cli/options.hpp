@@ -53,18 +53,27 @@ struct ShowArgs {
   std::string color = "auto";  // auto | always | never
 };
 
+struct GoldenArgs {
+  std::string batch, out;
+  int cp = 2;
+  int conv_width = 4, channels = 8;
+  int heads = 2, key_dim = 4, value_dim = 4;
+  std::uint64_t seed = 0;
+};
+
 struct LaunchArgs {
   sim::LaunchOptions launch;
   double grace = 30;  // seconds
 };
 
-enum class Command { check, fuzz, show, launch };
+enum class Command { check, fuzz, show, golden, launch };
 
 struct Options {
   Command command = Command::check;
   CheckArgs check;
   FuzzArgs fuzz;
   ShowArgs show;
+  GoldenArgs golden;
   LaunchArgs launch;
 };
 

@@ -53,3 +53,24 @@ int run_show(const ShowArgs& a) {
 }
 
 }  // namespace cpsim::cli
+
+// cpsim golden lives beside show: both read one batch and write files for people.
+#include "verify/golden.hpp"
+
+namespace cpsim::cli {
+
+int run_golden(const GoldenArgs& a) {
+  const verify::BatchFile f = verify::read_batch_file(a.batch);
+  derive_layout(f.batch);
+  verify::LayoutCase c{f.batch, f.pad_token_id, a.cp, a.seed, std::nullopt};
+  verify::CheckOptions o;
+  o.conv_width = a.conv_width;
+  o.channels = a.channels;
+  o.heads = a.heads;
+  o.key_dim = a.key_dim;
+  o.value_dim = a.value_dim;
+  for (const auto& path : verify::write_golden(c, o, a.out, a.batch)) std::cout << "wrote " << path << "\n";
+  return kExitOk;
+}
+
+}  // namespace cpsim::cli

@@ -73,7 +73,7 @@ bool looks_like_safetensors(std::string_view bytes) {
   return n >= 2 && n <= bytes.size() - 8 && bytes[8] == '{';
 }
 
-BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& source) {
+SafetensorsFile parse_safetensors(std::string_view bytes, const std::string& source, bool allow_floating) {
   if (bytes.size() < 8)
     CPSIM_INVALID(source, ": truncated safetensors file: ", bytes.size(), " bytes, the 8-byte header length is missing");
   const std::uint64_t n = le64(bytes.data());
@@ -91,7 +91,7 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
     throw;
   }
   if (!doc.is_object()) CPSIM_INVALID(source, ": safetensors header is not a JSON object");
-  BatchFile out;
+  SafetensorsFile out;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
   std::vector<std::string> range_keys;
   for (auto it = doc.begin(); it != doc.end(); ++it) {
@@ -99,18 +99,9 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
     const json& e = *it;
     if (key == "__metadata__") {
       if (!e.is_object()) CPSIM_INVALID("__metadata__: expected an object of strings");
-      if (e.contains("pad_token_id")) {
-        const json& v = e.at("pad_token_id");
-        std::size_t used = 0;
-        std::int64_t id = 0;
-        try {
-          if (!v.is_string()) throw std::invalid_argument("not a string");
-          id = std::stoll(v.get<std::string>(), &used);
-          if (used != v.get<std::string>().size()) throw std::invalid_argument("trailing characters");
-        } catch (const std::exception&) {
-          CPSIM_INVALID("__metadata__ pad_token_id: expected an integer as a string, as safetensors stores metadata");
-        }
-        out.pad_token_id = id;
+      for (auto m = e.begin(); m != e.end(); ++m) {
+        if (!m->is_string()) CPSIM_INVALID("__metadata__ ", m.key(), ": expected a string, as safetensors stores metadata");
+        out.metadata[m.key()] = m->get<std::string>();
       }
       continue;
     }
@@ -120,16 +111,18 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
     const std::string dtype = e.at("dtype").get<std::string>();
     DtypeInfo d{};
     if (!dtype_info(dtype, d)) CPSIM_INVALID(key, ": unknown safetensors dtype '", dtype.substr(0, 32), "'");
-    if (!d.integer) CPSIM_INVALID(key, ": dtype ", dtype, " is floating; batch keys are integer tensors");
+    const bool readable_float = dtype == "F64" || dtype == "F32" || dtype == "BF16";
+    if (!d.integer && !allow_floating) CPSIM_INVALID(key, ": dtype ", dtype, " is floating; batch keys are integer tensors");
+    if (!d.integer && !readable_float) CPSIM_INVALID(key, ": dtype ", dtype, " is not read by cpsim (F64, F32, BF16 are)");
     const json& shape = e.at("shape");
-    if (!shape.is_array() || shape.size() > 2 || shape.empty())
-      CPSIM_INVALID(key, ": shape must be [S] or [B, S] (got ", shape.is_array() ? shape.size() : 0, " dimensions)");
+    if (!shape.is_array() || shape.size() > 8)
+      CPSIM_INVALID(key, ": shape must be an array of at most 8 dimensions");
     Shape dims;
     std::uint64_t numel = 1;
     for (std::size_t i = 0; i < shape.size(); ++i) {
       if (!shape[i].is_number_unsigned()) CPSIM_INVALID(key, ": shape dimension ", i, " is not a non-negative integer");
       const std::uint64_t v = shape[i].get<std::uint64_t>();
-      if (v != 0 && numel > data.size() / v) CPSIM_INVALID(key, ": shape holds more elements than the file has bytes");
+      if (v != 0 && numel > (data.size() + 1) / v) CPSIM_INVALID(key, ": shape holds more elements than the file has bytes");
       numel *= v;
       dims.push_back(static_cast<std::int64_t>(v));
     }
@@ -145,13 +138,19 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
                     end - begin);
     ranges.push_back({begin, end});
     range_keys.push_back(key);
-    Tensor t(dims, d.boolean ? DType::b8 : DType::i64);
     const char* p = data.data() + begin;
+    if (!d.integer) {  // floating: kept as they are (little-endian, like cpsim's tensors)
+      Tensor t(dims, dtype == "F64" ? DType::f64 : dtype == "F32" ? DType::f32 : DType::bf16);
+      if (numel) std::memcpy(t.raw(), p, numel * d.bytes);
+      out.tensors[key] = t;
+      continue;
+    }
+    Tensor t(dims, d.boolean ? DType::b8 : DType::i64);
     for (std::uint64_t i = 0; i < numel; ++i) {
       if (d.boolean) t.data<bool>()[i] = p[i] != 0;
       else t.data<std::int64_t>()[i] = read_integer(p + i * d.bytes, d, key, static_cast<std::int64_t>(i));
     }
-    out.batch[key] = t;
+    out.tensors[key] = t;
   }
   // Tensors may not share bytes.
   std::vector<std::size_t> order(ranges.size());
@@ -164,8 +163,62 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
       CPSIM_INVALID(range_keys[order[i]], ": data_offsets [", cur.first, ", ", cur.second, ") overlap those of ",
                     range_keys[order[i - 1]], " [", prev.first, ", ", prev.second, ")");
   }
+  return out;
+}
+
+BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& source) {
+  SafetensorsFile f = parse_safetensors(bytes, source, false);
+  BatchFile out;
+  for (auto& [key, t] : f.tensors) {
+    if (t.ndim() < 1 || t.ndim() > 2) CPSIM_INVALID(key, ": shape must be [S] or [B, S] (got ", shape_str(t.shape()), ")");
+    out.batch[key] = t;
+  }
+  if (f.metadata.count("pad_token_id")) {
+    const std::string& v = f.metadata.at("pad_token_id");
+    std::size_t used = 0;
+    try {
+      out.pad_token_id = std::stoll(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != v.size())
+      CPSIM_INVALID("__metadata__ pad_token_id: expected an integer as a string, as safetensors stores metadata");
+  }
   normalize_batch_axis(out.batch);
   return out;
+}
+
+namespace {
+const char* safetensors_dtype(DType dt) {
+  switch (dt) {
+    case DType::f32: return "F32";
+    case DType::f64: return "F64";
+    case DType::bf16: return "BF16";
+    case DType::i32: return "I32";
+    case DType::i64: return "I64";
+    case DType::b8: return "BOOL";
+  }
+  return "?";
+}
+}  // namespace
+
+std::string write_safetensors(const std::map<std::string, Tensor>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::uint64_t at = 0;
+  std::string data;
+  for (const auto& [key, t0] : tensors) {
+    const Tensor t = t0.is_cpu() ? t0 : t0.to(Device::host());
+    header[key] = {{"dtype", safetensors_dtype(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {at, at + t.nbytes()}}};
+    data.append(static_cast<const char*>(t.raw()), t.nbytes());
+    at += t.nbytes();
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');  // the data starts 8-byte aligned, as safetensors writes it
+  std::string out;
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((h.size() >> (8 * i)) & 0xFF));
+  return out + h + data;
 }
 
 }  // namespace cpsim::verify

@@ -9,6 +9,7 @@
 // inside the file.
 #pragma once
 
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -16,9 +17,24 @@
 
 namespace cpsim::verify {
 
-// Integer dtypes I64, I32, I16, I8, U8 become int64 tensors, BOOL a bool tensor;
-// floating dtypes (F32, BF16, ...) are refused: batch keys are integer tensors.
+struct SafetensorsFile {
+  std::map<std::string, Tensor> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+// Any safetensors file: integer dtypes (I64, I32, I16, I8, U8, U16, U32, U64) become
+// int64 tensors, read exactly; BOOL a bool tensor; F64, F32, BF16 themselves when
+// `allow_floating` (other floating dtypes are refused).
+SafetensorsFile parse_safetensors(std::string_view bytes, const std::string& source, bool allow_floating);
+
+// A batch: integer keys of shape [S] or [B, S]; floating dtypes are refused
+// (batch keys are integer tensors); the pad id from the metadata.
 BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& source);
+
+// The bytes of a safetensors file holding `tensors` (host copies of device ones),
+// as safetensors.torch.save_file writes them.
+std::string write_safetensors(const std::map<std::string, Tensor>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
 
 // Whether bytes look like a safetensors file (a plausible header length, then '{').
 bool looks_like_safetensors(std::string_view bytes);

@@ -1,0 +1,100 @@
+// cpsim golden: the folder reads back through the safetensors reader and holds the
+// references; the code under test agrees with it; and an independent numpy
+// implementation (examples/golden_check.py) agrees with it too.
+#include <gmock/gmock.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "core/shard.hpp"
+#include "tests/subprocess.hpp"
+#include "verify/batch_io.hpp"
+#include "verify/golden.hpp"
+#include "verify/random.hpp"
+#include "verify/reference.hpp"
+#include "verify/safetensors.hpp"
+
+using namespace cpsim;
+using namespace cpsim::verify;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+namespace {
+const std::string kExamples = std::string(CPSIM_SOURCE_DIR) + "/examples/";
+
+SafetensorsFile read(const std::filesystem::path& p) {
+  const MappedFile f(p.string());
+  return parse_safetensors(f.bytes(), p.string(), true);
+}
+
+std::filesystem::path fresh_dir(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / (name + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+}  // namespace
+
+TEST(Golden, FolderReadsBackAndHoldsTheReferences) {
+  const BatchFile f = read_batch_file(kExamples + "packed_two_rows.json");
+  const LayoutCase c{f.batch, f.pad_token_id, 3, 5, std::nullopt};
+  CheckOptions o;
+  o.conv_width = 6;
+  const auto dir = fresh_dir("cpsim-golden");
+  const auto files = write_golden(c, o, dir.string(), "packed_two_rows.json");
+  EXPECT_EQ(files.size(), 6u);  // inputs, reference, 3 ranks, manifest
+  const SafetensorsFile inputs = read(dir / "inputs.safetensors"), ref = read(dir / "reference.safetensors");
+  const ReferenceShape shape = reference_shape(c.batch);
+  const ReferenceGeometry g = reference_geometry(shape.seq_len, 3);
+  const LayoutTruth truth = reference_layout(c.batch);
+  const Tensor x = masked_activation(truth, g.padded_len, o.channels, mix_seed(c.seed, 41));
+  EXPECT_TRUE(inputs.tensors.at("x").bitwise_equal(x));
+  EXPECT_TRUE(ref.tensors.at("doc_ids").bitwise_equal(reference_padded_doc_ids(truth, g.padded_len)));
+  const ConvReference conv = reference_conv(x, reference_padded_doc_ids(truth, g.padded_len),
+                                            inputs.tensors.at("conv_weight"), inputs.tensors.at("conv_bias"),
+                                            inputs.tensors.at("conv_grad_y"));
+  EXPECT_TRUE(ref.tensors.at("conv_y").bitwise_equal(conv.y));
+  EXPECT_TRUE(ref.tensors.at("conv_dw").bitwise_equal(conv.dw));
+  for (int r = 0; r < 3; ++r) {
+    const SafetensorsFile rank = read(dir / ("rank_" + std::to_string(r) + ".safetensors"));
+    EXPECT_TRUE(rank.tensors.at("halo").bitwise_equal(reference_history(x, g.start(r), g.local_len, 6))) << r;
+    // The code under test agrees with the vectors: shard_batch and the packed context.
+    const ShardedBatch sb = shard_batch_at(r, 3, c.batch, std::nullopt, c.pad_token_id, false);
+    for (const auto& [key, t] : sb.local) {
+      ASSERT_TRUE(rank.tensors.count("batch." + key)) << key;
+      const Tensor& want = rank.tensors.at("batch." + key);
+      EXPECT_EQ(count_wrong(want, t.dtype() == want.dtype() ? t : t.to(want.dtype())), 0) << "rank " << r << " " << key;
+    }
+    EXPECT_TRUE(rank.tensors.at("local_doc_ids").bitwise_equal(sb.context.local_doc_ids())) << r;
+    for (int b = 0; b < 2; ++b) {
+      const Tensor& cu = rank.tensors.at("row_cu_seqlens." + std::to_string(b));
+      EXPECT_EQ(std::vector<std::int64_t>(cu.data<std::int64_t>(), cu.data<std::int64_t>() + cu.numel()),
+                sb.context.row_cu_seqlens(b));
+    }
+  }
+  std::ifstream manifest(dir / "manifest.json");
+  std::string text((std::istreambuf_iterator<char>(manifest)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("\"halo\""));
+  EXPECT_THAT(text, HasSubstr("\"meaning\""));
+  std::filesystem::remove_all(dir);
+}
+
+// examples/golden_check.py, an implementation of sharding, halo and gather in numpy
+// written apart from cpsim, agrees with the vectors of every example batch.
+TEST(Golden, AnIndependentNumpyImplementationAgrees) {
+  if (std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "needs numpy for /usr/bin/python3 (Debian's python3-numpy; make deps installs it)";
+  for (const auto& example : {"spec_example.json", "packed_two_rows.json", "thd_cu_seqlens_padded_only.json",
+                              "unpacked_left_padding.json", "token_type_ids.json"}) {
+    for (const char* cp : {"1", "3", "8"}) {
+      const auto dir = fresh_dir("cpsim-golden-py");
+      const auto g = cpsim::testing::run_process(
+          {CPSIM_BINARY, "golden", kExamples + example, "--cp", cp, "--out", dir.string(), "--conv-width", "6"}, 60s);
+      ASSERT_EQ(g.status, 0) << g.err;
+      const auto r = cpsim::testing::run_process(
+          {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/examples/golden_check.py", dir.string()}, 60s);
+      EXPECT_EQ(r.status, 0) << example << " cp=" << cp << "\n" << r.out << r.err;
+      EXPECT_THAT(r.out, HasSubstr("comparisons hold"));
+      std::filesystem::remove_all(dir);
+    }
+  }
+}

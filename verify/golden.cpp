@@ -1,0 +1,178 @@
+#include "verify/golden.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "verify/random.hpp"
+#include "verify/reference.hpp"
+#include "verify/safetensors.hpp"
+
+namespace cpsim::verify {
+
+namespace {
+
+using nlohmann::json;
+
+// One file being assembled: its tensors and, for the manifest, what each means.
+struct GoldenFile {
+  std::map<std::string, Tensor> tensors;
+  json keys = json::object();
+  void add(const std::string& key, const Tensor& t, const std::string& meaning, const std::string& spec) {
+    tensors[key] = t;
+    keys[key] = {{"shape", t.shape()}, {"dtype", dtype_name(t.dtype())}, {"meaning", meaning}, {"spec", spec}};
+  }
+};
+
+Tensor slice(const Tensor& global, std::int64_t start, std::int64_t len) { return narrow(global, 1, start, len); }
+
+Tensor i64_vector(const std::vector<std::int64_t>& v) {
+  return Tensor::from<std::int64_t>({static_cast<std::int64_t>(v.size())}, v);
+}
+
+}  // namespace
+
+std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o, const std::string& dir,
+                                      const std::string& batch_name) {
+  const ReferenceShape shape = reference_shape(c.batch);
+  const ReferenceGeometry g = reference_geometry(shape.seq_len, c.cp);
+  const LayoutTruth truth = reference_layout(c.batch);
+  const std::int64_t B = shape.rows, P = g.padded_len, L = g.local_len, C = o.channels, W = o.conv_width;
+  const Tensor ids = reference_padded_doc_ids(truth, P);
+
+  // The batch as given, and the seeded inputs, drawn as `cpsim check --seed` draws them.
+  GoldenFile inputs;
+  for (const auto& [key, t] : c.batch) inputs.add("batch." + key, t, "the batch's " + key + ", as given", "§1");
+  const Tensor x = masked_activation(truth, P, C, mix_seed(c.seed, 41));
+  const Tensor w = random_tensor({C, W}, DType::f64, mix_seed(c.seed, 42));
+  const Tensor bias = random_tensor({C}, DType::f64, mix_seed(c.seed, 43));
+  const Tensor gy = random_tensor({B, P, C}, DType::f64, mix_seed(c.seed, 44));
+  const RecurrenceInputs in = random_recurrence_inputs(B, P, o.heads, o.key_dim, o.value_dim, mix_seed(c.seed, 51));
+  const Tensor d_o = random_tensor({B, P, o.heads, o.value_dim}, DType::f64, mix_seed(c.seed, 52));
+  inputs.add("x", x, "activation [B, P, C], zero at padding: the conv and halo input, and what gather_sequence gathers",
+             "§3");
+  inputs.add("conv_weight", w, "depthwise conv weight [C, W]", "§3");
+  inputs.add("conv_bias", bias, "conv bias [C]", "§3");
+  inputs.add("conv_grad_y", gy, "upstream gradient of the conv output [B, P, C]", "§3");
+  inputs.add("q", in.q, "recurrence queries [B, P, H, K]", "§3");
+  inputs.add("k", in.k, "recurrence keys [B, P, H, K], normalised", "§3");
+  inputs.add("v", in.v, "recurrence values [B, P, H, V]", "§3");
+  inputs.add("beta", in.beta, "recurrence beta [B, P, H], in (0, 1)", "§3");
+  inputs.add("g", in.g, "recurrence log-decay [B, P, H, K], <= 0", "§3");
+  inputs.add("recurrence_grad_o", d_o, "upstream gradient of o [B, P, H, V]", "§3");
+  std::vector<Tensor> upstream;
+  for (int q = 0; q < c.cp; ++q) {
+    upstream.push_back(random_tensor({B, P, C}, DType::f64, mix_seed(c.seed, 100 + q)));
+    inputs.add("gather_grad." + std::to_string(q), upstream.back(),
+               "upstream gradient of rank " + std::to_string(q) + "'s gathered tensor [B, P, C]", "§3");
+  }
+
+  // The unsharded references.
+  GoldenFile ref;
+  ref.add("doc_ids", ids, "global document ids [B, P]: i+1 over document i, 0 beyond", "§1, §2");
+  ref.add("padding", truth.padding, "padding [B, S]: true where padding (decided from lengths)", "§1");
+  ref.add("position_ids", truth.positions, "positions [B, S] (given, or derived)", "§1");
+  const Batch padded = reference_padded_global(c, P);
+  for (const auto& [key, t] : padded)
+    ref.add("padded." + key, t, key + " padded to P with its fill value [B, P]", "§2");
+  const ConvReference conv = reference_conv(x, ids, w, bias, gy);
+  ref.add("conv_y", conv.y, "packed causal conv output [B, P, C]", "§3");
+  ref.add("conv_dx", conv.dx, "conv input gradient [B, P, C]", "§3");
+  ref.add("conv_dw", conv.dw, "conv weight gradient [C, W]; ranks' partial dw summed", "§3");
+  ref.add("conv_dbias", conv.dbias, "conv bias gradient [C]; ranks' partial dbias summed", "§3");
+  const RecurrenceReference rec = reference_recurrence(in, ids, d_o);
+  ref.add("o", rec.o, "recurrence output [B, P, H, V]", "§3");
+  for (const auto& [name, t] : std::vector<std::pair<std::string, Tensor>>{
+           {"dq", rec.dq}, {"dk", rec.dk}, {"dv", rec.dv}, {"dbeta", rec.dbeta}, {"dg", rec.dg}})
+    ref.add(name, t, "recurrence gradient " + name, "§3");
+
+  std::filesystem::create_directories(dir);
+  json manifest = {{"cpsim", "golden vectors"},
+                   {"batch", batch_name},
+                   {"cp", c.cp},
+                   {"S", shape.seq_len},
+                   {"P", P},
+                   {"L", L},
+                   {"rows", B},
+                   {"pad_token_id", c.pad_token_id},
+                   {"seed", c.seed},
+                   {"conv_width", W},
+                   {"channels", C},
+                   {"heads", o.heads},
+                   {"key_dim", o.key_dim},
+                   {"value_dim", o.value_dim},
+                   {"tolerance", {{"bitwise", "batch, doc ids, contexts, halo, gathered"},
+                                  {"relative_rmse_conv", kConvTolerance},
+                                  {"relative_rmse_recurrence", kRecurrenceTolerance}}},
+                   {"files", json::object()}};
+  std::vector<std::string> written;
+  auto save = [&](const std::string& name, const GoldenFile& f) {
+    const std::string path = (std::filesystem::path(dir) / name).string();
+    std::ofstream out(path, std::ios::binary);
+    if (!out) throw Error(path + ": cannot write");
+    out << write_safetensors(f.tensors, {{"format", "pt"}});
+    manifest["files"][name] = f.keys;
+    written.push_back(path);
+  };
+  save("inputs.safetensors", inputs);
+  save("reference.safetensors", ref);
+
+  // Each rank: what it must hold after shard_batch and after each operator.
+  for (int r = 0; r < c.cp; ++r) {
+    GoldenFile rank;
+    const std::int64_t start = g.start(r);
+    for (const auto& [key, t] : padded)
+      rank.add("batch." + key, key == "input_ids" ? t : slice(t, start, L),
+               key == "input_ids" ? "input_ids after shard_batch: global, padded to P [B, P] (shard_primary false)"
+                                  : key + " after shard_batch: this rank's slice [B, L]",
+               "§2");
+    rank.add("local_doc_ids", slice(ids, start, L), "PackedContext.local_doc_ids() [B, L]", "§2");
+    std::vector<std::int64_t> pre_tokens, pre_ranks, post_ranks;
+    std::vector<bool> first, last;
+    for (std::int64_t b = 0; b < B; ++b) {
+      const FlaCpContext ctx = reference_cp_context(reference_padded_doc_ids_row(truth, static_cast<int>(b), P), c.cp, r);
+      rank.add("row_cu_seqlens." + std::to_string(b), i64_vector(ctx.cu_seqlens),
+               "PackedContext.row_cu_seqlens(" + std::to_string(b) + "), also the FLA CP context's cu_seqlens", "§2");
+      pre_tokens.push_back(ctx.pre_num_conv_tokens);
+      pre_ranks.push_back(ctx.pre_num_ranks);
+      post_ranks.push_back(ctx.post_num_ranks);
+      first.push_back(ctx.is_first_rank);
+      last.push_back(ctx.is_last_rank);
+    }
+    rank.add("cp_context.pre_num_conv_tokens", i64_vector(pre_tokens), "per row", "§2");
+    rank.add("cp_context.pre_num_ranks", i64_vector(pre_ranks), "per row", "§2");
+    rank.add("cp_context.post_num_ranks", i64_vector(post_ranks), "per row", "§2");
+    Tensor is_first({B}, DType::b8), is_last({B}, DType::b8);
+    for (std::int64_t b = 0; b < B; ++b) is_first.data<bool>()[b] = first[b], is_last.data<bool>()[b] = last[b];
+    rank.add("cp_context.is_first_rank", is_first, "per row", "§2");
+    rank.add("cp_context.is_last_rank", is_last, "per row", "§2");
+    rank.add("halo", reference_history(x, start, L, static_cast<int>(W)),
+             "convolution_history(x shard, W): the W-1 positions before the shard (zeros before 0), then the shard "
+             "[B, L+W-1, C]",
+             "§3");
+    rank.add("gathered", x, "gather_sequence(x shard): the global tensor [B, P, C]", "§3");
+    Tensor grad({B, L, C}, DType::f64);
+    for (int q = 0; q < c.cp; ++q) {
+      const Tensor part = slice(upstream[q], start, L);
+      for (std::int64_t i = 0; i < grad.numel(); ++i) grad.set(i, grad.get(i) + part.get(i));
+    }
+    rank.add("gather_grad_x", grad,
+             "gradient of the x shard through gather_sequence: sum over ranks q, in rank order, of gather_grad.q "
+             "sliced to this shard [B, L, C]",
+             "§3");
+    rank.add("conv_y", slice(conv.y, start, L), "this rank's conv output [B, L, C]", "§3");
+    rank.add("conv_dx", slice(conv.dx, start, L), "gradient of this rank's x shard, halo returns included [B, L, C]",
+             "§3");
+    rank.add("o", slice(rec.o, start, L), "this rank's recurrence output [B, L, H, V]", "§3");
+    for (const auto& [name, t] : std::vector<std::pair<std::string, Tensor>>{
+             {"dq", rec.dq}, {"dk", rec.dk}, {"dv", rec.dv}, {"dbeta", rec.dbeta}, {"dg", rec.dg}})
+      rank.add(name, slice(t, start, L), "this rank's recurrence gradient " + name, "§3");
+    save("rank_" + std::to_string(r) + ".safetensors", rank);
+  }
+  const std::string mpath = (std::filesystem::path(dir) / "manifest.json").string();
+  std::ofstream(mpath) << manifest.dump(1) << "\n";
+  written.push_back(mpath);
+  return written;
+}
+
+}  // namespace cpsim::verify

@@ -1,0 +1,22 @@
+// cpsim golden: conformance vectors for another implementation of CP (a PyTorch
+// one), as safetensors, every value from cpsim's references (never from the code
+// they check): the seeded inputs, the unsharded outputs and gradients, and for
+// each rank the expected local batch, local doc ids, row_cu_seqlens, the recurrent
+// CP context, the halo, the gathered tensor and every local gradient; plus
+// manifest.json naming each file's keys with shape, dtype and meaning.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "verify/cases.hpp"
+#include "verify/properties.hpp"
+
+namespace cpsim::verify {
+
+// Writes DIR/inputs.safetensors, DIR/reference.safetensors, DIR/rank_<r>.safetensors
+// and DIR/manifest.json; returns the files written.
+std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o, const std::string& dir,
+                                      const std::string& batch_name);
+
+}  // namespace cpsim::verify
