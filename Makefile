@@ -1,10 +1,14 @@
+SHELL := /bin/bash
 # Front end to CMake. `make` builds build/cpsim, `make test` runs every test,
-# `make run` runs the main job on the default threads backend.
+# `make run` runs the main job on the default threads backend. `make test-asan`
+# runs every test under AddressSanitizer + UndefinedBehaviorSanitizer, `make
+# test-tsan` the backend and property suites under ThreadSanitizer (each in its own
+# build folder, with fewer cases per property: RC_PARAMS overrides).
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps configure build test run bench clean
+.PHONY: all deps configure build test test-asan test-tsan fuzz run bench clean
 
 all: build
 
@@ -21,6 +25,41 @@ build: deps configure
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+SANITIZER_CASES ?= max_success=30
+# Sanitizer and fuzz builds: light optimisation and line tables, to build fast.
+CHECK_FLAGS = -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1"
+# The suites that run ranks as threads, on every backend.
+TSAN_TESTS ?= threads|gloo|delayed|BackendCalls|Collectives|CheckedCommunicator|PropertyTable
+
+test-asan: deps
+	cmake -S . -B build-asan $(CHECK_FLAGS) -DCPSIM_SANITIZE=address,undefined
+	cmake --build build-asan -j $(JOBS)
+	cd build-asan && RC_PARAMS="$${RC_PARAMS:-$(SANITIZER_CASES)}" ASAN_OPTIONS=detect_leaks=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)
+
+test-tsan: deps
+	cmake -S . -B build-tsan $(CHECK_FLAGS) -DCPSIM_SANITIZE=thread
+	cmake --build build-tsan -j $(JOBS) --target cpsim_tests cpsim cpsim_world_probe
+	cd build-tsan && RC_PARAMS="$${RC_PARAMS:-$(SANITIZER_CASES)}" \
+	  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+	  ctest --output-on-failure -j $(JOBS) -R '$(TSAN_TESTS)'
+
+# libFuzzer on the JSON and safetensors readers and layout validation, FUZZ_SECONDS
+# each, from the seed corpus in tests/fuzz/corpus (new inputs go to build-fuzz/corpus).
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS = json_batch safetensors_batch layout
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B build-fuzz $(CHECK_FLAGS) -DCPSIM_FUZZ=ON \
+	  -DCPSIM_SANITIZE=address,undefined
+	cmake --build build-fuzz -j $(JOBS) $(addprefix --target fuzz_,$(FUZZ_TARGETS))
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build-fuzz/corpus/$$t && \
+	  build-fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+	    -artifact_prefix=build-fuzz/crash-$$t- build-fuzz/corpus/$$t tests/fuzz/corpus/$$t 2>&1 | \
+	    grep -E "stat::number_of_executed_units|ERROR|SUMMARY|crash-|Done" ; \
+	  test $${PIPESTATUS[0]} -eq 0 || { echo "fuzz: $$t found a failure (build-fuzz/crash-$$t-*)"; exit 1; }; \
+	done
 
 run: build
 	bash scripts/run.sh $(BUILD)/cpsim

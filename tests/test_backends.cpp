@@ -63,7 +63,8 @@ TEST_P(Collectives, AreExactOnRankDistinctInputs) {
     for (int i = 0; i < count; ++i) ASSERT_EQ(b[i], 42);
     // Ring shift to the right; the last rank sends to nobody, rank 0 receives from nobody.
     std::vector<float> out(count, static_cast<float>(r)), in(count, -1.0f);
-    comm.send_recv({out.data(), count, r + 1 < n ? r + 1 : -1, in.data(), count, r > 0 ? r - 1 : -1}, DType::f32);
+    const auto m = static_cast<std::size_t>(count);
+    comm.send_recv({out.data(), m, r + 1 < n ? r + 1 : -1, in.data(), m, r > 0 ? r - 1 : -1}, DType::f32);
     for (int i = 0; i < count; ++i) ASSERT_EQ(in[i], r > 0 ? static_cast<float>(r - 1) : -1.0f);
     comm.barrier();
   }, {backend, 5000ms});

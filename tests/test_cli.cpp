@@ -33,22 +33,40 @@ TEST(Cli, EveryExampleHoldsAtEveryCpSize) {
   }
 }
 
-// Expected key in each invalid example's one-line message.
-TEST(Cli, EveryInvalidExampleIsExitTwoNamingTheKey) {
-  const std::map<std::string, std::string> names = {
-      {"bad_positions.json", "position_ids"},     {"lengths_overflow.json", "seq_lens_padded"},
-      {"malformed.json", "malformed JSON"},       {"sentinel_in_middle.json", "seq_lens"},
-      {"wrong_shape.json", "input_ids"},          {"seq_lens_padded_alone.json", "seq_lens_padded"},
-      {"other_key_wrong_shape.json", "token_type_ids"}, {"empty_sequence.json", "input_ids"},
-      {"duplicate_key.json", "input_ids: key appears twice"}, {"deep_nesting.json", "nested deeper than 8 levels"},
-      {"int64_overflow.json", "input_ids row 0 index 1"}};
-  const auto files = json_files(kExamples / "invalid");
-  ASSERT_EQ(files.size(), names.size()) << "each invalid example needs its expected key here";
+// Runs cpsim check on every JSON file of `dir`: each must be exit 2 with one line
+// containing its expected text (`expected`: file name -> text).
+void expect_each_invalid(const std::filesystem::path& dir, const std::map<std::string, std::string>& expected) {
+  const auto files = json_files(dir);
+  ASSERT_EQ(files.size(), expected.size()) << "each file of " << dir << " needs its expected message here";
   for (const auto& f : files) {
     const auto r = run_process({kCpsim, "check", f.string()}, 60s);
     EXPECT_EQ(r.status, 2) << f << "\n" << r.out << r.err;
-    ASSERT_TRUE(names.count(f.filename().string())) << f;
-    EXPECT_THAT(r.err, HasSubstr(names.at(f.filename().string()))) << f;
+    ASSERT_TRUE(expected.count(f.filename().string())) << f;
+    EXPECT_THAT(r.err, HasSubstr(expected.at(f.filename().string()))) << f;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << f << ": " << r.err;
   }
+}
+
+// Expected key in each invalid example's one-line message.
+TEST(Cli, EveryInvalidExampleIsExitTwoNamingTheKey) {
+  expect_each_invalid(kExamples / "invalid",
+                      {{"bad_positions.json", "position_ids"},
+                       {"lengths_overflow.json", "seq_lens_padded"},
+                       {"malformed.json", "malformed JSON"},
+                       {"sentinel_in_middle.json", "seq_lens"},
+                       {"wrong_shape.json", "input_ids"},
+                       {"seq_lens_padded_alone.json", "seq_lens_padded"},
+                       {"other_key_wrong_shape.json", "token_type_ids"},
+                       {"empty_sequence.json", "input_ids"},
+                       {"duplicate_key.json", "input_ids: key appears twice"},
+                       {"deep_nesting.json", "nested deeper than 8 levels"},
+                       {"int64_overflow.json", "input_ids row 0 index 1"},
+                       {"seq_len_too_large.json", "seq_len: 9000000000000"}});
+}
+
+// Inputs the fuzzers found (make fuzz): each is exit 2 with one line naming what is wrong.
+TEST(Cli, FuzzerFindingsAreInvalidInputWithOneLine) {
+  expect_each_invalid(std::filesystem::path(CPSIM_SOURCE_DIR) / "tests" / "data" / "invalid",
+                      {{"json_number_overflow.json",
+                        "json_number_overflow.json: a number in the JSON is too large to represent"}});
 }

@@ -95,6 +95,10 @@ json parse_strict_json(std::string_view text, const std::string& source, int max
     });
   } catch (const json::parse_error& e) {
     CPSIM_INVALID(source, ": malformed JSON at byte ", e.byte);
+  } catch (const json::out_of_range&) {
+    CPSIM_INVALID(source, ": a number in the JSON is too large to represent");
+  } catch (const json::exception& e) {
+    CPSIM_INVALID(source, ": unreadable JSON (", e.id, ")");
   }
   if (!duplicate.empty()) CPSIM_INVALID(duplicate, ": key appears twice in ", source);
   return doc;
@@ -128,6 +132,10 @@ BatchFile parse_batch_json(std::string_view text, const std::string& source) {
       if (out.batch.at("input_ids").dim(1) != seq_len)
         CPSIM_INVALID("seq_len: ", seq_len, " disagrees with input_ids length ", out.batch.at("input_ids").dim(1));
     } else {
+      // Stand-in tokens are not in the file: their memory is bounded here instead.
+      if (seq_len > kMaxStandInTokens / rows)
+        CPSIM_INVALID("seq_len: ", seq_len, " x ", rows, " rows of stand-in tokens exceeds the limit of ", kMaxStandInTokens,
+                      " tokens for a lengths-only batch (give input_ids for longer ones)");
       Tensor ids({rows, seq_len}, DType::i64);
       for (std::int64_t i = 0; i < ids.numel(); ++i) ids.data<std::int64_t>()[i] = 1 + (i * 7) % 31;
       out.batch["input_ids"] = ids;

@@ -12,6 +12,10 @@
 
 namespace cpsim::verify {
 
+// A lengths-only JSON batch ("seq_len" instead of token tensors) gets stand-in
+// token ids; at most this many (512 MiB of int64), since the file does not bound them.
+inline constexpr std::int64_t kMaxStandInTokens = std::int64_t{1} << 26;
+
 struct BatchFile {
   Batch batch;
   std::int64_t pad_token_id = 0;

@@ -261,8 +261,9 @@ PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const
         {DType::f32, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::f64, {s.shape.rows, s.g.padded_len, 2}},
         {DType::bf16, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::i32, {s.shape.rows, s.g.padded_len, 3}},
         {DType::i64, {s.shape.rows, s.g.padded_len}},              {DType::b8, {s.shape.rows, s.g.padded_len, 2, 2}}};
-    for (const auto& [dt, shape] : cases) {
-      const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, static_cast<int>(dt)));
+    for (const auto& dtype_shape : cases) {
+      const DType dt = dtype_shape.first;  // a plain variable: lambdas below capture it
+      const Tensor global = random_tensor(dtype_shape.second, dt, mix_seed(c.seed, static_cast<int>(dt)));
       std::vector<Tensor> got(c.cp);
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();

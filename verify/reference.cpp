@@ -261,10 +261,10 @@ ConvReference reference_conv(const Tensor& x, const Tensor& ids, const Tensor& w
   const std::int64_t B = x.dim(0), P = x.dim(1), C = x.dim(2), W = w.dim(1);
   ConvReference r{Tensor({B, P, C}, DType::f64), Tensor({B, P, C}, DType::f64), Tensor({C, W}, DType::f64),
                   Tensor({C}, DType::f64)};
-  for (std::int64_t b = 0; b < B; ++b)
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::int64_t seg = 0;  // start of t's segment, carried along the row (linear in P)
     for (std::int64_t t = 0; t < P; ++t) {
-      std::int64_t seg = t;  // start of t's segment
-      while (seg > 0 && ids.get_int(b * P + seg - 1) == ids.get_int(b * P + t)) --seg;
+      if (t > 0 && ids.get_int(b * P + t) != ids.get_int(b * P + t - 1)) seg = t;
       for (std::int64_t c = 0; c < C; ++c) {
         double acc = bias.defined() ? bias.get(c) : 0.0;
         const double g = gy.defined() ? gy.get((b * P + t) * C + c) : 0.0;
@@ -279,6 +279,7 @@ ConvReference reference_conv(const Tensor& x, const Tensor& ids, const Tensor& w
         r.y.set((b * P + t) * C + c, acc);
       }
     }
+  }
   return r;
 }
 
