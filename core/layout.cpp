@@ -127,6 +127,17 @@ PackedLengths packed_lengths(const Batch& b, std::int64_t rows) {
   }
   if (static_cast<std::int64_t>(out.real.size()) != rows)
     CPSIM_INVALID(real_key, ": ", out.real.size(), " rows, but the batch has ", rows);
+  // Two forms of the same layout must agree; one that disagrees is an error, not a guess.
+  if (has(b, "seq_lens"))
+    for (const char* key : {"cu_seqlens", "cu_seqlens_padded"}) {
+      if (!has(b, key)) continue;
+      const bool padded = std::string(key) == "cu_seqlens_padded";
+      const auto from_cu = read_cu(b.at(key), key);
+      const auto& from_lens = padded ? out.occupied : out.real;
+      if (rows != 1 || from_cu != from_lens[0])
+        CPSIM_INVALID(key, " row 0: the documents it describes disagree with ",
+                      padded ? out.occupied_key : std::string("seq_lens"), " (give one form, or forms that agree)");
+    }
   for (std::size_t r = 0; r < out.real.size(); ++r) {
     if (out.real[r].size() != out.occupied[r].size())
       CPSIM_INVALID(out.occupied_key, " row ", r, " index ", std::min(out.real[r].size(), out.occupied[r].size()),

@@ -61,7 +61,8 @@ TEST(Cli, EveryInvalidExampleIsExitTwoNamingTheKey) {
                        {"duplicate_key.json", "input_ids: key appears twice"},
                        {"deep_nesting.json", "nested deeper than 8 levels"},
                        {"int64_overflow.json", "input_ids row 0 index 1"},
-                       {"seq_len_too_large.json", "seq_len: 9000000000000"}});
+                       {"seq_len_too_large.json", "seq_len: 9000000000000"},
+                       {"conflicting_forms.json", "cu_seqlens row 0: the documents it describes disagree with seq_lens"}});
 }
 
 // Inputs the fuzzers found (make fuzz): each is exit 2 with one line naming what is wrong.

@@ -610,7 +610,7 @@ RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const R
   const LayoutCase& c = s.c;
   const std::int64_t B = s.shape.rows, S = s.shape.seq_len;
   const ReferenceGeometry g = reference_geometry(S, c.cp, sharding == Sharding::zigzag ? 2 : 1);
-  const std::int64_t P = g.padded_len, L = g.local_len;
+  const std::int64_t P = g.padded_len;
   const Tensor ids = reference_padded_doc_ids(s.truth, P);
   const RecurrenceInputs in = random_recurrence_inputs(B, P, opt.heads, opt.key_dim, opt.value_dim, mix_seed(c.seed, 51));
   const Tensor d_o = random_tensor({B, P, opt.heads, opt.value_dim}, DType::f64, mix_seed(c.seed, 52));
@@ -653,7 +653,6 @@ RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const R
   };
   run.o = global(o);
   run.dq = global(dq), run.dk = global(dk), run.dv = global(dv), run.dbeta = global(db), run.dg = global(dg);
-  (void)L;
   return run;
 }
 

@@ -75,7 +75,8 @@ struct ConvWeightGrad {
   }
 };
 
-template <class Policy, class F>
+// Calls f(T{}) with float or double.
+template <class F>
 void with_float(DType dtype, F&& f) {
   if (dtype == DType::f32) f(float{});
   else f(double{});
@@ -83,7 +84,7 @@ void with_float(DType dtype, F&& f) {
 
 template <class Policy>
 void conv_forward(Policy&& policy, const Conv& a, DType dtype) {
-  with_float<Policy>(dtype, [&](auto tag) {
+  with_float(dtype, [&](auto tag) {
     using T = decltype(tag);
     for_each_index(policy, a.rows * a.outputs * a.channels,
                    ConvForward<T>{static_cast<const T*>(a.x), a.run_start, static_cast<const T*>(a.w),
@@ -93,7 +94,7 @@ void conv_forward(Policy&& policy, const Conv& a, DType dtype) {
 
 template <class Policy>
 void conv_backward(Policy&& policy, const Conv& a, DType dtype) {
-  with_float<Policy>(dtype, [&](auto tag) {
+  with_float(dtype, [&](auto tag) {
     using T = decltype(tag);
     const index_t NW = a.outputs + a.width - 1;
     for_each_index(policy, a.rows * NW * a.channels,
