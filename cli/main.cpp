@@ -1,6 +1,7 @@
 // The cpsim command line (SPEC §6). Exit status: 0 every property holds,
 // 1 a property failed, 2 bad usage or invalid input (one line naming key, row, index).
 #include <csignal>
+#include <filesystem>
 #include <iostream>
 
 #include "cli/job.hpp"
@@ -13,7 +14,13 @@ using namespace cpsim::cli;
 int main(int argc, char** argv) {
   // A peer that dies closes its sockets; writing to them must be an error, not a signal.
   std::signal(SIGPIPE, SIG_IGN);
-  for (int i = 1; i < argc; ++i) fingerprint_bytes(argv[i]);
+  // The job's processes must run one command on the same bytes. A file argument
+  // counts by its contents (which the command fingerprints), not its path: the same
+  // batch reached by different paths, or mounted elsewhere on another host, is one job.
+  for (int i = 1; i < argc; ++i) {
+    std::error_code ec;
+    fingerprint_bytes(std::filesystem::is_regular_file(argv[i], ec) ? std::string_view("<file>") : std::string_view(argv[i]));
+  }
   const Parsed parsed = parse_options(argc, argv);
   if (!parsed.options) return parsed.exit_status;
   const Options& o = *parsed.options;

@@ -129,10 +129,10 @@ TEST(Launch, ProcessesWithDifferentBatchesRefuseToRun) {
       {"WORLD_SIZE", "2"}, {"CPSIM_STORE", "file:" + dir.string()}, {"CPSIM_JOB_ID", "differ"},
       {"CPSIM_GLOO_HOST", "127.0.0.1"}};
   cpsim::testing::ProcessResult other;
+  auto env1 = env;  // copied before the thread starts: the main thread appends to env
+  env1.push_back({"RANK", "1"});
   std::thread rank1([&] {
-    auto e = env;
-    e.push_back({"RANK", "1"});
-    other = run_process({kCpsim, "check", std::string(CPSIM_SOURCE_DIR) + "/examples/packed_two_rows.json"}, 60s, {}, e);
+    other = run_process({kCpsim, "check", std::string(CPSIM_SOURCE_DIR) + "/examples/packed_two_rows.json"}, 60s, {}, env1);
   });
   env.push_back({"RANK", "0"});
   const auto r = run_process({kCpsim, "check", kExample}, 60s, {}, env);
@@ -141,6 +141,30 @@ TEST(Launch, ProcessesWithDifferentBatchesRefuseToRun) {
   EXPECT_EQ(other.status, 2) << other.err;
   EXPECT_THAT(r.err, HasSubstr("cpsim: rank 0: invalid input: rank 1 runs a different job than rank 0"));
   EXPECT_THAT(other.err, HasSubstr("cpsim: rank 1: invalid input: rank 1 runs a different job"));
+  std::filesystem::remove_all(dir);
+}
+
+// The same batch reached by two paths (a copy elsewhere, as another host would
+// mount it) is one job: the processes agree on its bytes, not its path.
+TEST(Launch, TheSameBatchByDifferentPathsIsOneJob) {
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-test-paths-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "elsewhere");
+  const auto copy = dir / "elsewhere" / "batch.json";
+  std::filesystem::copy_file(kExample, copy);
+  const std::vector<std::pair<std::string, std::string>> env = {
+      {"WORLD_SIZE", "2"}, {"CPSIM_STORE", "file:" + (dir / "store").string()}, {"CPSIM_JOB_ID", "paths"},
+      {"CPSIM_GLOO_HOST", "127.0.0.1"}};
+  auto env0 = env, env1 = env;
+  env0.push_back({"RANK", "0"});
+  env1.push_back({"RANK", "1"});
+  cpsim::testing::ProcessResult other;
+  std::thread rank1([&] { other = run_process({kCpsim, "check", copy.string(), "--cp", "2"}, 60s, {}, env1); });
+  const auto r = run_process({kCpsim, "check", kExample, "--cp", "2"}, 60s, {}, env0);
+  rank1.join();
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_EQ(other.status, 0) << other.err;
+  EXPECT_THAT(r.out, HasSubstr("all properties hold"));
   std::filesystem::remove_all(dir);
 }
 
