@@ -35,11 +35,7 @@ class GlooCommunicator final : public Communicator {
     const auto t = g_->pick(o);
     const CallRecord& c = g_->current();
     const std::size_t bytes = count * dtype_size(dt);
-    if (bytes == 0) return;
-    if (size() == 1) {
-      std::memcpy(recv, send, bytes);
-      return;
-    }
+    if (without_peers(send, recv, bytes)) return;
     g_->transport(c, [&] { gather_bytes(send, recv, bytes, t); });
   }
 
@@ -47,11 +43,7 @@ class GlooCommunicator final : public Communicator {
     const auto t = g_->pick(o);
     const CallRecord& c = g_->current();
     const std::size_t bytes = count * dtype_size(dt);
-    if (bytes == 0) return;
-    if (size() == 1) {
-      std::memcpy(recv, send, bytes);
-      return;
-    }
+    if (without_peers(send, recv, bytes)) return;
     // Every rank's slice for this rank arrives (alltoall), then adds up in rank order.
     std::vector<std::uint8_t> parts(bytes * size());
     g_->transport(c, [&] {
@@ -102,8 +94,6 @@ class GlooCommunicator final : public Communicator {
 
   void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
     const auto t = g_->pick(o);
-    CallRecord r{CollectiveKind::broadcast, 0, count, dt};
-    r.root = root;
     const CallRecord& c = g_->current();
     const std::size_t bytes = count * dtype_size(dt);
     if (bytes == 0 || size() == 1) return;
@@ -120,6 +110,12 @@ class GlooCommunicator final : public Communicator {
   void barrier(CallOptions) override {}
 
  private:
+  // Nothing to move, or a group of one (where each rank's result is its own
+  // input): done without the transport.
+  bool without_peers(const void* send, void* recv, std::size_t bytes) {
+    if (bytes != 0 && size() == 1) std::memcpy(recv, send, bytes);
+    return bytes == 0 || size() == 1;
+  }
   void gather_bytes(const void* send, void* recv, std::size_t bytes, std::chrono::milliseconds t) {
     gloo::AllgatherOptions opts(g_->context_ptr());
     opts.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(send)), bytes);

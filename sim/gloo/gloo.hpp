@@ -26,6 +26,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,10 @@ inline bool is_gloo_timeout(const std::string& what) { return what.find("imed ou
 // Whether `key` is in the store now (no waiting).
 bool store_has(Store& store, const std::string& key);
 
+// The failure record of `rank` (key failed/<rank>), if one is in the store now.
+std::optional<std::string> failure_record(Store& records, int rank);
+// Whether a record is one cpsim launch wrote for a process that died.
+bool is_launch_record(const std::string& record);
 // The records cpsim launch wrote for dead processes among ranks [0, size) other
 // than `except`, each on a line of its own ("\n  ..."), or "".
 std::string launch_records(Store& records, int size, int except);

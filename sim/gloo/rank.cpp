@@ -108,15 +108,10 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
       if (q == rank_) continue;
       const bool suspect = std::find(suspects.begin(), suspects.end(), q) != suspects.end();
       if (!suspect && !processes_) continue;  // in-process ranks are never killed alone
-      const std::string key = "failed/" + std::to_string(q);
-      if (!store_has(*records_, key)) continue;
-      try {
-        const auto v = records_->get(key);
-        const std::string line(v.begin(), v.end());
-        if (line.find(kLaunchRecordTag) != std::string::npos) died += "\n  " + line;
-        else if (suspect) lost += "\n  " + line;
-      } catch (const std::exception&) {
-      }
+      const auto record = failure_record(*records_, q);
+      if (!record) continue;
+      if (is_launch_record(*record)) died += "\n  " + *record;
+      else if (suspect) lost += "\n  " + *record;
     }
     // Peers' records only say they lost someone too; the root cause is worth the wait.
     if (!died.empty() || (!lost.empty() && (!processes_ || Clock::now() >= deadline))) return died + lost;

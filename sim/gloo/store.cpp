@@ -4,6 +4,7 @@
 #include <gloo/rendezvous/redis_store.h>
 
 #include <filesystem>
+#include <optional>
 
 #include "sim/gloo/gloo.hpp"
 
@@ -59,17 +60,24 @@ bool store_has(Store& store, const std::string& key) {
   }
 }
 
-// The records cpsim launch wrote for dead processes among ranks [0, size), one per line.
+std::optional<std::string> failure_record(Store& records, int rank) {
+  const std::string key = "failed/" + std::to_string(rank);
+  if (!store_has(records, key)) return std::nullopt;
+  try {
+    const auto v = records.get(key);
+    return std::string(v.begin(), v.end());
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+bool is_launch_record(const std::string& record) { return record.find(kLaunchRecordTag) != std::string::npos; }
+
 std::string launch_records(Store& records, int size, int except) {
   std::string died;
   for (int q = 0; q < size; ++q) {
-    if (q == except || !store_has(records, "failed/" + std::to_string(q))) continue;
-    try {
-      const auto v = records.get("failed/" + std::to_string(q));
-      const std::string line(v.begin(), v.end());
-      if (line.find(kLaunchRecordTag) != std::string::npos) died += "\n  " + line;
-    } catch (const std::exception&) {
-    }
+    if (q == except) continue;
+    if (const auto record = failure_record(records, q); record && is_launch_record(*record)) died += "\n  " + *record;
   }
   return died;
 }
