@@ -13,8 +13,8 @@ namespace cpsim::kernels {
 namespace {
 
 const KernelTable host_table{
-    [](const Rearrange& a, void*) { blocks_to_sequence(thrust::host, a); },
-    [](const Rearrange& a, void*) { sequence_to_blocks(thrust::host, a); },
+    [](const Rearrange& a, void*) { rearrange<true>(thrust::host, a); },
+    [](const Rearrange& a, void*) { rearrange<false>(thrust::host, a); },
     [](const PositionCopy& a, void*) { copy_positions(thrust::host, a); },
     [](const Slice& a, void*) { slice(thrust::host, a); },
     [](const PositionCopy& a, DType dtype, void*) { add_positions(thrust::host, a, dtype); },

@@ -12,39 +12,17 @@
 
 namespace cpsim::kernels {
 
-// dst[b][q][j] = src[q][b][j]: i runs over dst.
-template <class W>
-struct BlocksToSequence {
+// Rank blocks [c][B][row] <-> sequence [B][c][row], i over dst. to_sequence:
+// dst[b][q][j] = src[q][b][j]; otherwise dst[q][b][j] = src[b][q][j].
+template <class W, bool to_sequence>
+struct Rearrangement {
   const W* src;
   W* dst;
   index_t rows, ranks, row;
   CPSIM_HD void operator()(index_t i) const {
-    const index_t b = i / (ranks * row), rem = i - b * ranks * row, q = rem / row, j = rem - q * row;
-    dst[i] = src[(q * rows + b) * row + j];
-  }
-};
-
-// dst[q][b][j] = src[b][q][j]: i runs over dst.
-template <class W>
-struct SequenceToBlocks {
-  const W* src;
-  W* dst;
-  index_t rows, ranks, row;
-  CPSIM_HD void operator()(index_t i) const {
-    const index_t q = i / (rows * row), rem = i - q * rows * row, b = rem / row, j = rem - b * row;
-    dst[i] = src[(b * ranks + q) * row + j];
-  }
-};
-
-// Position k of row b: dst[b][to + k][...] = src[b][from + k][...]; P words a position.
-template <class W>
-struct CopyPositions {
-  const W* src;
-  W* dst;
-  index_t src_len, dst_len, from, to, n, P;
-  CPSIM_HD void operator()(index_t i) const {
-    const index_t b = i / (n * P), rem = i - b * n * P, k = rem / P, e = rem - k * P;
-    dst[(b * dst_len + to + k) * P + e] = src[(b * src_len + from + k) * P + e];
+    const index_t outer = to_sequence ? ranks : rows, inner = to_sequence ? rows : ranks;
+    const index_t x = i / (outer * row), rem = i - x * outer * row, y = rem / row, j = rem - y * row;
+    dst[i] = src[(y * inner + x) * row + j];
   }
 };
 
@@ -73,15 +51,19 @@ CPSIM_HD inline void accumulate(Bf16Bits& a, Bf16Bits b) {
   a.bits = bf16_from_float(bf16_to_float(a.bits) + bf16_to_float(b.bits));
 }
 
-// dst[b][to + k][e] += src[b][from + k][e]; P elements a position.
-template <class T>
-struct AddPositions {
+// Position k of row b: dst[b][to + k][e] = (or +=, with add) src[b][from + k][e];
+// P elements (words, for a copy) a position.
+template <class T, bool add>
+struct MovePositions {
   const T* src;
   T* dst;
   index_t src_len, dst_len, from, to, n, P;
   CPSIM_HD void operator()(index_t i) const {
     const index_t b = i / (n * P), rem = i - b * n * P, k = rem / P, e = rem - k * P;
-    accumulate(dst[(b * dst_len + to + k) * P + e], src[(b * src_len + from + k) * P + e]);
+    T& d = dst[(b * dst_len + to + k) * P + e];
+    const T& v = src[(b * src_len + from + k) * P + e];
+    if constexpr (add) accumulate(d, v);
+    else d = v;
   }
 };
 
@@ -104,23 +86,14 @@ struct HistoryTails {
   }
 };
 
-template <class Policy>
-void blocks_to_sequence(Policy&& policy, const Rearrange& a) {
+template <bool to_sequence, class Policy>
+void rearrange(Policy&& policy, const Rearrange& a) {
   with_word(word_size(a.row_bytes, a.src, a.dst), [&](auto word) {
     using W = decltype(word);
     const index_t row = static_cast<index_t>(a.row_bytes / sizeof(W));
     for_each_index(policy, a.rows * a.ranks * row,
-                   BlocksToSequence<W>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.rows, a.ranks, row});
-  });
-}
-
-template <class Policy>
-void sequence_to_blocks(Policy&& policy, const Rearrange& a) {
-  with_word(word_size(a.row_bytes, a.src, a.dst), [&](auto word) {
-    using W = decltype(word);
-    const index_t row = static_cast<index_t>(a.row_bytes / sizeof(W));
-    for_each_index(policy, a.rows * a.ranks * row,
-                   SequenceToBlocks<W>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.rows, a.ranks, row});
+                   Rearrangement<W, to_sequence>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.rows, a.ranks,
+                                                 row});
   });
 }
 
@@ -130,8 +103,8 @@ void copy_positions(Policy&& policy, const PositionCopy& a) {
     using W = decltype(word);
     const index_t P = static_cast<index_t>(a.position_bytes / sizeof(W));
     for_each_index(policy, a.rows * a.n * P,
-                   CopyPositions<W>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.src_len, a.dst_len, a.from,
-                                    a.to, a.n, P});
+                   MovePositions<W, false>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.src_len, a.dst_len,
+                                           a.from, a.to, a.n, P});
   });
 }
 
@@ -159,8 +132,8 @@ void add_positions(Policy&& policy, const PositionCopy& a, DType dtype) {
     using T = decltype(element);
     const index_t P = static_cast<index_t>(a.position_bytes / sizeof(T));
     for_each_index(policy, a.rows * a.n * P,
-                   AddPositions<T>{static_cast<const T*>(a.src), static_cast<T*>(a.dst), a.src_len, a.dst_len, a.from,
-                                   a.to, a.n, P});
+                   MovePositions<T, true>{static_cast<const T*>(a.src), static_cast<T*>(a.dst), a.src_len, a.dst_len,
+                                          a.from, a.to, a.n, P});
   };
   switch (dtype) {
     case DType::f32: return run(float{});
