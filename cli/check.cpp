@@ -39,12 +39,7 @@ void print_table(const std::string& name, const std::vector<PropertyResult>& res
 }  // namespace
 
 int run_check(CheckArgs a) {
-  CheckOptions o;
-  o.conv_width = a.conv_width;
-  o.channels = a.channels;
-  o.heads = a.heads;
-  o.key_dim = a.key_dim;
-  o.value_dim = a.value_dim;
+  CheckOptions o = check_options(a.model);
   // Load and validate every batch first: invalid input is exit 2 before any work.
   std::vector<BatchFile> files;
   for (const auto& path : a.batches) {
@@ -70,7 +65,7 @@ int run_check(CheckArgs a) {
     std::vector<PropertyResult> all;
     for (int cp : a.cp_sizes) {
       if (job_broken()) break;  // every later property would fail the same way
-      LayoutCase c{files[i].batch, files[i].pad_token_id, cp, a.seed, std::nullopt};
+      LayoutCase c{files[i].batch, files[i].pad_token_id, cp, a.model.seed, std::nullopt};
       for (auto& r : check_all(c, o)) all.push_back(r);
     }
     for (const auto& r : all) {

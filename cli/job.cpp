@@ -63,6 +63,16 @@ int finish_job(const JobArgs& a, int status) {
   return status;
 }
 
+verify::CheckOptions check_options(const ModelArgs& m) {
+  verify::CheckOptions o;
+  o.conv_width = m.conv_width;
+  o.channels = m.channels;
+  o.heads = m.heads;
+  o.key_dim = m.key_dim;
+  o.value_dim = m.value_dim;
+  return o;
+}
+
 bool job_broken() {
   const auto world = sim::current_world();
   return world && !world->failure.empty();

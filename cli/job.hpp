@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "cli/options.hpp"
+#include "verify/properties.hpp"
 
 namespace cpsim::cli {
 
@@ -25,6 +26,9 @@ void join_job(JobArgs& a);
 // The exit status of a job: a broken job is an error on every rank.
 int finish_job(const JobArgs& a, int status);
 bool job_broken();
+
+// The property options of the model arguments (backend and timeout left as defaults).
+verify::CheckOptions check_options(const ModelArgs& m);
 
 int run_check(CheckArgs a);
 int run_fuzz(FuzzArgs a);

@@ -19,6 +19,16 @@ void add_job_options(CLI::App* cmd, JobArgs& job) {
       ->check(CLI::Range(0.05, 86400.0));
 }
 
+// Shapes and seed of the seeded inputs.
+void add_model_options(CLI::App* cmd, ModelArgs& m, const std::string& seed_help) {
+  cmd->add_option("--conv-width", m.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
+  cmd->add_option("--channels", m.channels, "activation channels")->check(CLI::Range(1, 4096));
+  cmd->add_option("--heads", m.heads, "recurrence heads H")->check(CLI::Range(1, 64));
+  cmd->add_option("--key-dim", m.key_dim, "recurrence key size K")->check(CLI::Range(1, 256));
+  cmd->add_option("--value-dim", m.value_dim, "recurrence value size V")->check(CLI::Range(1, 256));
+  cmd->add_option("--seed", m.seed, seed_help);
+}
+
 }  // namespace
 
 Parsed parse_options(int argc, char** argv) {
@@ -35,12 +45,7 @@ Parsed parse_options(int argc, char** argv) {
       ->check(CLI::Range(1, 1024))
       ->each([&check](const std::string&) { check.cp_given = true; });
   add_job_options(c, check.job);
-  c->add_option("--conv-width", check.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
-  c->add_option("--channels", check.channels, "activation channels")->check(CLI::Range(1, 4096));
-  c->add_option("--heads", check.heads, "recurrence heads H")->check(CLI::Range(1, 64));
-  c->add_option("--key-dim", check.key_dim, "recurrence key size K")->check(CLI::Range(1, 256));
-  c->add_option("--value-dim", check.value_dim, "recurrence value size V")->check(CLI::Range(1, 256));
-  c->add_option("--seed", check.seed, "seed of the activations");
+  add_model_options(c, check.model, "seed of the activations");
   c->add_flag("--json", check.json, "one JSON object instead of a table");
   c->footer(
       "Example:\n  cpsim check examples/spec_example.json --cp 1,2,3,4,8\n"
@@ -69,12 +74,7 @@ Parsed parse_options(int argc, char** argv) {
   gd->add_option("batch", golden.batch, "BATCH file (JSON or safetensors)")->required()->check(CLI::ExistingFile);
   gd->add_option("--cp", golden.cp, "CP size")->check(CLI::Range(1, 1024));
   gd->add_option("--out", golden.out, "folder to write")->required();
-  gd->add_option("--conv-width", golden.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
-  gd->add_option("--channels", golden.channels, "activation channels")->check(CLI::Range(1, 4096));
-  gd->add_option("--heads", golden.heads, "recurrence heads H")->check(CLI::Range(1, 64));
-  gd->add_option("--key-dim", golden.key_dim, "recurrence key size K")->check(CLI::Range(1, 256));
-  gd->add_option("--value-dim", golden.value_dim, "recurrence value size V")->check(CLI::Range(1, 256));
-  gd->add_option("--seed", golden.seed, "seed of the inputs (the same inputs cpsim check --seed draws)");
+  add_model_options(gd, golden.model, "seed of the inputs (the same inputs cpsim check --seed draws)");
   gd->footer("Example:\n  cpsim golden examples/spec_example.json --cp 3 --out golden/\n"
              "  python3 examples/golden_check.py golden/   (compares a PyTorch or numpy implementation)");
   LaunchArgs& launch = o.launch;

@@ -25,14 +25,19 @@ struct JobArgs {
   bool multi = false;
 };
 
+// The shapes and seed of the seeded inputs the properties draw (check, golden).
+struct ModelArgs {
+  int conv_width = 4, channels = 8;
+  int heads = 2, key_dim = 4, value_dim = 4;
+  std::uint64_t seed = 0;
+};
+
 struct CheckArgs {
   std::vector<std::string> batches;
   std::vector<int> cp_sizes{1, 2, 3, 4, 8};
   bool cp_given = false;
   JobArgs job;
-  int conv_width = 4, channels = 8;
-  int heads = 2, key_dim = 4, value_dim = 4;
-  std::uint64_t seed = 0;
+  ModelArgs model;
   bool json = false;
 };
 
@@ -56,9 +61,7 @@ struct ShowArgs {
 struct GoldenArgs {
   std::string batch, out;
   int cp = 2;
-  int conv_width = 4, channels = 8;
-  int heads = 2, key_dim = 4, value_dim = 4;
-  std::uint64_t seed = 0;
+  ModelArgs model;
 };
 
 struct LaunchArgs {

@@ -62,13 +62,8 @@ namespace cpsim::cli {
 int run_golden(const GoldenArgs& a) {
   const verify::BatchFile f = verify::read_batch_file(a.batch);
   derive_layout(f.batch);
-  verify::LayoutCase c{f.batch, f.pad_token_id, a.cp, a.seed, std::nullopt};
-  verify::CheckOptions o;
-  o.conv_width = a.conv_width;
-  o.channels = a.channels;
-  o.heads = a.heads;
-  o.key_dim = a.key_dim;
-  o.value_dim = a.value_dim;
+  verify::LayoutCase c{f.batch, f.pad_token_id, a.cp, a.model.seed, std::nullopt};
+  const verify::CheckOptions o = check_options(a.model);
   for (const auto& path : verify::write_golden(c, o, a.out, a.batch)) std::cout << "wrote " << path << "\n";
   return kExitOk;
 }
