@@ -44,7 +44,7 @@ void backward(const Var& loss) {
     }
   }
   std::unordered_map<VarImpl*, Tensor> grads;
-  grads[loss.impl().get()] = Tensor::full(loss.value().shape(), loss.value().dtype(), 1.0);
+  grads[loss.impl().get()] = Tensor::full(loss.value().shape(), loss.value().dtype(), 1.0).to(loss.value().device());
   auto accumulate = [](Tensor& slot, const Tensor& g) {
     if (!slot.defined()) slot = g.clone();
     else add_inplace(slot, g);
@@ -72,17 +72,20 @@ void backward(const Var& loss) {
 Var dot(const Var& x, const Tensor& weights) {
   CPSIM_ENFORCE(x.value().shape() == weights.shape(), "dot of ", shape_str(x.value().shape()),
                 " and ", shape_str(weights.shape()));
+  // The loss is a host scalar whatever device x is on (as .item() would give).
+  const Tensor xv = x.value().is_cpu() ? x.value() : x.value().to(Device::host());
+  const Tensor wv = weights.is_cpu() ? weights : weights.to(Device::host());
   double s = 0;
-  for (std::int64_t i = 0; i < weights.numel(); ++i) s += x.value().get(i) * weights.get(i);
+  for (std::int64_t i = 0; i < wv.numel(); ++i) s += xv.get(i) * wv.get(i);
   Tensor out = Tensor::full({1}, x.value().dtype(), s);
-  Tensor w = weights;
-  DType dt = x.value().dtype();
-  return record(out, "dot", {x}, [w, dt](const Tensor& g) {
-    Tensor gx = w.to(dt);
-    const double scale = g.get(0);
+  const DType dt = x.value().dtype();
+  const Device device = x.value().device();
+  return record(out, "dot", {x}, [wv, dt, device](const Tensor& g) {
+    Tensor gx = wv.to(dt);
+    const double scale = (g.is_cpu() ? g : g.to(Device::host())).get(0);
     if (scale != 1.0)
       for (std::int64_t i = 0; i < gx.numel(); ++i) gx.set(i, gx.get(i) * scale);
-    return std::vector<Tensor>{gx};
+    return std::vector<Tensor>{device.is_cpu() ? gx : gx.to(device)};
   });
 }
 

@@ -59,8 +59,10 @@ Var sharded_packed_conv(const Var& x_masked, const PackedContext& context, Commu
                         const Var& bias, HaloExchange exchange) {
   const int width = static_cast<int>(weight.value().dim(1));
   const Var window = convolution_history(x_masked, comm, width, exchange);
-  return packed_causal_conv(window, window_doc_ids(context.doc_ids(), context.seq_start(), context.local_seq_len(), width),
-                            weight, bias);
+  // The layout lives on the host (as cu_seqlens do); its window goes where x is.
+  const Tensor ids = window_doc_ids(context.doc_ids(), context.seq_start(), context.local_seq_len(), width);
+  const Device device = window.value().device();
+  return packed_causal_conv(window, device.is_cpu() ? ids : ids.to(device), weight, bias);
 }
 
 }  // namespace cpsim

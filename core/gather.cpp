@@ -55,7 +55,8 @@ Var all_gather_backward_anchor(const Var& gathered) {
   const Shape shape = gathered.value().shape();
   const DType dt = gathered.value().dtype();
   const Device device = gathered.value().device();
-  return record(Tensor({1}, dt, device), "all_gather_backward_anchor", {gathered},
+  // A zero scalar added to the loss; losses are host scalars (dot), whatever device.
+  return record(Tensor({1}, dt), "all_gather_backward_anchor", {gathered},
                 [shape, dt, device](const Tensor&) { return std::vector<Tensor>{Tensor(shape, dt, device)}; });
 }
 

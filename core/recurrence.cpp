@@ -1,5 +1,6 @@
 #include "core/recurrence.hpp"
 
+#include <cstring>
 #include <vector>
 
 #include "core/kernels/recurrence.hpp"
@@ -9,8 +10,8 @@ namespace cpsim {
 
 namespace {
 
-// Every row's plan, flattened for the kernel (host arrays; copied to the device
-// with the inputs when they live there).
+// Every row's plan, flattened for the kernel: built on the host, then copied to
+// the device the inputs live on.
 struct FlatPlan {
   std::vector<std::int64_t> segments, seg_at{0}, fold_fwd, fwd_at{0}, fold_bwd, bwd_at{0}, transition_segment;
   std::vector<std::uint8_t> publishes;
@@ -26,9 +27,25 @@ struct FlatPlan {
       publishes.push_back(static_cast<std::uint8_t>((p.publishes_transition ? 1 : 0) | (p.publishes_state_gradient ? 2 : 0)));
     }
   }
-  kernels::RecurrencePlanView view() const {
-    return {segments.data(), seg_at.data(), fold_fwd.data(), fwd_at.data(), fold_bwd.data(), bwd_at.data(),
-            transition_segment.data(), publishes.data()};
+  // The plan's arrays on `device`; the view points into them.
+  std::vector<Tensor> arrays;
+  kernels::RecurrencePlanView on(Device device) {
+    arrays.clear();
+    auto put = [&](const auto& v, DType dtype) {
+      Tensor t({static_cast<std::int64_t>(v.size())}, dtype);
+      if (!v.empty()) std::memcpy(t.raw(), v.data(), v.size() * sizeof(v[0]));
+      arrays.push_back(device.is_cpu() ? t : t.to(device));
+      return arrays.back().raw();
+    };
+    const auto i64 = [&](const std::vector<std::int64_t>& v) { return static_cast<const std::int64_t*>(put(v, DType::i64)); };
+    kernels::RecurrencePlanView view{};
+    view.segments = i64(segments), view.seg_at = i64(seg_at);
+    view.fold_fwd = i64(fold_fwd), view.fwd_at = i64(fwd_at);
+    view.fold_bwd = i64(fold_bwd), view.bwd_at = i64(bwd_at);
+    view.transition_segment = i64(transition_segment);
+    static_assert(sizeof(bool) == sizeof(std::uint8_t));
+    view.publishes = static_cast<const std::uint8_t*>(put(publishes, DType::b8));
+    return view;
   }
 };
 
@@ -53,7 +70,6 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
   CPSIM_ENFORCE(Kt.shape() == Q.shape() && G.shape() == Q.shape() && Bt.shape() == Shape({B, L, H}) &&
                     Vt.shape() == Shape({B, L, H, V}) && L == context.local_seq_len(),
                 "gated_delta_rule shapes disagree");
-  CPSIM_ENFORCE(Q.is_cpu(), "gated_delta_rule: the plan is built on the host; device inputs are not wired yet");
   const int c = comm ? comm->size() : 1, r = comm ? comm->rank() : 0;
   CPSIM_ENFORCE(c == context.cp_size(), "communicator size ", c, " != context cp_size ", context.cp_size());
 
@@ -64,6 +80,8 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
   }
   auto plan = std::make_shared<FlatPlan>(plans);
   const Device device = Q.device();
+  for (const Tensor* t : {&Kt, &Vt, &Bt, &G})
+    CPSIM_ENFORCE(t->device() == device, "gated_delta_rule: inputs on ", device.str(), " and ", t->device().str());
   const std::int64_t block = H * K * (K + V);
   Tensor work({B * H * kernels::recurrence_workspace(L, K, V)}, DType::f64, device);
   Tensor mine({B * block}, DType::f64, device), S0({B, H, K, V}, DType::f64, device),
@@ -71,7 +89,7 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
   kernels::RecurrenceArgs a{};
   a.B = B, a.L = L, a.H = H, a.K = K, a.V = V;
   a.q = f64(Q), a.k = f64(Kt), a.v = f64(Vt), a.beta = f64(Bt), a.g = f64(G);
-  a.plan = plan->view();
+  a.plan = plan->on(device);
   a.work = f64(work), a.mine = f64(mine), a.S0 = f64(S0), a.M_first = f64(M_first), a.o = f64(o);
   const auto& run = kernels::kernels_for(device);
   run.recurrence_pass(a, 0, kernels::current_stream());  // (M, S_ext) of the published segment
@@ -80,12 +98,11 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
   run.recurrence_pass(a, 1, kernels::current_stream());  // fold, then every segment
 
   return record(o, "gated_delta_rule", {q, k, v, beta, g},
-                [=, keep = std::vector<Tensor>{work, S0, M_first}](const Tensor& d_o) {  // a points into keep
+                [=, plan = plan, keep = std::vector<Tensor>{work, S0, M_first}](const Tensor& d_o) {  // a points into plan and keep
                   Tensor gq(Q.shape(), DType::f64, device), gk(Q.shape(), DType::f64, device),
                       gv(Vt.shape(), DType::f64, device), gb(Bt.shape(), DType::f64, device),
                       gg(Q.shape(), DType::f64, device), mine_b({B * block}, DType::f64, device);
                   kernels::RecurrenceArgs ab = a;
-                  ab.plan = plan->view();
                   ab.mine = f64(mine_b);
                   ab.d_o = f64(d_o);
                   ab.gq = f64(gq), ab.gk = f64(gk), ab.gv = f64(gv), ab.gbeta = f64(gb), ab.gg = f64(gg);

@@ -1,5 +1,7 @@
 #include "core/tensor.hpp"
 
+#include "core/kernels/table.hpp"
+
 #include <bit>
 #include <cmath>
 #include <sstream>
@@ -144,7 +146,7 @@ Tensor Tensor::reshape(Shape shape) const {
 
 Tensor Tensor::to(DType dtype) const {
   if (dtype == dtype_) return clone();
-  check_host();
+  if (!is_cpu()) return to(Device::host()).to(dtype).to(device());  // conversions run on the host
   Tensor t(shape_, dtype);
   for (std::int64_t i = 0; i < numel(); ++i) t.set(i, get(i));
   return t;
@@ -226,16 +228,15 @@ Tensor pad_sequence_dim(const Tensor& t, std::int64_t length, double fill) {
 void add_inplace(Tensor& t, const Tensor& other) {
   CPSIM_ENFORCE(t.shape() == other.shape() && t.dtype() == other.dtype(), "add of ",
                 shape_str(t.shape()), " and ", shape_str(other.shape()));
-  visit_dtype(t.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    T* a = t.data<T>();
-    const T* b = other.data<T>();
-    for (std::int64_t i = 0; i < t.numel(); ++i) {
-      if constexpr (std::is_same_v<T, bf16>) a[i] = bf16::from_float(a[i].to_float() + b[i].to_float());
-      else if constexpr (std::is_same_v<T, bool>) a[i] = a[i] || b[i];
-      else a[i] = static_cast<T>(a[i] + b[i]);
-    }
-  });
+  CPSIM_ENFORCE(t.device() == other.device(), "add of tensors on ", t.device().str(), " and ", other.device().str());
+  if (t.numel() == 0) return;
+  // One position of every element: the kernels' elementwise add (bf16 rounded, bool or).
+  kernels::PositionCopy a;
+  a.src = other.raw();
+  a.dst = t.raw();
+  a.rows = a.src_len = a.dst_len = a.n = 1;
+  a.position_bytes = t.nbytes();
+  kernels::kernels_for(t.device()).add_positions(a, t.dtype(), kernels::current_stream());
 }
 
 }  // namespace cpsim

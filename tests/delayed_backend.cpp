@@ -4,17 +4,27 @@
 // ordering bugs it hides (a rank reading a peer's buffer before it is written, a
 // result that depends on who arrives first). It is also the proof that a backend
 // is one folder and one registration: nothing above core/comm names it.
+// `host-device` (registered by the tests that use it): threads whose ranks keep
+// their tensors on "cuda:0", a device whose runtime is host memory and whose
+// kernels are the host's. It drives every operator and property through the
+// device paths (inputs moved to the rank's device, results moved back, plans and
+// layouts copied over) on a machine without a GPU.
 // `counting` (registered by the tests that use it, so the suites over every backend
 // do not run it): threads, counting the groups made, so tests can count simulations.
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 #include <random>
 #include <thread>
 
 #include "core/comm/registry.hpp"
+#include "core/kernels/table.hpp"
 
 namespace cpsim::testing {
 
 std::atomic<std::int64_t> counting_groups{0};
+std::atomic<std::int64_t> host_device_allocations{0};
 
 namespace {
 
@@ -83,6 +93,81 @@ const BackendRegistrar registrar{Backend{
     }}};
 
 }  // namespace
+
+namespace {
+
+class HostMemoryDevice final : public DeviceRuntime {
+ public:
+  void* allocate(Device device, std::size_t bytes) override {
+    CPSIM_ENFORCE(device == Device::cuda(0), "host-device has one device, cuda:0");
+    ++host_device_allocations;
+    void* p = std::malloc(bytes ? bytes : 1);
+    if (!p) throw std::bad_alloc();
+    std::memset(p, 0xA5, bytes);  // garbage, as fresh device memory is: zero() must clear it
+    return p;
+  }
+  void deallocate(Device, void* p, std::size_t) noexcept override { std::free(p); }
+  void zero(Device, void* p, std::size_t bytes) override { std::memset(p, 0, bytes); }
+  void copy(void* dst, Device, const void* src, Device, std::size_t bytes) override { std::memmove(dst, src, bytes); }
+};
+
+class OnDevice final : public Communicator {
+ public:
+  explicit OnDevice(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  std::string backend_name() const override { return "host-device"; }
+  Capabilities capabilities() const override { return kCapabilities; }
+  Device device() const override { return Device::cuda(0); }
+  void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
+    inner_->all_gather(send, recv, count, dt, o);
+  }
+  void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
+    inner_->reduce_scatter(send, recv, count, dt, o);
+  }
+  void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override { inner_->all_reduce(buf, count, dt, o); }
+  void send_recv(const SendRecv& step, DType dt, CallOptions o) override { inner_->send_recv(step, dt, o); }
+  void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
+    inner_->broadcast(buf, count, dt, root, o);
+  }
+  void barrier(CallOptions o) override { inner_->barrier(o); }
+  static constexpr Capabilities kCapabilities{/*rank_order_sums=*/true, /*device_buffers=*/true,
+                                              /*stream_ordered=*/false};
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+};
+
+class OnDeviceGroup final : public Group {
+ public:
+  explicit OnDeviceGroup(std::shared_ptr<Group> inner) : inner_(std::move(inner)) {}
+  std::unique_ptr<Communicator> communicator(int rank) override {
+    return std::make_unique<OnDevice>(inner_->communicator(rank));
+  }
+  void finish(int rank) override { inner_->finish(rank); }
+  void fail(int rank, const std::string& what) override { inner_->fail(rank, what); }
+  void done() override { inner_->done(); }
+
+ private:
+  std::shared_ptr<Group> inner_;
+};
+
+}  // namespace
+
+void register_host_device_backend() {
+  static const bool once = [] {
+    static HostMemoryDevice runtime;
+    register_device_runtime(DeviceKind::cuda, &runtime);
+    kernels::register_kernels(DeviceKind::cuda, &kernels::kernels_for(Device::host()));
+    register_backend(Backend{"host-device", "test only: threads with tensors on a cuda:0 made of host memory",
+                             OnDevice::kCapabilities, [](int n, std::chrono::milliseconds timeout) {
+                               return std::make_shared<OnDeviceGroup>(find_backend("threads").make_group(n, timeout));
+                             }});
+    return true;
+  }();
+  (void)once;
+}
 
 void register_counting_backend() {
   static const bool once = [] {

@@ -161,7 +161,28 @@ CPSIM_BACKEND_PROP(Distributed, CpRecurrenceGradientsMatchTheUnshardedRecurrence
 
 namespace cpsim::testing {
 extern std::atomic<std::int64_t> counting_groups;  // tests/delayed_backend.cpp
+extern std::atomic<std::int64_t> host_device_allocations;
 void register_counting_backend();
+void register_host_device_backend();
+}
+
+// Every row holds when each rank's tensors live on its backend's device: inputs
+// go there, operators run there (kernels, plans, layouts, gradients), results come
+// back. The device is host memory posing as cuda:0, so this runs without a GPU.
+TEST(PropertyTable, EveryRowHoldsWithTensorsOnTheBackendsDevice) {
+  cpsim::testing::register_host_device_backend();
+  const auto gen = gen_layout_case(4);
+  CheckOptions o;
+  o.backend = "host-device";
+  for (int i = 0; i < 30; ++i) {
+    LayoutCase c = gen(rc::Random(911 + i), 30).value();
+    c.cp = 1 + i % 4;
+    const std::int64_t before = cpsim::testing::host_device_allocations;
+    for (const auto& r : check_all(c, o)) EXPECT_TRUE(r.ok) << r.property << ": " << r.detail << "\n" << c;
+    if (c.cp > 1) {
+      EXPECT_GT(cpsim::testing::host_device_allocations, before) << "nothing was placed on the device";
+    }
+  }
 }
 
 // One table, one harness: every row runs on a case prepared once, and rows that

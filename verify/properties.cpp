@@ -251,6 +251,14 @@ Tensor local(const Tensor& global, const PackedContext& ctx) {
   return narrow(global, 1, ctx.seq_start(), ctx.local_seq_len());
 }
 
+// A rank's input where its backend keeps tensors (the host, or cuda:N), and a
+// result back on the host for the comparison.
+Tensor on(const Communicator& comm, const Tensor& t) {
+  const Device device = comm.device();
+  return device.is_cpu() || !t.defined() ? t : t.to(device);
+}
+Tensor host(const Tensor& t) { return !t.defined() || t.is_cpu() ? t : t.to(Device::host()); }
+
 }  // namespace
 
 PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {
@@ -267,8 +275,8 @@ PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const
       std::vector<Tensor> got(c.cp);
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        Var x(local(global, s.context(r)), is_floating(dt));
-        got[r] = gather(x, &comm, is_floating(dt)).value();
+        Var x(on(comm, local(global, s.context(r))), is_floating(dt));
+        got[r] = host(gather(x, &comm, is_floating(dt)).value());
       }, run_options(o), {&got});
       for (int r = 0; r < c.cp; ++r)
         t.expect_equal(global, got[r], std::string("gathered ") + dtype_name(dt) + " on rank " + std::to_string(r));
@@ -327,9 +335,9 @@ PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, cons
       std::vector<Tensor> grads(c.cp);
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        Var x(local(global, s.context(r)), true);
+        Var x(on(comm, local(global, s.context(r))), true);
         backward(dot(gather(x, &comm, true), upstream[r]));
-        grads[r] = x.grad();
+        grads[r] = host(x.grad());
       }, run_options(o), {&grads});
       const std::vector<bool> all(c.cp, true);
       for (int r = 0; r < c.cp; ++r) {
@@ -365,12 +373,12 @@ PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherF
     auto step = [&](bool with_anchor, std::vector<Tensor>& grads) {
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        Var x(local(global, s.context(r)), true);
+        Var x(on(comm, local(global, s.context(r))), true);
         Var gathered = gather(x, &comm, true);
         Var loss = uses[r] ? dot(gathered, upstream[r]) : constant_scalar(0.0);
         if (with_anchor) loss = add(loss, anchor(gathered));
         backward(loss);
-        grads[r] = x.grad();
+        grads[r] = host(x.grad());
         comm.barrier();  // what the next training step would do
       }, run_options(o), {&grads});
     };
@@ -434,7 +442,7 @@ PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const H
       std::vector<Tensor> got(c.cp);
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        got[r] = halo(Var(local(x, s.context(r)), true), &comm, o.conv_width, e).value();
+        got[r] = host(halo(Var(on(comm, local(x, s.context(r))), true), &comm, o.conv_width, e).value());
       }, run_options(o), {&got});
       for (int r = 0; r < c.cp; ++r)
         t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[r],
@@ -470,9 +478,9 @@ PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const 
       std::vector<Tensor> grads(c.cp);
       run_ranks(c.cp, [&](Communicator& comm) {
         const int r = comm.rank();
-        Var xr(local(x, s.context(r)), true);
+        Var xr(on(comm, local(x, s.context(r))), true);
         backward(dot(halo(xr, &comm, o.conv_width, e), upstream[r]));
-        grads[r] = xr.grad();
+        grads[r] = host(xr.grad());
       }, run_options(o), {&grads});
       for (int r = 0; r < c.cp; ++r)
         t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[r], kConvTolerance,
@@ -512,20 +520,21 @@ ConvRun run_conv(const Prepared& s, const CheckOptions& o, const HaloFn& halo, c
     run_ranks(c.cp, [&](Communicator& comm) {
       const int r = comm.rank();
       const PackedContext& ctx = s.context(r);
-      Var xr(local(x, ctx), true), wr(w.clone(), true), br(bias.clone(), true);
+      Var xr(on(comm, local(x, ctx)), true), wr(on(comm, w.clone()), true), br(on(comm, bias.clone()), true);
       Var out;
       if (layer) {
         out = sharded_packed_conv(xr, ctx, &comm, wr, br, e);
       } else {
         const Var window = halo_fn(xr, &comm, static_cast<int>(W), e);
-        out = conv_fn(window, window_doc_ids(ctx.doc_ids(), ctx.seq_start(), ctx.local_seq_len(), static_cast<int>(W)),
+        out = conv_fn(window,
+                      on(comm, window_doc_ids(ctx.doc_ids(), ctx.seq_start(), ctx.local_seq_len(), static_cast<int>(W))),
                       wr, br);
       }
       backward(dot(out, local(gy, ctx)));
-      y[r] = out.value();
-      dx[r] = xr.grad();
-      dw[r] = wr.grad();
-      db[r] = br.grad();
+      y[r] = host(out.value());
+      dx[r] = host(xr.grad());
+      dw[r] = host(wr.grad());
+      db[r] = host(br.grad());
     }, run_options(o), {&y, &dx, &dw, &db});
     Tensor dw_sum = dw[0].defined() ? dw[0].clone() : Tensor();
     Tensor db_sum = db[0].defined() ? db[0].clone() : Tensor();
@@ -636,12 +645,13 @@ RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const R
     const int r = comm.rank();
     const PackedContext ctx =
         sharding == Sharding::contiguous ? s.context(r) : PackedContext(ids_p, g.start(r), c.cp, S);
-    auto mine = [&](const Tensor& t) { return Var(local(t, ctx), true); };
+    auto mine = [&](const Tensor& t) { return Var(on(comm, local(t, ctx)), true); };
     Var vq = mine(q), vk = mine(k), vv = mine(v), vb = mine(beta), vg = mine(gg);
     const Var out = fn(vq, vk, vv, vb, vg, ctx, &comm);
     backward(dot(out, local(up, ctx)));
-    o[r] = out.value();
-    dq[r] = vq.grad(), dk[r] = vk.grad(), dv[r] = vv.grad(), db[r] = vb.grad(), dg[r] = vg.grad();
+    o[r] = host(out.value());
+    dq[r] = host(vq.grad()), dk[r] = host(vk.grad()), dv[r] = host(vv.grad()), db[r] = host(vb.grad()),
+    dg[r] = host(vg.grad());
   }, run_options(opt), {&o, &dq, &dk, &dv, &db, &dg});
   auto global = [&](const std::vector<Tensor>& parts) {
     for (const auto& t : parts)

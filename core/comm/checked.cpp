@@ -19,6 +19,7 @@ class CheckedCommunicator final : public Communicator {
   std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
   std::string backend_name() const override { return inner_->backend_name(); }
   Capabilities capabilities() const override { return inner_->capabilities(); }
+  Device device() const override { return inner_->device(); }
 
   void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     check(call_record(CollectiveKind::all_gather, count, dt), o);

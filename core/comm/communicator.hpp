@@ -51,6 +51,9 @@ class Communicator {
   virtual std::chrono::milliseconds timeout() const = 0;
   virtual std::string backend_name() const = 0;
   virtual Capabilities capabilities() const = 0;
+  // Where this rank's buffers and tensors live (capabilities().device_buffers:
+  // cuda:N; otherwise the host). Callers put a rank's inputs there.
+  virtual Device device() const { return Device::host(); }
 
   // recv[q*count .. (q+1)*count) = rank q's send, for every q. No aliasing.
   virtual void all_gather(const void* send, void* recv, std::size_t count, DType dtype,

@@ -7,6 +7,7 @@
 #include "core/kernels/layout.hpp"
 #include "core/kernels/movement.hpp"
 #include "core/kernels/recurrence.hpp"
+#include "core/kernels/reduce.hpp"
 
 namespace cpsim::kernels {
 
@@ -32,6 +33,7 @@ const KernelTable host_table{
     [](const Conv& a, DType dtype, void*) { conv_forward(thrust::host, a, dtype); },
     [](const Conv& a, DType dtype, void*) { conv_backward(thrust::host, a, dtype); },
     [](const RecurrenceArgs& a, int pass, void*) { recurrence_pass(thrust::host, a, pass); },
+    [](const Sum& a, DType dtype, void*) { sum_in_order(thrust::host, a, dtype); },
 };
 
 std::atomic<const KernelTable*> cuda_table{nullptr};

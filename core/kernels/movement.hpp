@@ -51,6 +51,19 @@ CPSIM_HD inline void accumulate(Bf16Bits& a, Bf16Bits b) {
   a.bits = bf16_from_float(bf16_to_float(a.bits) + bf16_to_float(b.bits));
 }
 
+// Calls fn(T{}) with the element type the kernels use for `dtype`.
+template <class Fn>
+void with_element(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::f32: return fn(float{});
+    case DType::f64: return fn(double{});
+    case DType::bf16: return fn(Bf16Bits{});
+    case DType::i32: return fn(std::int32_t{});
+    case DType::i64: return fn(std::int64_t{});
+    case DType::b8: return fn(bool{});
+  }
+}
+
 // Position k of row b: dst[b][to + k][e] = (or +=, with add) src[b][from + k][e];
 // P elements (words, for a copy) a position.
 template <class T, bool add>
@@ -135,14 +148,7 @@ void add_positions(Policy&& policy, const PositionCopy& a, DType dtype) {
                    MovePositions<T, true>{static_cast<const T*>(a.src), static_cast<T*>(a.dst), a.src_len, a.dst_len,
                                           a.from, a.to, a.n, P});
   };
-  switch (dtype) {
-    case DType::f32: return run(float{});
-    case DType::f64: return run(double{});
-    case DType::bf16: return run(Bf16Bits{});
-    case DType::i32: return run(std::int32_t{});
-    case DType::i64: return run(std::int64_t{});
-    case DType::b8: return run(bool{});
-  }
+  with_element(dtype, run);
 }
 
 template <bool to_tails, class Policy>

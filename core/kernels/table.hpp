@@ -103,6 +103,14 @@ struct RecurrenceArgs {
   double *gq, *gk, *gv, *gbeta, *gg;
 };
 
+// dst[i] = srcs[0][i] + ... + srcs[n-1][i], left to right (see reduce.hpp); `srcs`
+// is an array of n pointers that lives on the device that runs the kernel.
+struct Sum {
+  const void* const* srcs = nullptr;
+  void* dst = nullptr;
+  std::size_t n = 0, count = 0;
+};
+
 struct KernelTable {
   void (*blocks_to_sequence)(const Rearrange&, void* stream);
   void (*sequence_to_blocks)(const Rearrange&, void* stream);
@@ -131,6 +139,9 @@ struct KernelTable {
   // One pass of the CP gated delta rule over every (row, head): 0 publish,
   // 1 forward, 2 backward_local, 3 backward_fold (see recurrence.hpp).
   void (*recurrence_pass)(const RecurrenceArgs&, int pass, void* stream);
+
+  // The rank-order sum of reduce_scatter and all_reduce (and add_inplace: n = 2).
+  void (*sum_in_order)(const Sum&, DType dtype, void* stream);
 };
 
 // The table of a device kind; throws Unsupported when none is registered.
