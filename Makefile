@@ -8,7 +8,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps configure build test test-asan test-tsan fuzz run bench clean
+.PHONY: all deps configure build test test-asan test-tsan fuzz run bench gpu-bundle gpu-check clean
 
 all: build
 
@@ -28,7 +28,7 @@ test: build
 
 SANITIZER_CASES ?= max_success=30
 # Sanitizer and fuzz builds: light optimisation and line tables, to build fast.
-CHECK_FLAGS = -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1"
+CHECK_FLAGS = -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" -DCPSIM_GPU=OFF
 # The suites that run ranks as threads (every backend), and the multi-process jobs.
 TSAN_TESTS ?= threads|gloo|delayed|BackendCalls|Collectives|CheckedCommunicator|PropertyTable|Launch
 
@@ -66,6 +66,15 @@ run: build
 
 bench: build
 	$(BUILD)/cpsim bench
+
+# The GPU bundle (binaries + the libraries they need, examples, gpu-check) for a
+# GPU machine without dev packages or a network; gpu-check runs every GPU check
+# in a few minutes (exit 2 "no CUDA device" where there is none).
+gpu-bundle: build
+	bash scripts/gpu-bundle.sh $(BUILD) $(BUILD)/gpu-bundle
+
+gpu-check: build
+	bash scripts/gpu-check.sh $(abspath $(BUILD)) $(abspath examples)
 
 clean:
 	rm -rf $(BUILD)

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/job.hpp"
+#include "core/comm/registry.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/properties.hpp"
 
@@ -58,6 +59,11 @@ int run_check(CheckArgs a) {
       if (cp > a.job.size)
         throw UsageError("--cp " + std::to_string(cp) + " needs " + std::to_string(cp) + " processes; this job has " +
                          std::to_string(a.job.size));
+  }
+  if (!a.job.multi) {
+    const auto [most, why] = find_backend(o.backend).max_ranks();
+    for (int cp : a.cp_sizes)
+      if (most > 0 && cp > most) throw UsageError("--cp " + std::to_string(cp) + " on --backend " + o.backend + ": " + why);
   }
   nlohmann::json out = {{"ok", true}, {"results", nlohmann::json::array()}};
   bool ok = true;

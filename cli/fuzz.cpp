@@ -7,6 +7,7 @@
 #include <map>
 
 #include "cli/job.hpp"
+#include "core/comm/registry.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
@@ -47,6 +48,7 @@ int run_fuzz(FuzzArgs a) {
   o.timeout = milliseconds_of(a.job.timeout);
   o.conv_width = a.conv_width;
   if (a.job.multi) a.max_cp = std::min(a.max_cp, a.job.size);
+  else if (const int most = find_backend(a.job.backend).max_ranks().first; most > 0) a.max_cp = std::min(a.max_cp, most);
   std::optional<LayoutCase> smallest;
   std::string failure;
   std::map<std::string, int> passed;

@@ -4,6 +4,7 @@
 
 #include <iostream>
 
+#include "core/comm/registry.hpp"
 #include "sim/world.hpp"
 
 namespace cpsim::cli {
@@ -34,11 +35,14 @@ void report_error(const std::string& what) {
 // Slurm, Open MPI), if any. Only rank 0 writes the report; every process computes it.
 void join_job(JobArgs& a) {
   auto world = sim::world_from_environment();
+  if (world && !a.backend_given) a.backend = "gloo";
+  // A backend that cannot run here (cuda-sim or nccl without a GPU) is a usage error, said once.
+  if (auto why = find_backend(a.backend).unavailable()) throw UsageError("--backend " + a.backend + ": " + *why);
   if (!world) return;
-  if (!a.backend_given) a.backend = "gloo";
-  if (a.backend != "gloo")
+  if (a.backend != "gloo" && a.backend != "nccl")
     throw UsageError("this process is rank " + std::to_string(world->rank) + " of " + std::to_string(world->size) +
-                     " (from " + world->source + "); a multi-process job runs on --backend gloo, not " + a.backend);
+                     " (from " + world->source + "); a multi-process job runs on --backend gloo or nccl, not " +
+                     a.backend);
   if (!a.store.empty()) world->store = a.store;
   world->timeout = milliseconds_of(a.timeout);
   error_prefix = "cpsim: rank " + std::to_string(world->rank) + ": ";

@@ -10,7 +10,9 @@ namespace {
 
 // Options every rank-running command takes.
 void add_job_options(CLI::App* cmd, JobArgs& job) {
-  cmd->add_option("--backend", job.backend, "threads | gloo (default: threads; gloo in a multi-process job)")
+  std::string names;
+  for (const auto& name : backend_names()) names += (names.empty() ? "" : " | ") + name;
+  cmd->add_option("--backend", job.backend, names + " (default: threads; gloo in a multi-process job)")
       ->check(CLI::IsMember(backend_names()))
       ->each([&job](const std::string&) { job.backend_given = true; });
   cmd->add_option("--store", job.store, "rendezvous of a multi-process job: file:DIR or redis://HOST:PORT "

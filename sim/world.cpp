@@ -230,7 +230,7 @@ enum class Failure : std::uint8_t { none, collective, invalid_input, unsupported
 }  // namespace
 
 void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chrono::milliseconds timeout,
-                  const RankOutputs& outputs) {
+                  const RankOutputs& outputs, const RankTransport& transport) {
   CPSIM_ENFORCE(world, "run_in_world before join_world");
   World& w = *world;
   if (!w.failure.empty())
@@ -245,7 +245,8 @@ void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chro
     try {
       g = w.group(n);
       g->begin(timeout);
-      fn(*g->communicator());
+      const std::unique_ptr<Communicator> comm = transport ? transport(g, n) : g->communicator();
+      fn(*comm);
       g->finish();
     } catch (const CollectiveError& e) {
       kind = Failure::collective, what = e.what();

@@ -53,10 +53,16 @@ struct WorldInfo {
 // The joined job, or nothing in a single process.
 std::optional<WorldInfo> current_world();
 
+class GlooRank;
+// The communicator a group's rank runs fn with, made from its Gloo rank: a backend
+// that moves data another way (nccl) keeps the Gloo rank as the side channel its
+// calls are checked over, and shares its setup (a unique id) through it.
+using RankTransport = std::function<std::unique_ptr<Communicator>(const std::shared_ptr<GlooRank>& side, int n)>;
+
 // run_ranks in process mode (see above). Throws the root cause of a failed run
-// on every process.
+// on every process. Without `transport`, ranks run on the Gloo group itself.
 void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chrono::milliseconds timeout,
-                  const RankOutputs& outputs);
+                  const RankOutputs& outputs, const RankTransport& transport = {});
 
 // Bytes of a list of tensors (undefined ones included) and back.
 std::vector<std::uint8_t> serialize_tensors(const std::vector<Tensor>& tensors);

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/comm/communicator.hpp"
@@ -44,6 +45,9 @@ struct Backend {
   // this process's rank of the run and returns true; otherwise returns false.
   std::function<bool(int n, const RankFn& fn, std::chrono::milliseconds timeout, const RankOutputs& outputs)>
       run_in_job = [](int, const RankFn&, std::chrono::milliseconds, const RankOutputs&) { return false; };
+  // The most ranks one group may have in this process (outside a multi-process job) (nccl: one per visible GPU),
+  // with the reason; 0 means no limit.
+  std::function<std::pair<int, std::string>()> max_ranks = [] { return std::pair<int, std::string>{0, ""}; };
 };
 
 void register_backend(Backend backend);

@@ -1,0 +1,285 @@
+// The `nccl` backend: one rank per GPU, data moved by NCCL on each rank's stream.
+//   in one process   ranks are threads, rank r on cuda:r (ncclCommInitAll); their
+//                    calls are checked in the backend-neutral rendezvous first;
+//   in a job         (cpsim launch, RANK/WORLD_SIZE, Slurm) each process is one
+//                    rank on cuda:LOCAL_RANK; the job's Gloo rank is the side
+//                    channel: it shares the unique id and checks every call first.
+// Every call is checked before NCCL sees it (a mismatch is a CollectiveError naming
+// each rank's call, and NCCL never runs it). A watchdog then waits for the call:
+// an asynchronous NCCL error, or no completion within the timeout, aborts the
+// communicator (ncclCommAbort) and fails the call; a hang is never the outcome.
+// NCCL's sums follow its rings and trees, not rank order: the capability says so.
+#include <nccl.h>
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "core/comm/checked.hpp"
+#include "core/comm/registry.hpp"
+#include "core/comm/rendezvous.hpp"
+#include "gpu/cuda.hpp"
+#include "sim/gloo/gloo.hpp"
+#include "sim/world.hpp"
+
+namespace cpsim::gpu {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr Capabilities kNcclCapabilities{/*rank_order_sums=*/false, /*device_buffers=*/true,
+                                         /*stream_ordered=*/true};
+
+void nccl_check(ncclResult_t r, const char* call) {
+  if (r != ncclSuccess) throw Error(std::string(call) + ": " + ncclGetErrorString(r));
+}
+#define CPSIM_NCCL(call) nccl_check((call), #call)
+
+ncclDataType_t nccl_type(DType dt) {
+  switch (dt) {
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::bf16: return ncclBfloat16;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    case DType::b8: return ncclUint8;
+  }
+  return ncclUint8;
+}
+// Sums; for bool, or (the max of 0 and 1), as the other backends do.
+ncclRedOp_t nccl_sum(DType dt) { return dt == DType::b8 ? ncclMax : ncclSum; }
+
+// One rank's NCCL communicator and why it was aborted, if it was.
+struct NcclRank {
+  ncclComm_t comm = nullptr;
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::string aborted;
+};
+
+class NcclTransport final : public Communicator {
+ public:
+  NcclTransport(std::shared_ptr<NcclRank> r, int rank, int size, std::chrono::milliseconds timeout)
+      : r_(std::move(r)), rank_(rank), size_(size), timeout_(timeout) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+  std::string backend_name() const override { return "nccl"; }
+  Capabilities capabilities() const override { return kNcclCapabilities; }
+  Device device() const override { return Device::cuda(r_->device); }
+
+  void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
+    run("all_gather", o, [&] { return ncclAllGather(send, recv, count, nccl_type(dt), r_->comm, r_->stream); });
+  }
+  void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
+    run("reduce_scatter", o,
+        [&] { return ncclReduceScatter(send, recv, count, nccl_type(dt), nccl_sum(dt), r_->comm, r_->stream); });
+  }
+  void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override {
+    run("all_reduce", o, [&] { return ncclAllReduce(buf, buf, count, nccl_type(dt), nccl_sum(dt), r_->comm, r_->stream); });
+  }
+  void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
+    run("send_recv", o, [&] {
+      ncclResult_t r = ncclGroupStart();
+      if (r == ncclSuccess && step.dst >= 0)
+        r = ncclSend(step.send, step.send_count, nccl_type(dt), step.dst, r_->comm, r_->stream);
+      if (r == ncclSuccess && step.src >= 0)
+        r = ncclRecv(step.recv, step.recv_count, nccl_type(dt), step.src, r_->comm, r_->stream);
+      const ncclResult_t end = ncclGroupEnd();
+      return r == ncclSuccess ? end : r;
+    });
+  }
+  void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
+    run("broadcast", o, [&] { return ncclBroadcast(buf, buf, count, nccl_type(dt), root, r_->comm, r_->stream); });
+  }
+  void barrier(CallOptions) override {}  // the call check before it is the barrier
+
+ private:
+  template <class F>
+  void run(const char* what, CallOptions o, F&& enqueue) {
+    if (!r_->aborted.empty()) throw CollectiveError("the nccl communicator was aborted: " + r_->aborted);
+    const ncclResult_t r = enqueue();
+    if (r != ncclSuccess && r != ncclInProgress)
+      abort(std::string("rank ") + std::to_string(rank_) + ": " + what + " failed to start: " + ncclGetErrorString(r));
+    watch(what, o.timeout.count() > 0 ? o.timeout : timeout_);
+  }
+
+  // The watchdog: the call completes, or its communicator is aborted and the call fails.
+  void watch(const char* what, std::chrono::milliseconds limit) {
+    const auto deadline = Clock::now() + limit;
+    for (int spins = 0;; ++spins) {
+      const cudaError_t q = cudaStreamQuery(r_->stream);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady)
+        abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error in " + what + ": " + cudaGetErrorString(q));
+      ncclResult_t async = ncclSuccess;
+      (void)ncclCommGetAsyncError(r_->comm, &async);
+      if (async != ncclSuccess && async != ncclInProgress)
+        abort(std::string("rank ") + std::to_string(rank_) + ": NCCL error in " + what + ": " + ncclGetErrorString(async));
+      if (Clock::now() > deadline)
+        abort("timeout: rank " + std::to_string(rank_) + " waited " + std::to_string(limit.count()) + " ms for " + what +
+              " on nccl; every rank had agreed to run it (the call check passed), so a peer stopped inside it");
+      if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  [[noreturn]] void abort(const std::string& why) {
+    r_->aborted = why;
+    (void)ncclCommAbort(r_->comm);
+    r_->comm = nullptr;
+    throw CollectiveError(why + " (the nccl communicator was aborted)");
+  }
+
+  std::shared_ptr<NcclRank> r_;
+  int rank_, size_;
+  std::chrono::milliseconds timeout_;
+};
+
+std::string too_many_ranks(int n, int devices) {
+  return "nccl runs one rank per GPU: " + std::to_string(n) + " ranks need " + std::to_string(n) +
+         " GPUs and this process sees " + std::to_string(devices) +
+         "; use --backend cuda-sim to run many ranks on one GPU";
+}
+std::string too_many_ranks(int devices) {
+  return "nccl runs one rank per GPU and this process sees " + std::to_string(devices) +
+         "; use --backend cuda-sim to run many ranks on one GPU, or cpsim launch for one process per GPU";
+}
+
+// ---------------------------------------------------------------------------
+// One process over its visible GPUs.
+
+// The ranks' call check: the in-memory rendezvous, as a side channel.
+class RendezvousChannel final : public CallChannel {
+ public:
+  RendezvousChannel(std::shared_ptr<Rendezvous> rendezvous, int rank) : rv_(std::move(rendezvous)), rank_(rank) {}
+  std::vector<CallRecord> exchange(const CallRecord& mine, std::chrono::milliseconds timeout) override {
+    std::vector<CallRecord> all;
+    rv_->run(rank_, mine, timeout, [&](const std::vector<CallRecord>& calls) { all = calls; });
+    return all;
+  }
+  [[noreturn]] void stop(const std::string& why) override { throw CollectiveError(why); }
+
+ private:
+  std::shared_ptr<Rendezvous> rv_;
+  int rank_;
+};
+
+// Communicators are expensive to make: one clique per group size, kept until aborted.
+std::mutex cliques_mutex;
+std::map<int, std::vector<std::shared_ptr<NcclRank>>> cliques;
+
+std::vector<std::shared_ptr<NcclRank>> clique(int n) {
+  std::lock_guard<std::mutex> lock(cliques_mutex);
+  auto& ranks = cliques[n];
+  bool usable = !ranks.empty();
+  for (const auto& r : ranks) usable = usable && r->aborted.empty();
+  if (usable) return ranks;
+  for (const auto& r : ranks)
+    if (r->comm) (void)ncclCommAbort(r->comm);
+  std::vector<ncclComm_t> comms(n);
+  std::vector<int> devices(n);
+  for (int r = 0; r < n; ++r) devices[r] = r;
+  CPSIM_NCCL(ncclCommInitAll(comms.data(), n, devices.data()));
+  ranks.clear();
+  for (int r = 0; r < n; ++r) {
+    auto rank = std::make_shared<NcclRank>();
+    rank->comm = comms[r];
+    rank->device = r;
+    rank->stream = rank_stream(r, 0);
+    ranks.push_back(rank);
+  }
+  return ranks;
+}
+
+class NcclGroup final : public Group {
+ public:
+  NcclGroup(int n, std::chrono::milliseconds timeout) : timeout_(timeout) {
+    activate_cuda();
+    if (n > cuda_device_count()) throw Unsupported(too_many_ranks(n, cuda_device_count()));
+    ranks_ = clique(n);
+    rendezvous_ = std::make_shared<Rendezvous>(n, timeout);
+  }
+  std::unique_ptr<Communicator> communicator(int rank) override {
+    const auto& r = ranks_.at(rank);
+    bind_rank_thread(r->device, r->stream);
+    return checked_communicator(std::make_unique<NcclTransport>(r, rank, static_cast<int>(ranks_.size()), timeout_),
+                                std::make_shared<RendezvousChannel>(rendezvous_, rank));
+  }
+  void finish(int rank) override {
+    const cudaError_t e = cudaStreamSynchronize(ranks_[rank]->stream);
+    kernels::current_stream() = nullptr;
+    if (e != cudaSuccess) throw Error(std::string("CUDA error at the end of the run: ") + cudaGetErrorString(e));
+    rendezvous_->finish(rank);
+  }
+  void fail(int rank, const std::string& what) override {
+    kernels::current_stream() = nullptr;
+    rendezvous_->fail(rank, what);
+  }
+
+ private:
+  std::chrono::milliseconds timeout_;
+  std::vector<std::shared_ptr<NcclRank>> ranks_;
+  std::shared_ptr<Rendezvous> rendezvous_;
+};
+
+// ---------------------------------------------------------------------------
+// One rank per process of a job.
+
+// This process's GPU: LOCAL_RANK (torchrun, cpsim launch) or SLURM_LOCALID, else
+// the job rank modulo the visible devices.
+int local_device(int rank) {
+  for (const char* key : {"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"})
+    if (const char* v = std::getenv(key)) return std::atoi(v) % cuda_device_count();
+  return rank % cuda_device_count();
+}
+
+std::mutex job_mutex;
+std::map<int, std::shared_ptr<NcclRank>> job_ranks;  // by group size
+
+std::unique_ptr<Communicator> job_transport(const std::shared_ptr<sim::GlooRank>& side, int n) {
+  activate_cuda();
+  std::shared_ptr<NcclRank> r;
+  {
+    std::lock_guard<std::mutex> lock(job_mutex);
+    r = job_ranks[n];
+  }
+  if (!r || !r->aborted.empty()) {
+    r = std::make_shared<NcclRank>();
+    r->device = local_device(side->rank());
+    r->stream = rank_stream(r->device, 0);
+    bind_rank_thread(r->device, r->stream);
+    ncclUniqueId id{};
+    if (side->rank() == 0) CPSIM_NCCL(ncclGetUniqueId(&id));
+    side->communicator()->broadcast(&id, sizeof id, DType::b8, 0);  // over Gloo
+    const ncclResult_t init = ncclCommInitRank(&r->comm, n, id, side->rank());
+    if (init != ncclSuccess)
+      throw Error(std::string("ncclCommInitRank on cuda:") + std::to_string(r->device) + ": " + ncclGetErrorString(init) +
+                  " (two ranks of one host on one GPU? nccl needs a GPU per rank; cuda-sim runs many ranks on one)");
+    std::lock_guard<std::mutex> lock(job_mutex);
+    job_ranks[n] = r;
+  }
+  bind_rank_thread(r->device, r->stream);
+  return checked_communicator(std::make_unique<NcclTransport>(r, side->rank(), n, side->timeout()), side);
+}
+
+const BackendRegistrar registrar{Backend{
+    "nccl", "NCCL, one rank per GPU: threads over this process's GPUs, or one process per GPU (cpsim launch)",
+    kNcclCapabilities,
+    [](int n, std::chrono::milliseconds timeout) { return std::make_shared<NcclGroup>(n, timeout); },
+    [] { return cuda_unavailable(); },
+    [](int n, const RankFn& fn, std::chrono::milliseconds timeout, const RankOutputs& outputs) {
+      if (!sim::current_world()) return false;
+      sim::run_in_world(n, fn, timeout, outputs, job_transport);
+      return true;
+    },
+    [] {
+      const int devices = cuda_device_count();
+      return std::pair<int, std::string>{devices, too_many_ranks(devices)};
+    }}};
+
+}  // namespace
+
+}  // namespace cpsim::gpu

@@ -1,0 +1,298 @@
+// The GPU backends and the CUDA build of the one kernel source. Every test that
+// needs a device skips, with the reason, where there is none; the first test runs
+// everywhere and pins down what a machine without a GPU gets.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "tests/subprocess.hpp"
+
+#include "core/comm/run_ranks.hpp"
+#include "core/kernels/table.hpp"
+#include "gpu/cuda.hpp"
+#include "verify/generators.hpp"
+#include "verify/properties.hpp"
+#include "verify/random.hpp"
+#include "verify/reference.hpp"
+
+using namespace cpsim;
+using namespace cpsim::verify;
+
+namespace {
+
+#define CPSIM_NEEDS_GPU()                                                   \
+  do {                                                                      \
+    if (auto why = gpu::cuda_unavailable()) GTEST_SKIP() << *why;           \
+    gpu::activate_cuda();                                                   \
+  } while (0)
+
+const Device kGpu = Device::cuda(0);
+
+// Runs one kernel entry on the host and on the GPU over the same inputs and
+// returns both outputs (on the host). `inputs` are copied to each side; `run`
+// gets the table, the inputs and the (zeroed) output on that side.
+template <class Run>
+std::pair<Tensor, Tensor> both_sides(const std::vector<Tensor>& inputs, const Tensor& out_like, Run run) {
+  std::vector<Tensor> result;
+  for (Device d : {Device::host(), kGpu}) {
+    std::vector<Tensor> in;
+    for (const auto& t : inputs) in.push_back(t.to(d));
+    Tensor out = out_like.to(d);
+    run(kernels::kernels_for(d), in, out);
+    result.push_back(out.to(Device::host()));
+  }
+  return {result[0], result[1]};
+}
+
+void* stream() { return kernels::current_stream(); }
+
+// The binary and the examples: where the build put them, or (in the GPU bundle)
+// where CPSIM_BINARY and CPSIM_EXAMPLES say.
+std::string from_env(const char* key, const std::string& fallback) {
+  const char* v = std::getenv(key);
+  return v && *v ? v : fallback;
+}
+const std::string kCpsim = from_env("CPSIM_BINARY", CPSIM_BINARY);
+const std::string kExamples = from_env("CPSIM_EXAMPLES", std::string(CPSIM_SOURCE_DIR) + "/examples");
+
+}  // namespace
+
+TEST(GpuBackends, SayWhyTheyCannotRunOrRunWhereTheyCan) {
+  for (const std::string name : {"cuda-sim", "nccl"}) {
+    const Backend& b = find_backend(name);
+    EXPECT_TRUE(b.capabilities.device_buffers) << name;
+    if (auto why = gpu::cuda_unavailable()) {
+      ASSERT_TRUE(b.unavailable().has_value()) << name;
+      EXPECT_NE(b.unavailable()->find("no CUDA device"), std::string::npos) << *b.unavailable();
+      RunOptions o;
+      o.backend = name;
+      EXPECT_THROW(run_ranks(2, [](Communicator&) {}, o), Unsupported) << name;
+    } else {
+      EXPECT_FALSE(b.unavailable().has_value()) << name;
+    }
+  }
+  EXPECT_FALSE(find_backend("nccl").capabilities.rank_order_sums) << "NCCL's sums are not in rank order";
+  EXPECT_TRUE(find_backend("cuda-sim").capabilities.rank_order_sums);
+}
+
+// The command line: without a device, one line and exit 2; with one, the examples hold.
+TEST(GpuBackends, TheCommandLineRunsThemOrSaysWhyInOneLine) {
+  using namespace std::chrono_literals;
+  const std::string example = (std::filesystem::path(kExamples) / "agreeing_forms.json").string();
+  for (const std::string name : {"cuda-sim", "nccl"}) {
+    const auto r = cpsim::testing::run_process({kCpsim, "check", example, "--backend", name, "--cp", "1"}, 120s);
+    if (auto why = gpu::cuda_unavailable()) {
+      EXPECT_EQ(r.status, 2) << name << "\n" << r.out << r.err;
+      EXPECT_NE(r.err.find("no CUDA device"), std::string::npos) << r.err;
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    } else {
+      EXPECT_EQ(r.status, 0) << name << "\n" << r.out << r.err;
+    }
+  }
+  if (!gpu::cuda_unavailable()) {  // more nccl ranks than GPUs: exit 2, pointing to cuda-sim
+    const auto r = cpsim::testing::run_process(
+        {kCpsim, "check", example, "--backend", "nccl", "--cp", std::to_string(gpu::cuda_device_count() + 1)}, 60s);
+    EXPECT_EQ(r.status, 2) << r.out << r.err;
+    EXPECT_NE(r.err.find("cuda-sim"), std::string::npos) << r.err;
+  }
+}
+
+TEST(CudaKernels, MovementAndSumsAreBitwiseTheHostKernels) {
+  CPSIM_NEEDS_GPU();
+  const std::int64_t B = 3, c = 4, L = 37, C = 5;
+  for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::i32, DType::i64, DType::b8}) {
+    const Tensor blocks = random_tensor({c * B, L, C}, dt, 1 + static_cast<int>(dt));
+    const std::size_t row = static_cast<std::size_t>(L * C) * dtype_size(dt);
+    auto [h, g] = both_sides({blocks}, Tensor({B, c * L, C}, dt), [&](const auto& k, auto& in, Tensor& out) {
+      k.blocks_to_sequence({in[0].raw(), out.raw(), B, c, row}, stream());
+    });
+    EXPECT_TRUE(h.bitwise_equal(g)) << "blocks_to_sequence " << dtype_name(dt);
+    auto [h2, g2] = both_sides({h}, Tensor({c * B, L, C}, dt), [&](const auto& k, auto& in, Tensor& out) {
+      k.sequence_to_blocks({in[0].raw(), out.raw(), B, c, row}, stream());
+    });
+    EXPECT_TRUE(h2.bitwise_equal(g2) && h2.bitwise_equal(blocks)) << "sequence_to_blocks " << dtype_name(dt);
+
+    const Tensor a = random_tensor({B, L, C}, dt, 50), b = random_tensor({B, L, C}, dt, 51);
+    auto [h3, g3] = both_sides({a, b}, a, [&](const auto& k, auto& in, Tensor& out) {
+      kernels::PositionCopy p;
+      p.src = in[1].raw(), p.dst = out.raw(), p.rows = B, p.src_len = p.dst_len = L, p.from = 3, p.to = 5, p.n = 20;
+      p.position_bytes = static_cast<std::size_t>(C) * dtype_size(dt);
+      k.add_positions(p, dt, stream());
+      k.copy_positions(p, stream());
+    });
+    EXPECT_TRUE(h3.bitwise_equal(g3)) << "add/copy positions " << dtype_name(dt);
+
+    auto [h4, g4] = both_sides({a, b, blocks}, a, [&](const auto& k, auto& in, Tensor& out) {
+      // The pointer list lives on the side that sums.
+      const void* ptrs[3] = {in[0].raw(), in[1].raw(), in[2].raw()};
+      Tensor list = Tensor({3}, DType::i64);
+      std::memcpy(list.raw(), ptrs, sizeof ptrs);
+      const Tensor here = list.to(out.device());
+      k.sum_in_order({static_cast<const void* const*>(here.raw()), out.raw(), 3, static_cast<std::size_t>(a.numel())}, dt,
+                     stream());
+    });
+    EXPECT_TRUE(h4.bitwise_equal(g4)) << "sum_in_order " << dtype_name(dt);
+  }
+}
+
+TEST(CudaKernels, LayoutKernelsAreBitwiseTheHostKernels) {
+  CPSIM_NEEDS_GPU();
+  const std::int64_t B = 4, S = 1000;
+  Tensor ids({B, S}, DType::i64);
+  for (std::int64_t i = 0; i < B * S; ++i) ids.data<std::int64_t>()[i] = (i % S) / 37 % 3 == 2 ? 0 : 1 + (i % S) / 37;
+  auto [h, g] = both_sides({ids}, Tensor({B, S}, DType::i64), [&](const auto& k, auto& in, Tensor& out) {
+    k.run_starts(static_cast<const std::int64_t*>(in[0].raw()), static_cast<std::int64_t*>(out.raw()), B, S, stream());
+  });
+  EXPECT_TRUE(h.bitwise_equal(g)) << "run_starts";
+  auto [h2, g2] = both_sides({ids, Tensor({B}, DType::i64)}, Tensor({B, S}, DType::i64),
+                             [&](const auto& k, auto& in, Tensor& out) {
+                               k.derived_positions(static_cast<const std::int64_t*>(in[0].raw()),
+                                                   static_cast<std::int64_t*>(in[1].raw()),
+                                                   static_cast<std::int64_t*>(out.raw()), B, S, stream());
+                             });
+  EXPECT_TRUE(h2.bitwise_equal(g2)) << "derived_positions";
+  std::int64_t counts[2];
+  auto [h3, g3] = both_sides({ids}, Tensor({S}, DType::i64), [&](const auto& k, auto& in, Tensor& out) {
+    counts[out.is_cpu() ? 0 : 1] = k.segment_starts(static_cast<const std::int64_t*>(in[0].raw()), S,
+                                                    static_cast<std::int64_t*>(out.raw()), stream());
+  });
+  EXPECT_EQ(counts[0], counts[1]);
+  EXPECT_TRUE(h3.bitwise_equal(g3)) << "segment_starts";
+}
+
+TEST(CudaKernels, ConvMatchesTheHostKernels) {
+  CPSIM_NEEDS_GPU();
+  const std::int64_t B = 2, N = 300, C = 8, W = 4, NW = N + W - 1;
+  for (DType dt : {DType::f32, DType::f64}) {
+    const Tensor x = random_tensor({B, NW, C}, dt, 7), w = random_tensor({C, W}, dt, 8), bias = random_tensor({C}, dt, 9),
+                 gy = random_tensor({B, N, C}, dt, 10);
+    Tensor starts({B, NW}, DType::i64);
+    for (std::int64_t i = 0; i < B * NW; ++i) starts.data<std::int64_t>()[i] = (i % NW) / 50 * 50;
+    auto [h, g] = both_sides({x, starts, w, bias}, Tensor({B, N, C}, dt), [&](const auto& k, auto& in, Tensor& out) {
+      kernels::Conv a;
+      a.x = in[0].raw(), a.run_start = static_cast<const std::int64_t*>(in[1].raw()), a.w = in[2].raw(),
+      a.bias = in[3].raw(), a.y = out.raw(), a.rows = B, a.outputs = N, a.channels = C, a.width = W;
+      k.conv_forward(a, dt, stream());
+    });
+    EXPECT_LT(relative_rmse(h, g), dt == DType::f32 ? 1e-6 : 1e-13) << "conv_forward " << dtype_name(dt);
+    auto [h2, g2] = both_sides({x, starts, w, gy, Tensor({C, W}, dt), Tensor({C}, dt)}, Tensor({B, NW, C}, dt),
+                               [&](const auto& k, auto& in, Tensor& out) {
+                                 kernels::Conv a;
+                                 a.x = in[0].raw(), a.run_start = static_cast<const std::int64_t*>(in[1].raw()),
+                                 a.w = in[2].raw(), a.gy = in[3].raw(), a.gx = out.raw(), a.gw = in[4].raw(),
+                                 a.gbias = in[5].raw(), a.rows = B, a.outputs = N, a.channels = C, a.width = W;
+                                 k.conv_backward(a, dt, stream());
+                               });
+    EXPECT_LT(relative_rmse(h2, g2), dt == DType::f32 ? 1e-6 : 1e-13) << "conv_backward " << dtype_name(dt);
+  }
+}
+
+namespace {
+void property_table_holds(const std::string& backend, int max_cp, int cases) {
+  const auto gen = gen_layout_case(max_cp);
+  CheckOptions o;
+  o.backend = backend;
+  for (int i = 0; i < cases; ++i) {
+    LayoutCase c = gen(rc::Random(4242 + i), 40).value();
+    c.cp = 1 + i % max_cp;
+    for (const auto& r : check_all(c, o)) EXPECT_TRUE(r.ok) << backend << " " << r.property << ": " << r.detail << "\n" << c;
+  }
+}
+}  // namespace
+
+TEST(CudaSim, EveryPropertyHoldsOnRandomLayouts) {
+  CPSIM_NEEDS_GPU();
+  property_table_holds("cuda-sim", 8, 40);
+}
+
+TEST(Nccl, EveryPropertyHoldsAtEveryGroupSizeTheGpusAllow) {
+  CPSIM_NEEDS_GPU();
+  property_table_holds("nccl", gpu::cuda_device_count(), 10);
+}
+
+// cuda-sim sums in rank order on the device: bitwise what threads gives.
+TEST(CudaSim, CollectivesAreBitwiseThoseOfThreads) {
+  CPSIM_NEEDS_GPU();
+  for (int n : {2, 3, 8}) {
+    for (DType dt : {DType::f32, DType::bf16, DType::i64, DType::b8}) {
+      const std::int64_t count = 1000;
+      std::vector<Tensor> inputs;
+      for (int r = 0; r < n; ++r) inputs.push_back(random_tensor({n * count}, dt, 100 * n + r));
+      std::map<std::string, std::vector<Tensor>> got;
+      for (const std::string backend : {"threads", "cuda-sim"}) {
+        std::vector<Tensor> gathered(n), scattered(n), reduced(n), cast(n), shifted(n);
+        RunOptions o;
+        o.backend = backend;
+        run_ranks(n, [&](Communicator& comm) {
+          const int r = comm.rank();
+          const Device d = comm.device();
+          const Tensor in = inputs[r].to(d);
+          Tensor g({n * n * count}, dt, d), s({count}, dt, d), a = in.clone(), b = in.clone(), sr({n * count}, dt, d);
+          comm.all_gather(in.raw(), g.raw(), n * count, dt);
+          comm.reduce_scatter(in.raw(), s.raw(), count, dt);
+          comm.all_reduce(a.raw(), n * count, dt);
+          comm.broadcast(b.raw(), n * count, dt, n - 1);
+          SendRecv step{in.raw(), static_cast<std::size_t>(n * count), (r + 1) % n, sr.raw(),
+                        static_cast<std::size_t>(n * count), (r + n - 1) % n};
+          comm.send_recv(step, dt);
+          gathered[r] = g.to(Device::host()), scattered[r] = s.to(Device::host()), reduced[r] = a.to(Device::host());
+          cast[r] = b.to(Device::host()), shifted[r] = sr.to(Device::host());
+        }, o);
+        for (auto* v : {&gathered, &scattered, &reduced, &cast, &shifted}) got[backend].insert(got[backend].end(), v->begin(), v->end());
+      }
+      for (std::size_t i = 0; i < got["threads"].size(); ++i)
+        EXPECT_TRUE(got["threads"][i].bitwise_equal(got["cuda-sim"][i])) << "n=" << n << " " << dtype_name(dt) << " result " << i;
+    }
+  }
+}
+
+TEST(CudaSim, MismatchedCallsAreCollectiveErrorsNamingEachRanksCall) {
+  CPSIM_NEEDS_GPU();
+  RunOptions o;
+  o.backend = "cuda-sim";
+  o.timeout = std::chrono::milliseconds(5000);
+  try {
+    run_ranks(2, [](Communicator& comm) {
+      Tensor t({4}, DType::f32, comm.device()), out({8}, DType::f32, comm.device());
+      if (comm.rank() == 0) comm.all_gather(t.raw(), out.raw(), 4, DType::f32);
+      else comm.reduce_scatter(out.raw(), t.raw(), 4, DType::f32);
+    }, o);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("all_gather"), std::string::npos) << what;
+    EXPECT_NE(what.find("reduce_scatter"), std::string::npos) << what;
+  }
+}
+
+TEST(Nccl, MoreRanksThanGpusIsRefusedPointingToCudaSim) {
+  CPSIM_NEEDS_GPU();
+  RunOptions o;
+  o.backend = "nccl";
+  try {
+    run_ranks(gpu::cuda_device_count() + 1, [](Communicator&) {}, o);
+    FAIL() << "no error";
+  } catch (const Unsupported& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda-sim"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Nccl, MismatchedCallsNeverReachNccl) {
+  CPSIM_NEEDS_GPU();
+  if (gpu::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs, this machine has " << gpu::cuda_device_count();
+  RunOptions o;
+  o.backend = "nccl";
+  o.timeout = std::chrono::milliseconds(5000);
+  try {
+    run_ranks(2, [](Communicator& comm) {
+      Tensor t({4}, DType::f32, comm.device()), out({8}, DType::f32, comm.device());
+      if (comm.rank() == 0) comm.all_gather(t.raw(), out.raw(), 4, DType::f32);
+      else comm.broadcast(t.raw(), 4, DType::f32, 0);
+    }, o);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("broadcast"), std::string::npos) << e.what();
+  }
+}
