@@ -16,10 +16,31 @@ namespace {
 
 using kernels::index_t;
 
+// Thrust's scratch (scans, compaction) from the device's pool in stream order,
+// not cudaMalloc/cudaFree (which would synchronise the device on every scan).
+struct StreamAllocator {
+  using value_type = char;
+  cudaStream_t stream = nullptr;
+  char* allocate(std::ptrdiff_t bytes) {
+    void* p = nullptr;
+    CPSIM_CUDA(cudaMallocAsync(&p, static_cast<std::size_t>(bytes), stream));
+    return static_cast<char*>(p);
+  }
+  void deallocate(char* p, std::size_t) { (void)cudaFreeAsync(p, stream); }
+};
+// Policies keep a reference to their allocator: one per thread, pointed at the stream.
+StreamAllocator& allocator_for(void* stream) {
+  thread_local StreamAllocator allocator;
+  allocator.stream = static_cast<cudaStream_t>(stream);
+  return allocator;
+}
+
 // Kernels are queued on the stream; nothing waits for them here.
-auto on(void* stream) { return thrust::cuda::par_nosync.on(static_cast<cudaStream_t>(stream)); }
+auto on(void* stream) {
+  return thrust::cuda::par_nosync(allocator_for(stream)).on(static_cast<cudaStream_t>(stream));
+}
 // For the one entry whose result the host needs (a count).
-auto on_sync(void* stream) { return thrust::cuda::par.on(static_cast<cudaStream_t>(stream)); }
+auto on_sync(void* stream) { return thrust::cuda::par(allocator_for(stream)).on(static_cast<cudaStream_t>(stream)); }
 
 const kernels::KernelTable table{
     [](const kernels::Rearrange& a, void* s) { kernels::rearrange<true>(on(s), a); },
