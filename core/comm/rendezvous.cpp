@@ -1,10 +1,27 @@
 #include "core/comm/rendezvous.hpp"
 
 #include <sstream>
+#include <thread>
 
 namespace cpsim {
 
-Rendezvous::Rendezvous(int size, std::chrono::milliseconds timeout) : timeout_(timeout), ranks_(size) {
+namespace {
+// One spin-wait step: lets the sibling hyperthread run.
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+constexpr int kSpins = 20000;  // about 20-50 us of pause instructions
+}  // namespace
+
+Rendezvous::Rendezvous(int size, std::chrono::milliseconds timeout)
+    : timeout_(timeout),
+      spin_(size > 1 && static_cast<unsigned>(size) <= std::thread::hardware_concurrency()),
+      ranks_(size),
+      calls_(size) {
   CPSIM_ENFORCE(size >= 1, "a group needs at least one rank");
 }
 
@@ -12,12 +29,13 @@ std::string Rendezvous::states_locked() const {
   std::ostringstream os;
   for (std::size_t q = 0; q < ranks_.size(); ++q) {
     const RankState& s = ranks_[q];
+    const std::string last = s.last ? describe_call(*s.last) : "nothing";
     os << "\n  rank " << q << ": ";
     switch (s.phase) {
       case Phase::waiting: os << "in " << describe_call(s.call); break;
-      case Phase::idle: os << "not in a collective (last completed: " << s.last << ")"; break;
-      case Phase::exited: os << "returned (last completed: " << s.last << ")"; break;
-      case Phase::failed: os << "threw: " << s.failure << " (last completed: " << s.last << ")"; break;
+      case Phase::idle: os << "not in a collective (last completed: " << last << ")"; break;
+      case Phase::exited: os << "returned (last completed: " << last << ")"; break;
+      case Phase::failed: os << "threw: " << s.failure << " (last completed: " << last << ")"; break;
     }
   }
   return os.str();
@@ -25,57 +43,89 @@ std::string Rendezvous::states_locked() const {
 
 void Rendezvous::poison_locked(const std::string& why) {
   if (!poison_) poison_ = why + states_locked();
+  poisoned_ = true;
   cv_.notify_all();
   throw CollectiveError(*poison_);
 }
 
+template <class Stop>
+bool Rendezvous::wait_for(std::unique_lock<std::mutex>& lock, const std::atomic<std::uint64_t>& reached,
+                          std::uint64_t seq, std::chrono::steady_clock::time_point deadline, Stop stop) {
+  if (spin_ && reached.load(std::memory_order_acquire) < seq) {
+    lock.unlock();
+    for (int i = 0; i < kSpins && reached.load(std::memory_order_acquire) < seq && !poisoned_.load(); ++i) relax();
+    lock.lock();
+  }
+  while (reached.load(std::memory_order_acquire) < seq) {
+    if (stop()) return false;
+    if (deadline == std::chrono::steady_clock::time_point::max()) cv_.wait(lock);
+    else if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && reached.load() < seq) return false;
+  }
+  return true;
+}
+
 void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeout,
-                       const std::function<void(const std::vector<CallRecord>&)>& read,
-                       const std::function<void()>& after) {
+                     const std::function<void(const std::vector<CallRecord>&)>& read,
+                     const std::function<void()>& after) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (poison_) throw CollectiveError(*poison_);
+  const int n = size();
   RankState& me = ranks_[rank];
-  call.seq = me.posted + 1;
+  const std::uint64_t seq = call.seq = me.posted + 1;
   me.call = call;
-  me.posted = call.seq;
+  me.posted = seq;
   me.phase = Phase::waiting;
-  cv_.notify_all();
 
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto all_arrived = [&] {
-    for (const auto& s : ranks_)
-      if (s.posted < call.seq) return false;
-    return true;
-  };
-  while (!all_arrived()) {
-    if (poison_) throw CollectiveError(*poison_);
-    for (std::size_t q = 0; q < ranks_.size(); ++q) {
-      const RankState& s = ranks_[q];
-      if (s.posted < call.seq && (s.phase == Phase::exited || s.phase == Phase::failed))
-        poison_locked("rank " + std::to_string(q) + (s.phase == Phase::exited ? " returned" : " threw") +
-                      " without joining " + collective_name(call.kind) + " #" + std::to_string(call.seq) +
-                      " that rank " + std::to_string(rank) + " waits in");
-    }
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !all_arrived() && !poison_)
+  if (++arrivals_ == n) {
+    // The last to arrive checks the calls once for everybody and wakes them once.
+    arrivals_ = 0;
+    for (int q = 0; q < n; ++q) calls_[q] = ranks_[q].call;
+    if (auto why = find_mismatch(calls_)) poison_locked("collective mismatch: " + *why);
+    arrived_.store(seq, std::memory_order_release);
+    cv_.notify_all();
+  } else {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const bool arrived = wait_for(lock, arrived_, seq, deadline, [&] {
+      if (poison_) return true;
+      for (const RankState& s : ranks_)
+        if (s.posted < seq && (s.phase == Phase::exited || s.phase == Phase::failed)) return true;
+      return false;
+    });
+    if (!arrived) {
+      if (poison_) throw CollectiveError(*poison_);
+      for (std::size_t q = 0; q < ranks_.size(); ++q) {
+        const RankState& s = ranks_[q];
+        if (s.posted < seq && (s.phase == Phase::exited || s.phase == Phase::failed))
+          poison_locked("rank " + std::to_string(q) + (s.phase == Phase::exited ? " returned" : " threw") +
+                        " without joining " + collective_name(call.kind) + " #" + std::to_string(seq) +
+                        " that rank " + std::to_string(rank) + " waits in");
+      }
       poison_locked("timeout: rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) +
                     " ms in " + describe_call(call) + " for ranks that never arrived");
+    }
   }
-  std::vector<CallRecord> calls;
-  for (const auto& s : ranks_) calls.push_back(s.call);
-  if (auto why = find_mismatch(calls)) poison_locked("collective mismatch: " + *why);
+  // calls_ stays as it is until every rank has read: the next call's arrival
+  // cannot complete before then.
   lock.unlock();
-  read(calls);
+  read(calls_);
   lock.lock();
-  // Peers may still read this rank's buffers: wait until all have finished reading.
-  me.done = call.seq;
-  cv_.notify_all();
-  cv_.wait(lock, [&] {
-    for (const auto& s : ranks_)
-      if (s.done < call.seq) return false;
-    return true;
-  });
+  // Peers may still read this rank's buffers: wait until all have finished reading
+  // (or one of them threw while reading, and reads no more).
+  me.done = seq;
+  if (++readers_ == n) {
+    readers_ = 0;
+    read_.store(seq, std::memory_order_release);
+    cv_.notify_all();
+  } else {
+    const bool all_read = wait_for(lock, read_, seq, std::chrono::steady_clock::time_point::max(), [&] {
+      for (const RankState& s : ranks_)
+        if (s.done < seq && s.phase == Phase::failed) return true;
+      return false;
+    });
+    if (!all_read) throw CollectiveError(poison_ ? *poison_ : "a peer failed while reading");
+  }
   me.phase = Phase::idle;
-  me.last = describe_call(call);
+  me.last = call;
   lock.unlock();
   if (after) after();
 }
@@ -91,6 +141,7 @@ void Rendezvous::fail(int rank, const std::string& what) {
   ranks_[rank].phase = Phase::failed;
   ranks_[rank].failure = what;
   if (!poison_) poison_ = "rank " + std::to_string(rank) + " threw: " + what + states_locked();
+  poisoned_ = true;
   cv_.notify_all();
 }
 

@@ -8,8 +8,14 @@
 //   a rank that never arrives (timeout); a rank that threw; a rank that returned.
 // The first such error poisons the group, so every peer fails fast with the same
 // report naming each rank's state and call.
+//
+// Cost: each phase (arrive, then finish reading) wakes the waiting ranks once, from
+// the last rank to get there, which also checks the calls once for everybody; no
+// text is formatted unless something fails. While a phase is short and there are
+// cores for every rank, a waiting rank spins briefly before it sleeps.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -42,19 +48,31 @@ class Rendezvous {
   enum class Phase { idle, waiting, exited, failed };
   struct RankState {
     Phase phase = Phase::idle;
-    std::uint64_t posted = 0, done = 0;
+    std::uint64_t posted = 0, done = 0;  // calls posted, and read
     CallRecord call;
-    std::string last = "nothing";
+    std::optional<CallRecord> last;  // the last call it completed
     std::string failure;
   };
   std::string states_locked() const;
   [[noreturn]] void poison_locked(const std::string& why);
+  // Waits (spinning first, when it pays) until `reached` is at least seq, or
+  // something the predicate `stop` sees; under the lock on return.
+  template <class Stop>
+  bool wait_for(std::unique_lock<std::mutex>& lock, const std::atomic<std::uint64_t>& reached, std::uint64_t seq,
+                std::chrono::steady_clock::time_point deadline, Stop stop);
 
   std::chrono::milliseconds timeout_;
+  bool spin_;  // a core for every rank: spin briefly before sleeping
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<RankState> ranks_;
   std::optional<std::string> poison_;
+  std::atomic<bool> poisoned_{false};
+  // The current call: how many ranks arrived / finished reading, the sequence
+  // number whose arrival (reading) completed, and the calls the last arriver collected.
+  int arrivals_ = 0, readers_ = 0;
+  std::atomic<std::uint64_t> arrived_{0}, read_{0};
+  std::vector<CallRecord> calls_;
 };
 
 }  // namespace cpsim

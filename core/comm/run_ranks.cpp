@@ -1,10 +1,112 @@
 #include "core/comm/run_ranks.hpp"
 
+#include <condition_variable>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 
 namespace cpsim {
+
+namespace {
+
+// Rank threads that outlive a run: starting and joining a thread per rank on every
+// run_ranks call cost more than the run itself for small cases (the properties
+// call it about ten times per case). A run takes idle threads (or starts new ones,
+// so a rank that calls run_ranks itself still gets threads) and hands them back.
+class RankThreads {
+ public:
+  ~RankThreads() {
+    std::vector<std::unique_ptr<Worker>> all;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      all.swap(all_);
+    }
+    for (auto& w : all) {
+      {
+        std::lock_guard<std::mutex> lock(w->mutex);
+        w->stop = true;
+      }
+      w->cv.notify_one();
+    }
+    for (auto& w : all) w->thread.join();
+  }
+
+  // Runs task(r) for every r in [0, n), each on its own thread; returns when all did.
+  void run(int n, const std::function<void(int)>& task) {
+    std::vector<Worker*> workers = take(n);
+    std::mutex done_mutex;
+    std::condition_variable done_cv;
+    int running = n;
+    for (int r = 0; r < n; ++r) {
+      Worker* w = workers[r];
+      {
+        std::lock_guard<std::mutex> lock(w->mutex);
+        w->job = [&, r] {
+          task(r);
+          std::lock_guard<std::mutex> done(done_mutex);
+          if (--running == 0) done_cv.notify_one();
+        };
+      }
+      w->cv.notify_one();
+    }
+    {
+      std::unique_lock<std::mutex> lock(done_mutex);
+      done_cv.wait(lock, [&] { return running == 0; });
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    idle_.insert(idle_.end(), workers.begin(), workers.end());
+  }
+
+ private:
+  struct Worker {
+    std::thread thread;
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::function<void()> job;
+    bool stop = false;
+  };
+
+  std::vector<Worker*> take(int n) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<Worker*> out;
+    while (static_cast<int>(out.size()) < n && !idle_.empty()) {
+      out.push_back(idle_.back());
+      idle_.pop_back();
+    }
+    while (static_cast<int>(out.size()) < n) {
+      all_.push_back(std::make_unique<Worker>());
+      Worker* w = all_.back().get();
+      w->thread = std::thread([w] { loop(*w); });
+      out.push_back(w);
+    }
+    return out;
+  }
+
+  static void loop(Worker& w) {
+    std::unique_lock<std::mutex> lock(w.mutex);
+    for (;;) {
+      w.cv.wait(lock, [&] { return w.stop || w.job; });
+      if (w.stop) return;
+      auto job = std::move(w.job);
+      w.job = nullptr;
+      lock.unlock();
+      job();  // never throws: run_ranks catches every rank's failure
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<Worker>> all_;
+  std::vector<Worker*> idle_;
+};
+
+RankThreads& rank_threads() {
+  static RankThreads threads;
+  return threads;
+}
+
+}  // namespace
 
 void run_ranks(int n, const RankFn& fn, const RunOptions& options, const RankOutputs& outputs) {
   CPSIM_ENFORCE(n >= 1, "run_ranks needs at least one rank");
@@ -14,31 +116,26 @@ void run_ranks(int n, const RankFn& fn, const RunOptions& options, const RankOut
   const std::shared_ptr<Group> group = backend.make_group(n, options.timeout);
   std::mutex mutex;
   std::exception_ptr first;
-  std::vector<std::thread> threads;
-  threads.reserve(n);
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
+  rank_threads().run(n, [&](int r) {
+    try {
+      auto comm = group->communicator(r);
+      fn(*comm);
+      group->finish(r);
+    } catch (...) {
+      std::string what = "unknown exception";
       try {
-        auto comm = group->communicator(r);
-        fn(*comm);
-        group->finish(r);
+        throw;
+      } catch (const std::exception& e) {
+        what = e.what();
       } catch (...) {
-        std::string what = "unknown exception";
-        try {
-          throw;
-        } catch (const std::exception& e) {
-          what = e.what();
-        } catch (...) {
-        }
-        {
-          std::lock_guard<std::mutex> lock(mutex);
-          if (!first) first = std::current_exception();
-        }
-        group->fail(r, what);
       }
-    });
-  }
-  for (auto& t : threads) t.join();
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!first) first = std::current_exception();
+      }
+      group->fail(r, what);
+    }
+  });
   group->done();
   if (first) std::rethrow_exception(first);
 }
