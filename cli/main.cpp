@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
       case Command::fuzz: return run_fuzz(o.fuzz);
       case Command::show: return run_show(o.show);
       case Command::golden: return run_golden(o.golden);
+      case Command::bench: return run_bench(o.bench);
       case Command::launch: {
         sim::LaunchOptions launch = o.launch.launch;
         launch.grace = milliseconds_of(o.launch.grace);

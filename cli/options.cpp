@@ -88,6 +88,23 @@ Parsed parse_options(int argc, char** argv) {
       ->check(CLI::Range(0.0, 86400.0));
   l->add_option("command", launch.launch.command, "the command each process runs, after --")->required();
   l->footer("Example:\n  cpsim launch -n 4 -- cpsim check examples/spec_example.json");
+  BenchArgs& bench = o.bench;
+  auto* b = app.add_subcommand("bench", "time collectives against the memory limit (nccl-tests table), check every result");
+  b->add_option("--backend", bench.backends, "backends to time (default: every one that can run here)")
+      ->delimiter(',')
+      ->check(CLI::IsMember(backend_names()));
+  b->add_option("--ranks", bench.ranks, "rank counts")->delimiter(',')->check(CLI::Range(1, 64));
+  b->add_option("--sizes", bench.sizes, "bytes per rank: 8,64K,16M,...")->delimiter(',');
+  b->add_option("--ops", bench.ops, "all_gather,reduce_scatter,send_recv")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"all_gather", "reduce_scatter", "send_recv"}));
+  b->add_option("--iterations", bench.iterations, "timed calls a point (default: about 256 MiB of traffic)")
+      ->check(CLI::Range(1, 1000000));
+  b->add_option("--properties", bench.properties, "also time the property table, this many seconds a row (cases/s)")
+      ->check(CLI::Range(0.0, 3600.0));
+  b->add_flag("--json", bench.json, "JSON instead of the table");
+  b->add_option("--svg", bench.svg, "write bus bandwidth against size as an SVG file");
+  b->footer("Example:\n  cpsim bench --backend threads,gloo --ranks 4 --sizes 8,64K,16M --svg bench.svg");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -98,6 +115,7 @@ Parsed parse_options(int argc, char** argv) {
               : f->parsed()  ? Command::fuzz
               : s->parsed()  ? Command::show
               : gd->parsed() ? Command::golden
+              : b->parsed()  ? Command::bench
                              : Command::launch;
   return {o, kExitOk};
 }

@@ -69,7 +69,18 @@ struct LaunchArgs {
   double grace = 30;  // seconds
 };
 
-enum class Command { check, fuzz, show, golden, launch };
+struct BenchArgs {
+  std::vector<std::string> backends;  // empty: every backend that can run here
+  std::vector<int> ranks{2, 4, 8};
+  std::vector<std::string> sizes{"8", "64", "512", "4K", "32K", "256K", "2M", "16M"};
+  std::vector<std::string> ops{"all_gather", "reduce_scatter", "send_recv"};
+  int iterations = 0;        // 0: enough for about 256 MiB of traffic a point
+  double properties = 0;     // seconds of property throughput per row (0: none)
+  bool json = false;
+  std::string svg;
+};
+
+enum class Command { check, fuzz, show, golden, launch, bench };
 
 struct Options {
   Command command = Command::check;
@@ -78,6 +89,7 @@ struct Options {
   ShowArgs show;
   GoldenArgs golden;
   LaunchArgs launch;
+  BenchArgs bench;
 };
 
 // The options of argv, or the exit status when parsing ended the run (--help: 0,
@@ -87,5 +99,7 @@ struct Parsed {
   int exit_status = kExitOk;
 };
 Parsed parse_options(int argc, char** argv);
+
+int run_bench(const BenchArgs& a);
 
 }  // namespace cpsim::cli

@@ -1,5 +1,11 @@
 #include "core/comm/rendezvous.hpp"
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <climits>
+#include <ctime>
 #include <sstream>
 #include <thread>
 
@@ -15,7 +21,23 @@ inline void relax() {
 #endif
 }
 constexpr int kSpins = 20000;  // about 20-50 us of pause instructions
+constexpr int kYields = 64;
+
+// Sleeps while *word == expected, at most `limit` (a wake or a change ends it early).
+void futex_wait(std::atomic<std::uint32_t>& word, std::uint32_t expected, std::chrono::nanoseconds limit) {
+  const auto ns = std::max<std::int64_t>(limit.count(), 0);
+  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, &ts, nullptr, 0);
+}
+void futex_wake_all(std::atomic<std::uint32_t>& word) {
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
 }  // namespace
+
+void Rendezvous::wake_all() {
+  event_.fetch_add(1, std::memory_order_release);
+  futex_wake_all(event_);
+}
 
 Rendezvous::Rendezvous(int size, std::chrono::milliseconds timeout)
     : timeout_(timeout),
@@ -44,96 +66,121 @@ std::string Rendezvous::states_locked() const {
 void Rendezvous::poison_locked(const std::string& why) {
   if (!poison_) poison_ = why + states_locked();
   poisoned_ = true;
-  cv_.notify_all();
+  wake_all();
   throw CollectiveError(*poison_);
 }
 
 template <class Stop>
-bool Rendezvous::wait_for(std::unique_lock<std::mutex>& lock, const std::atomic<std::uint64_t>& reached,
-                          std::uint64_t seq, std::chrono::steady_clock::time_point deadline, Stop stop) {
-  if (spin_ && reached.load(std::memory_order_acquire) < seq) {
-    lock.unlock();
+bool Rendezvous::wait_for(const std::atomic<std::uint64_t>& reached, std::uint64_t seq,
+                          std::chrono::steady_clock::time_point deadline, Stop stop) {
+  // A core for every rank: spin. Fewer cores: yield a few times, which lets the
+  // ranks that have not arrived yet run, before sleeping.
+  if (spin_)
     for (int i = 0; i < kSpins && reached.load(std::memory_order_acquire) < seq && !poisoned_.load(); ++i) relax();
-    lock.lock();
+  else
+    for (int i = 0; i < kYields && reached.load(std::memory_order_acquire) < seq && !poisoned_.load(); ++i)
+      std::this_thread::yield();
+  for (;;) {
+    const std::uint32_t event = event_.load(std::memory_order_acquire);
+    if (reached.load(std::memory_order_acquire) >= seq) return true;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stop()) return false;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return false;
+    // Bounded sleeps: a wake is never lost (the word changes first), but a bound
+    // keeps a deadline honest whatever the scheduler does.
+    futex_wait(event_, event, std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100)));
   }
-  while (reached.load(std::memory_order_acquire) < seq) {
-    if (stop()) return false;
-    if (deadline == std::chrono::steady_clock::time_point::max()) cv_.wait(lock);
-    else if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && reached.load() < seq) return false;
-  }
-  return true;
 }
 
 void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeout,
                      const std::function<void(const std::vector<CallRecord>&)>& read,
                      const std::function<void()>& after) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (poison_) throw CollectiveError(*poison_);
   const int n = size();
   RankState& me = ranks_[rank];
-  const std::uint64_t seq = call.seq = me.posted + 1;
-  me.call = call;
-  me.posted = seq;
-  me.phase = Phase::waiting;
-
-  if (++arrivals_ == n) {
-    // The last to arrive checks the calls once for everybody and wakes them once.
-    arrivals_ = 0;
-    for (int q = 0; q < n; ++q) calls_[q] = ranks_[q].call;
-    if (auto why = find_mismatch(calls_)) poison_locked("collective mismatch: " + *why);
-    arrived_.store(seq, std::memory_order_release);
-    cv_.notify_all();
+  std::uint64_t seq = 0;
+  bool last = false;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (poison_) throw CollectiveError(*poison_);
+    seq = call.seq = me.posted + 1;
+    me.call = call;
+    me.posted = seq;
+    me.phase = Phase::waiting;
+    if ((last = ++arrivals_ == n)) {
+      // The last to arrive checks the calls once for everybody and wakes them once.
+      arrivals_ = 0;
+      for (int q = 0; q < n; ++q) calls_[q] = ranks_[q].call;
+      if (auto why = find_mismatch(calls_)) poison_locked("collective mismatch: " + *why);
+      arrived_.store(seq, std::memory_order_release);
+    }
+  }
+  if (last) {
+    wake_all();
   } else {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
-    const bool arrived = wait_for(lock, arrived_, seq, deadline, [&] {
+    const bool arrived = wait_for(arrived_, seq, deadline, [&] {
       if (poison_) return true;
       for (const RankState& s : ranks_)
         if (s.posted < seq && (s.phase == Phase::exited || s.phase == Phase::failed)) return true;
       return false;
     });
     if (!arrived) {
-      if (poison_) throw CollectiveError(*poison_);
-      for (std::size_t q = 0; q < ranks_.size(); ++q) {
-        const RankState& s = ranks_[q];
-        if (s.posted < seq && (s.phase == Phase::exited || s.phase == Phase::failed))
-          poison_locked("rank " + std::to_string(q) + (s.phase == Phase::exited ? " returned" : " threw") +
-                        " without joining " + collective_name(call.kind) + " #" + std::to_string(seq) +
-                        " that rank " + std::to_string(rank) + " waits in");
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (arrived_.load() < seq) {
+        if (poison_) throw CollectiveError(*poison_);
+        for (std::size_t q = 0; q < ranks_.size(); ++q) {
+          const RankState& s = ranks_[q];
+          if (s.posted < seq && (s.phase == Phase::exited || s.phase == Phase::failed))
+            poison_locked("rank " + std::to_string(q) + (s.phase == Phase::exited ? " returned" : " threw") +
+                          " without joining " + collective_name(call.kind) + " #" + std::to_string(seq) +
+                          " that rank " + std::to_string(rank) + " waits in");
+        }
+        poison_locked("timeout: rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) +
+                      " ms in " + describe_call(call) + " for ranks that never arrived");
       }
-      poison_locked("timeout: rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) +
-                    " ms in " + describe_call(call) + " for ranks that never arrived");
     }
   }
   // calls_ stays as it is until every rank has read: the next call's arrival
   // cannot complete before then.
-  lock.unlock();
   read(calls_);
-  lock.lock();
   // Peers may still read this rank's buffers: wait until all have finished reading
   // (or one of them threw while reading, and reads no more).
-  me.done = seq;
-  if (++readers_ == n) {
-    readers_ = 0;
-    read_.store(seq, std::memory_order_release);
-    cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    me.done = seq;
+    if ((last = ++readers_ == n)) {
+      readers_ = 0;
+      read_.store(seq, std::memory_order_release);
+    }
+  }
+  if (last) {
+    wake_all();
   } else {
-    const bool all_read = wait_for(lock, read_, seq, std::chrono::steady_clock::time_point::max(), [&] {
+    const bool all_read = wait_for(read_, seq, std::chrono::steady_clock::time_point::max(), [&] {
       for (const RankState& s : ranks_)
         if (s.done < seq && s.phase == Phase::failed) return true;
       return false;
     });
-    if (!all_read) throw CollectiveError(poison_ ? *poison_ : "a peer failed while reading");
+    if (!all_read) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      throw CollectiveError(poison_ ? *poison_ : "a peer failed while reading");
+    }
   }
-  me.phase = Phase::idle;
-  me.last = call;
-  lock.unlock();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    me.phase = Phase::idle;
+    me.last = call;
+  }
   if (after) after();
 }
 
 void Rendezvous::finish(int rank) {
   std::lock_guard<std::mutex> lock(mutex_);
   ranks_[rank].phase = Phase::exited;
-  cv_.notify_all();
+  wake_all();
 }
 
 void Rendezvous::fail(int rank, const std::string& what) {
@@ -142,7 +189,7 @@ void Rendezvous::fail(int rank, const std::string& what) {
   ranks_[rank].failure = what;
   if (!poison_) poison_ = "rank " + std::to_string(rank) + " threw: " + what + states_locked();
   poisoned_ = true;
-  cv_.notify_all();
+  wake_all();
 }
 
 }  // namespace cpsim

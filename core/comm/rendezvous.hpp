@@ -11,13 +11,13 @@
 //
 // Cost: each phase (arrive, then finish reading) wakes the waiting ranks once, from
 // the last rank to get there, which also checks the calls once for everybody; no
-// text is formatted unless something fails. While a phase is short and there are
-// cores for every rank, a waiting rank spins briefly before it sleeps.
+// text is formatted unless something fails. Waiting ranks sleep on one futex word
+// (no lock to take again when they wake); while a phase is short and there are
+// cores for every rank, they spin briefly first.
 #pragma once
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -55,16 +55,18 @@ class Rendezvous {
   };
   std::string states_locked() const;
   [[noreturn]] void poison_locked(const std::string& why);
-  // Waits (spinning first, when it pays) until `reached` is at least seq, or
-  // something the predicate `stop` sees; under the lock on return.
+  // Waits, without the lock, until `reached` is at least seq (true), or until the
+  // deadline or something `stop` sees under the lock (false).
   template <class Stop>
-  bool wait_for(std::unique_lock<std::mutex>& lock, const std::atomic<std::uint64_t>& reached, std::uint64_t seq,
+  bool wait_for(const std::atomic<std::uint64_t>& reached, std::uint64_t seq,
                 std::chrono::steady_clock::time_point deadline, Stop stop);
+  // Something waiters must look at happened: bump the event word, wake them all.
+  void wake_all();
 
   std::chrono::milliseconds timeout_;
   bool spin_;  // a core for every rank: spin briefly before sleeping
   mutable std::mutex mutex_;
-  std::condition_variable cv_;
+  std::atomic<std::uint32_t> event_{0};  // the futex word waiters sleep on
   std::vector<RankState> ranks_;
   std::optional<std::string> poison_;
   std::atomic<bool> poisoned_{false};

@@ -1,0 +1,65 @@
+// Collectives timed the nccl-tests way, each against the hardware's limit in the
+// same run, and checked: every timed call's result is compared with what it must
+// be (#wrong counts the elements that differ).
+//
+// `bytes` is the message of one rank: an all_gather sends it and receives n of
+// them, a reduce_scatter receives it and sends n, a send_recv (a ring: rank r sends
+// to r+1, receives from r-1) sends and receives it. As in nccl-tests, `size` is the
+// larger buffer (n * bytes for all_gather and reduce_scatter), algbw = size / time,
+// busbw = algbw * (n-1)/n for all_gather and reduce_scatter and = algbw for send_recv.
+//
+// The limit: the same number of threads, each copying (memcpy) the bytes its rank's
+// call moves (n * bytes, or bytes for send_recv) and then meeting at a
+// std::barrier, the same number of times. For small messages that is a barrier round.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace cpsim::bench {
+
+enum class Op { all_gather, reduce_scatter, send_recv };
+const char* op_name(Op op);
+Op op_from_name(const std::string& name);  // throws InvalidInput
+
+struct Point {
+  std::string backend;
+  Op op = Op::all_gather;
+  int ranks = 2;
+  std::size_t bytes = 0;  // per rank
+  std::size_t size = 0;   // nccl-tests size
+  std::size_t count = 0;  // float32 elements per rank
+  int iterations = 0;
+  double time_us = 0;     // one call
+  double algbw = 0, busbw = 0;  // GB/s
+  std::int64_t wrong = 0;
+  double limit_us = 0;    // the same-run limit of one call
+  double vs_limit() const { return time_us > 0 ? limit_us / time_us : 0; }
+};
+
+// Iterations that keep a point near `budget_bytes` of traffic (at least 5, at most 2000).
+int iterations_for(Op op, int ranks, std::size_t bytes);
+
+// Times `iterations` calls of `op` on `backend` after warm-up and checks the last
+// result; measures the limit right after.
+Point measure(const std::string& backend, Op op, int ranks, std::size_t bytes, int iterations);
+
+// Microseconds of one round of the limit: `threads` threads each memcpy `bytes`
+// and meet at a std::barrier.
+double limit_us(int threads, std::size_t bytes, int iterations);
+
+// The nccl-tests table of points (one header per backend, op and rank count).
+std::string table(const std::vector<Point>& points);
+// The points as JSON (an array of objects).
+std::string json(const std::vector<Point>& points);
+// Bus bandwidth against size, one panel per op and rank count, one line per
+// backend and the limit dashed.
+std::string svg(const std::vector<Point>& points);
+
+// "8", "64K", "16M", "1G" (binary units) to bytes; throws InvalidInput.
+std::size_t parse_size(const std::string& text);
+std::string size_text(std::size_t bytes);
+
+}  // namespace cpsim::bench
