@@ -8,7 +8,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps configure build test test-asan test-tsan fuzz run bench gpu-bundle gpu-check clean
+.PHONY: all deps configure build test test-asan test-tsan fuzz run bench bench-compare gpu-bundle gpu-check clean
 
 all: build
 
@@ -64,8 +64,17 @@ fuzz: deps
 run: build
 	bash scripts/run.sh $(BUILD)/cpsim
 
+# The benchmarks: the nccl-tests table of every backend (with its SVG) and the
+# property throughput, then the Google Benchmark suites.
 bench: build
-	$(BUILD)/cpsim bench
+	$(BUILD)/cpsim bench --properties 3 --svg $(BUILD)/bench.svg
+	$(BUILD)/cpsim_bench
+
+# The same sizes through torch.distributed's Gloo, side by side. Installs nothing:
+# it needs Debian's python3-torch (apt-get install python3-torch).
+bench-compare: build
+	@/usr/bin/python3 -c "import torch" 2>/dev/null || { echo "bench-compare needs PyTorch: apt-get install python3-torch"; exit 2; }
+	/usr/bin/python3 bench/compare_torch.py $(BUILD)/cpsim
 
 # The GPU bundle (binaries + the libraries they need, examples, gpu-check) for a
 # GPU machine without dev packages or a network; gpu-check runs every GPU check

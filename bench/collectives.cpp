@@ -1,7 +1,6 @@
 #include "bench/collectives.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cmath>
@@ -55,7 +54,7 @@ int iterations_for(Op op, int ranks, std::size_t bytes) {
   return static_cast<int>(std::clamp(budget / per_call, 5.0, 2000.0));
 }
 
-Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int iterations) {
+Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int iterations, int limit_threads) {
   Point p;
   p.backend = backend;
   p.op = op;
@@ -67,8 +66,8 @@ Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int i
   const std::size_t count = p.count;
   const std::size_t send_n = op == Op::reduce_scatter ? n * count : count;
   const std::size_t recv_n = op == Op::all_gather ? n * count : count;
-  std::atomic<std::int64_t> wrong{0};
-  double seconds = 0;
+  // Per-rank results as run outputs: in a multi-process job every process gets them.
+  std::vector<Tensor> wrongs(n), times(n);
   RunOptions o;
   o.backend = backend;
   o.timeout = std::chrono::milliseconds(120000);
@@ -95,7 +94,7 @@ Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int i
     const auto t0 = Clock::now();
     for (int i = 0; i < iterations; ++i) call();
     comm.barrier();
-    if (r == 0) seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    times[r] = Tensor::full({1}, DType::f64, std::chrono::duration<double>(Clock::now() - t0).count());
     // The last call's result, element by element.
     const Tensor got_t = device.is_cpu() ? recv : recv.to(Device::host());
     const float* got = got_t.data<float>();
@@ -111,13 +110,16 @@ Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int i
       }
       bad += got[i] != want;
     }
-    wrong += bad;
-  }, o);
+    wrongs[r] = Tensor::from<std::int64_t>({1}, {bad});
+  }, o, {&wrongs, &times});
+  const double seconds = times[0].get(0);
+  std::int64_t wrong = 0;
+  for (const Tensor& w : wrongs) wrong += w.get_int(0);
   p.time_us = seconds * 1e6 / iterations;
   p.algbw = static_cast<double>(p.size) / (p.time_us * 1e3);
   p.busbw = p.algbw * bus_factor(op, n);
   p.wrong = wrong;
-  p.limit_us = limit_us(n, moved_bytes(op, n, p.bytes), iterations);
+  p.limit_us = limit_us(limit_threads > 0 ? limit_threads : n, moved_bytes(op, n, p.bytes), iterations);
   return p;
 }
 

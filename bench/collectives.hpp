@@ -43,8 +43,9 @@ struct Point {
 int iterations_for(Op op, int ranks, std::size_t bytes);
 
 // Times `iterations` calls of `op` on `backend` after warm-up and checks the last
-// result; measures the limit right after.
-Point measure(const std::string& backend, Op op, int ranks, std::size_t bytes, int iterations);
+// result; measures the limit right after, with `limit_threads` threads (default:
+// one per rank; 1 in a multi-process job, where every process measures its own).
+Point measure(const std::string& backend, Op op, int ranks, std::size_t bytes, int iterations, int limit_threads = 0);
 
 // Microseconds of one round of the limit: `threads` threads each memcpy `bytes`
 // and meet at a std::barrier.

@@ -11,13 +11,22 @@
 #include "cli/options.hpp"
 #include "core/comm/registry.hpp"
 #include "core/error.hpp"
+#include "sim/world.hpp"
 
 namespace cpsim::cli {
 
-int run_bench(const BenchArgs& a) {
+int run_bench(BenchArgs a) {
   std::vector<std::string> backends = a.backends.empty() ? available_backends() : a.backends;
   for (const auto& name : backends)
     if (auto why = find_backend(name).unavailable()) throw UsageError("--backend " + name + ": " + *why);
+  // In a multi-process job (cpsim launch): one backend (gloo or nccl), one rank a process.
+  if (auto world = sim::world_from_environment()) {
+    if (backends.size() != 1 || a.backends.empty()) backends = {a.backends.empty() ? "gloo" : a.backends[0]};
+    a.job.backend = backends[0];
+    a.job.backend_given = true;
+    join_job(a.job);
+    a.ranks = {a.job.size};
+  }
   std::vector<std::size_t> sizes;
   for (const auto& s : a.sizes) sizes.push_back(bench::parse_size(s));
   std::vector<bench::Point> points;
@@ -33,7 +42,7 @@ int run_bench(const BenchArgs& a) {
         for (std::size_t bytes : sizes) {
           const bench::Op op = bench::op_from_name(op_text);
           const int iters = a.iterations > 0 ? a.iterations : bench::iterations_for(op, n, bytes);
-          points.push_back(bench::measure(backend, op, n, bytes, iters));
+          points.push_back(bench::measure(backend, op, n, bytes, iters, a.job.multi ? 1 : 0));
           wrong = wrong || points.back().wrong != 0;
           if (!a.json) std::cerr << "." << std::flush;
         }
@@ -70,7 +79,7 @@ int run_bench(const BenchArgs& a) {
     out << bench::svg(points);
   }
   if (wrong) std::cerr << "cpsim bench: some results were wrong (#wrong or failed above)\n";
-  return wrong ? kExitFailed : kExitOk;
+  return finish_job(a.job, wrong ? kExitFailed : kExitOk);
 }
 
 }  // namespace cpsim::cli

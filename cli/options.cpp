@@ -93,6 +93,8 @@ Parsed parse_options(int argc, char** argv) {
   b->add_option("--backend", bench.backends, "backends to time (default: every one that can run here)")
       ->delimiter(',')
       ->check(CLI::IsMember(backend_names()));
+  b->add_option("--store", bench.job.store, "rendezvous of a multi-process job (default: $CPSIM_STORE)");
+  b->add_option("--timeout", bench.job.timeout, "seconds a rank waits for its peers")->check(CLI::Range(0.05, 86400.0));
   b->add_option("--ranks", bench.ranks, "rank counts")->delimiter(',')->check(CLI::Range(1, 64));
   b->add_option("--sizes", bench.sizes, "bytes per rank: 8,64K,16M,...")->delimiter(',');
   b->add_option("--ops", bench.ops, "all_gather,reduce_scatter,send_recv")

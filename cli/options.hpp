@@ -78,6 +78,7 @@ struct BenchArgs {
   double properties = 0;     // seconds of property throughput per row (0: none)
   bool json = false;
   std::string svg;
+  JobArgs job;  // in a multi-process job: gloo or nccl, one rank per process
 };
 
 enum class Command { check, fuzz, show, golden, launch, bench };
@@ -100,6 +101,6 @@ struct Parsed {
 };
 Parsed parse_options(int argc, char** argv);
 
-int run_bench(const BenchArgs& a);
+int run_bench(BenchArgs a);
 
 }  // namespace cpsim::cli

@@ -2,7 +2,10 @@
 // size, every invalid one is exit 2 with one line naming the key.
 #include <gmock/gmock.h>
 
+#include <unistd.h>
+
 #include <filesystem>
+#include <fstream>
 
 #include "tests/subprocess.hpp"
 
@@ -70,4 +73,32 @@ TEST(Cli, FuzzerFindingsAreInvalidInputWithOneLine) {
   expect_each_invalid(std::filesystem::path(CPSIM_SOURCE_DIR) / "tests" / "data" / "invalid",
                       {{"json_number_overflow.json",
                         "json_number_overflow.json: a number in the JSON is too large to represent"}});
+}
+
+// cpsim bench: every point timed and checked (#wrong 0), the nccl-tests columns,
+// JSON with the counters, and the SVG plot.
+TEST(Cli, BenchTimesChecksAndPlotsEveryPoint) {
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-bench-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string svg = (dir / "bench.svg").string();
+  const auto r = run_process({kCpsim, "bench", "--backend", "threads,gloo", "--ranks", "2,3", "--sizes", "8,4K",
+                              "--iterations", "3", "--svg", svg},
+                             120s);
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("algbw(GB/s)"));
+  EXPECT_THAT(r.out, HasSubstr("busbw(GB/s)"));
+  EXPECT_THAT(r.out, HasSubstr("#wrong"));
+  EXPECT_THAT(r.out, HasSubstr("reduce_scatter on gloo, 3 ranks"));
+  std::ifstream in(svg);
+  const std::string picture((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(picture, HasSubstr("<svg"));
+  EXPECT_THAT(picture, HasSubstr("send_recv, 3 ranks"));
+  EXPECT_THAT(picture, HasSubstr("its limit"));
+  const auto j = run_process({kCpsim, "bench", "--backend", "threads", "--ranks", "2", "--sizes", "8", "--ops",
+                              "all_gather", "--iterations", "3", "--json"},
+                             60s);
+  ASSERT_EQ(j.status, 0) << j.err;
+  for (const char* key : {"\"algbw_gbps\"", "\"busbw_gbps\"", "\"wrong\": 0", "\"limit_us\"", "\"vs_limit\""})
+    EXPECT_THAT(j.out, HasSubstr(key));
+  std::filesystem::remove_all(dir);
 }

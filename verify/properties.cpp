@@ -269,18 +269,24 @@ PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const
         {DType::f32, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::f64, {s.shape.rows, s.g.padded_len, 2}},
         {DType::bf16, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::i32, {s.shape.rows, s.g.padded_len, 3}},
         {DType::i64, {s.shape.rows, s.g.padded_len}},              {DType::b8, {s.shape.rows, s.g.padded_len, 2, 2}}};
-    for (const auto& dtype_shape : cases) {
-      const DType dt = dtype_shape.first;  // a plain variable: lambdas below capture it
-      const Tensor global = random_tensor(dtype_shape.second, dt, mix_seed(c.seed, static_cast<int>(dt)));
-      std::vector<Tensor> got(c.cp);
-      run_ranks(c.cp, [&](Communicator& comm) {
-        const int r = comm.rank();
-        Var x(on(comm, local(global, s.context(r))), is_floating(dt));
-        got[r] = host(gather(x, &comm, is_floating(dt)).value());
-      }, run_options(o), {&got});
+    // One run for every dtype (a run per dtype would cost more than the gathers).
+    std::vector<Tensor> globals;
+    for (const auto& [dt, shape] : cases) globals.push_back(random_tensor(shape, dt, mix_seed(c.seed, static_cast<int>(dt))));
+    std::vector<std::vector<Tensor>> got(cases.size(), std::vector<Tensor>(c.cp));
+    RankOutputs outputs;
+    for (auto& g : got) outputs.push_back(&g);
+    run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      for (std::size_t k = 0; k < cases.size(); ++k) {
+        const bool floating = is_floating(cases[k].first);
+        Var x(on(comm, local(globals[k], s.context(r))), floating);
+        got[k][r] = host(gather(x, &comm, floating).value());
+      }
+    }, run_options(o), outputs);
+    for (std::size_t k = 0; k < cases.size(); ++k)
       for (int r = 0; r < c.cp; ++r)
-        t.expect_equal(global, got[r], std::string("gathered ") + dtype_name(dt) + " on rank " + std::to_string(r));
-    }
+        t.expect_equal(globals[k], got[k][r],
+                       std::string("gathered ") + dtype_name(cases[k].first) + " on rank " + std::to_string(r));
   } catch (const std::exception& e) {
     return failed("gather_forward", c.cp, std::string("threw: ") + e.what());
   }
@@ -327,28 +333,32 @@ PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, cons
   const LayoutCase& c = s.c;
   Tally t{"gather_backward", c.cp};
   try {
-    for (DType dt : {DType::f64, DType::f32}) {
-      const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
-      const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, 11));
-      std::vector<Tensor> upstream;
-      for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor(shape, dt, mix_seed(c.seed, 100 + q)));
-      std::vector<Tensor> grads(c.cp);
-      run_ranks(c.cp, [&](Communicator& comm) {
-        const int r = comm.rank();
-        Var x(on(comm, local(global, s.context(r))), true);
-        backward(dot(gather(x, &comm, true), upstream[r]));
-        grads[r] = host(x.grad());
-      }, run_options(o), {&grads});
-      const std::vector<bool> all(c.cp, true);
+    const std::vector<DType> dtypes{DType::f64, DType::f32};
+    const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
+    std::vector<Tensor> globals;
+    std::vector<std::vector<Tensor>> upstream(dtypes.size()), grads(dtypes.size(), std::vector<Tensor>(c.cp));
+    for (std::size_t k = 0; k < dtypes.size(); ++k) {
+      globals.push_back(random_tensor(shape, dtypes[k], mix_seed(c.seed, 11)));
+      for (int q = 0; q < c.cp; ++q) upstream[k].push_back(random_tensor(shape, dtypes[k], mix_seed(c.seed, 100 + q)));
+    }
+    run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      for (std::size_t k = 0; k < dtypes.size(); ++k) {
+        Var x(on(comm, local(globals[k], s.context(r))), true);
+        backward(dot(gather(x, &comm, true), upstream[k][r]));
+        grads[k][r] = host(x.grad());
+      }
+    }, run_options(o), {&grads[0], &grads[1]});
+    const std::vector<bool> all(c.cp, true);
+    for (std::size_t k = 0; k < dtypes.size(); ++k)
       for (int r = 0; r < c.cp; ++r) {
-        if (!grads[r].defined()) {
+        if (!grads[k][r].defined()) {
           t.expect(false, "rank " + std::to_string(r) + " got no gradient");
           continue;
         }
-        t.expect_sum(reference_grad(dt, upstream, all, s.g, r), grads[r], capabilities_of(o),
-                     std::string(dtype_name(dt)) + " gradient of rank " + std::to_string(r));
+        t.expect_sum(reference_grad(dtypes[k], upstream[k], all, s.g, r), grads[k][r], capabilities_of(o),
+                     std::string(dtype_name(dtypes[k])) + " gradient of rank " + std::to_string(r));
       }
-    }
   } catch (const std::exception& e) {
     return failed("gather_backward", c.cp, std::string("threw: ") + e.what());
   }
@@ -438,16 +448,16 @@ PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const H
   Tally t{"halo_forward", c.cp};
   try {
     const Tensor x = masked_activation(s.truth, s.g.padded_len, o.channels, mix_seed(c.seed, 31));
-    for (HaloExchange e : kExchanges) {
-      std::vector<Tensor> got(c.cp);
-      run_ranks(c.cp, [&](Communicator& comm) {
-        const int r = comm.rank();
-        got[r] = host(halo(Var(on(comm, local(x, s.context(r))), true), &comm, o.conv_width, e).value());
-      }, run_options(o), {&got});
+    std::vector<std::vector<Tensor>> got(std::size(kExchanges), std::vector<Tensor>(c.cp));
+    run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      for (std::size_t k = 0; k < std::size(kExchanges); ++k)
+        got[k][r] = host(halo(Var(on(comm, local(x, s.context(r))), true), &comm, o.conv_width, kExchanges[k]).value());
+    }, run_options(o), {&got[0], &got[1]});
+    for (std::size_t k = 0; k < std::size(kExchanges); ++k)
       for (int r = 0; r < c.cp; ++r)
-        t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[r],
-                       "history of rank " + std::to_string(r) + exchange_tag(e));
-    }
+        t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[k][r],
+                       "history of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
   } catch (const std::exception& e) {
     return failed("halo_forward", c.cp, std::string("threw: ") + e.what());
   }
@@ -474,18 +484,19 @@ PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const 
             owner_grad.set(at, owner_grad.get(at) + upstream[q].get((b * (L + H) + i) * C + k));
           }
         }
-    for (HaloExchange e : kExchanges) {
-      std::vector<Tensor> grads(c.cp);
-      run_ranks(c.cp, [&](Communicator& comm) {
-        const int r = comm.rank();
+    std::vector<std::vector<Tensor>> grads(std::size(kExchanges), std::vector<Tensor>(c.cp));
+    run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      for (std::size_t k = 0; k < std::size(kExchanges); ++k) {
         Var xr(on(comm, local(x, s.context(r))), true);
-        backward(dot(halo(xr, &comm, o.conv_width, e), upstream[r]));
-        grads[r] = host(xr.grad());
-      }, run_options(o), {&grads});
+        backward(dot(halo(xr, &comm, o.conv_width, kExchanges[k]), upstream[r]));
+        grads[k][r] = host(xr.grad());
+      }
+    }, run_options(o), {&grads[0], &grads[1]});
+    for (std::size_t k = 0; k < std::size(kExchanges); ++k)
       for (int r = 0; r < c.cp; ++r)
-        t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[r], kConvTolerance,
-                       "input gradient of rank " + std::to_string(r) + exchange_tag(e));
-    }
+        t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[k][r], kConvTolerance,
+                       "input gradient of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
   } catch (const std::exception& e) {
     return failed("halo_backward", c.cp, std::string("threw: ") + e.what());
   }
@@ -515,11 +526,14 @@ ConvRun run_conv(const Prepared& s, const CheckOptions& o, const HaloFn& halo, c
   const ConvFn& conv_fn = conv ? conv : default_conv();
   ConvRun run;
   run.ref = reference_conv(x, s.padded_ids, w, bias, gy);
-  for (HaloExchange e : kExchanges) {
-    std::vector<Tensor> y(c.cp), dx(c.cp), dw(c.cp), db(c.cp);
-    run_ranks(c.cp, [&](Communicator& comm) {
-      const int r = comm.rank();
-      const PackedContext& ctx = s.context(r);
+  // Both exchanges in one run: [exchange][rank].
+  const std::size_t E = std::size(kExchanges);
+  std::vector<std::vector<Tensor>> y(E, std::vector<Tensor>(c.cp)), dx = y, dw = y, db = y;
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const PackedContext& ctx = s.context(r);
+    for (std::size_t k = 0; k < E; ++k) {
+      const HaloExchange e = kExchanges[k];
       Var xr(on(comm, local(x, ctx)), true), wr(on(comm, w.clone()), true), br(on(comm, bias.clone()), true);
       Var out;
       if (layer) {
@@ -531,19 +545,21 @@ ConvRun run_conv(const Prepared& s, const CheckOptions& o, const HaloFn& halo, c
                       wr, br);
       }
       backward(dot(out, local(gy, ctx)));
-      y[r] = host(out.value());
-      dx[r] = host(xr.grad());
-      dw[r] = host(wr.grad());
-      db[r] = host(br.grad());
-    }, run_options(o), {&y, &dx, &dw, &db});
-    Tensor dw_sum = dw[0].defined() ? dw[0].clone() : Tensor();
-    Tensor db_sum = db[0].defined() ? db[0].clone() : Tensor();
-    for (int r = 1; r < c.cp; ++r) {
-      if (dw_sum.defined() && dw[r].defined()) add_inplace(dw_sum, dw[r]);
-      if (db_sum.defined() && db[r].defined()) add_inplace(db_sum, db[r]);
+      y[k][r] = host(out.value());
+      dx[k][r] = host(xr.grad());
+      dw[k][r] = host(wr.grad());
+      db[k][r] = host(br.grad());
     }
-    run.y.push_back(y);
-    run.dx.push_back(dx);
+  }, run_options(o), {&y[0], &dx[0], &dw[0], &db[0], &y[1], &dx[1], &dw[1], &db[1]});
+  for (std::size_t k = 0; k < E; ++k) {
+    Tensor dw_sum = dw[k][0].defined() ? dw[k][0].clone() : Tensor();
+    Tensor db_sum = db[k][0].defined() ? db[k][0].clone() : Tensor();
+    for (int r = 1; r < c.cp; ++r) {
+      if (dw_sum.defined() && dw[k][r].defined()) add_inplace(dw_sum, dw[k][r]);
+      if (db_sum.defined() && db[k][r].defined()) add_inplace(db_sum, db[k][r]);
+    }
+    run.y.push_back(y[k]);
+    run.dx.push_back(dx[k]);
     run.dw.push_back(dw_sum);
     run.dbias.push_back(db_sum);
   }

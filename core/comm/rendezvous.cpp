@@ -97,7 +97,7 @@ bool Rendezvous::wait_for(const std::atomic<std::uint64_t>& reached, std::uint64
 
 void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeout,
                      const std::function<void(const std::vector<CallRecord>&)>& read,
-                     const std::function<void()>& after) {
+                     const std::function<void()>& after, bool wait_for_readers) {
   const int n = size();
   RankState& me = ranks_[rank];
   std::uint64_t seq = 0;
@@ -146,6 +146,16 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
   // calls_ stays as it is until every rank has read: the next call's arrival
   // cannot complete before then.
   read(calls_);
+  if (!wait_for_readers) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    me.done = seq;
+    me.phase = Phase::idle;
+    me.last = call;
+  }
+  if (!wait_for_readers) {
+    if (after) after();
+    return;
+  }
   // Peers may still read this rank's buffers: wait until all have finished reading
   // (or one of them threw while reading, and reads no more).
   {

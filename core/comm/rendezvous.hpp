@@ -36,9 +36,12 @@ class Rendezvous {
 
   // One call of `rank`: rendezvous, check, then `read` (which may read every
   // peer's buffers through their records), a second rendezvous, then `after`.
+  // Without `wait_for_readers` there is no second rendezvous: for buffers that
+  // stay valid until every rank has arrived at the next call (a backend's own
+  // staging, alternating between two slots).
   void run(int rank, CallRecord call, std::chrono::milliseconds timeout,
            const std::function<void(const std::vector<CallRecord>&)>& read,
-           const std::function<void()>& after = {});
+           const std::function<void()>& after = {}, bool wait_for_readers = true);
 
   // Lifecycle: a rank that returned, or threw.
   void finish(int rank);

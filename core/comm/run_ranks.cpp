@@ -12,8 +12,9 @@ namespace {
 
 // Rank threads that outlive a run: starting and joining a thread per rank on every
 // run_ranks call cost more than the run itself for small cases (the properties
-// call it about ten times per case). A run takes idle threads (or starts new ones,
-// so a rank that calls run_ranks itself still gets threads) and hands them back.
+// call it about ten times per case). Rank 0 runs on the calling thread; the others
+// take idle threads (or start new ones, so a rank that calls run_ranks itself
+// still gets threads) and hand them back.
 class RankThreads {
  public:
   ~RankThreads() {
@@ -32,14 +33,15 @@ class RankThreads {
     for (auto& w : all) w->thread.join();
   }
 
-  // Runs task(r) for every r in [0, n), each on its own thread; returns when all did.
+  // Runs task(r) for every r in [0, n), each on its own thread (rank 0 on the
+  // calling one); returns when all did.
   void run(int n, const std::function<void(int)>& task) {
-    std::vector<Worker*> workers = take(n);
+    std::vector<Worker*> workers = take(n - 1);
     std::mutex done_mutex;
     std::condition_variable done_cv;
-    int running = n;
-    for (int r = 0; r < n; ++r) {
-      Worker* w = workers[r];
+    int running = n - 1;
+    for (int r = 1; r < n; ++r) {
+      Worker* w = workers[r - 1];
       {
         std::lock_guard<std::mutex> lock(w->mutex);
         w->job = [&, r] {
@@ -50,6 +52,7 @@ class RankThreads {
       }
       w->cv.notify_one();
     }
+    task(0);
     {
       std::unique_lock<std::mutex> lock(done_mutex);
       done_cv.wait(lock, [&] { return running == 0; });
