@@ -1,8 +1,12 @@
 #include "sim/world.hpp"
 
+#include <gloo/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
+#include <random>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -95,6 +99,25 @@ struct World {
 
 std::unique_ptr<World> world;
 
+// This process, as a claim on its rank: host, pid and a random tag.
+std::string claim_token() {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  std::random_device rd;
+  return std::string(host) + " pid " + std::to_string(getpid()) + " tag " + std::to_string(rd());
+}
+
+std::string read_key(Store& store, const std::string& key) {
+  const std::vector<char> v = store.get(key);
+  return std::string(v.begin(), v.end());
+}
+
+[[noreturn]] void job_in_use(const WorldConfig& c, const std::string& holder) {
+  CPSIM_INVALID("job id '", c.job, "' is already in use on store ", c.store, ": rank ", c.rank, " is claimed by ",
+                holder, " (another job with this id, or an earlier one whose keys remain); give this run its own "
+                "CPSIM_JOB_ID or a fresh store (cpsim launch picks both)");
+}
+
 }  // namespace
 
 void join_world(const WorldConfig& config) {
@@ -106,7 +129,15 @@ void join_world(const WorldConfig& config) {
   w->config = config;
   w->base = open_store(config.store);
   w->job = std::make_shared<gloo::rendezvous::PrefixStore>(config.job, *w->base);
+  // A job id is used once per store: each rank claims its key first, and a rank
+  // already claimed is refused, never joined (two jobs would pair up).
+  const std::string claim = "claim/" + std::to_string(config.rank), token = claim_token();
+  if (store_has(*w->job, claim)) job_in_use(config, read_key(*w->job, claim));
+  w->job->set(claim, std::vector<char>(token.begin(), token.end()));
   w->all = w->connect(config.size, "world");
+  // Two processes that claimed one rank at the same moment: the later claim wins,
+  // the other stops here.
+  if (const std::string holder = read_key(*w->job, claim); holder != token) job_in_use(config, holder);
   world = std::move(w);
 }
 
@@ -224,6 +255,13 @@ enum class Failure : std::uint8_t { none, collective, invalid_input, unsupported
 
 [[noreturn]] void fail_job(const std::string& why) {
   world->failure = why;
+  // Peers that wait on this process (ranks sitting a run out) learn at once.
+  if (world->all && world->all->context_ptr()) {
+    try {
+      world->all->context_ptr()->closeConnections();
+    } catch (const std::exception&) {
+    }
+  }
   throw CollectiveError(why);
 }
 
@@ -283,11 +321,12 @@ void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chro
   std::vector<std::uint8_t> all;
   std::int64_t longest = 0;
   try {
-    // Processes that sat the run out wait here while the group runs: a long wait. The
-    // group's ranks keep the run's timeout; if one of them stops, the others break
-    // the job and their closed connections end this wait too.
-    w.all->begin(w.config.rank < n ? timeout : std::max<std::chrono::milliseconds>(timeout, 600s));
+    // Processes that sat the run out wait here while the group runs, a long wait:
+    // an all-to-all exchange, so a peer that breaks (and closes its connections)
+    // ends it at once. Once every process has arrived, the run's timeout holds.
+    w.all->begin(timeout);
     auto comm = w.all->communicator();
+    comm->barrier(CallOptions{w.config.rank < n ? timeout : std::max<std::chrono::milliseconds>(timeout, 600s)});
     const std::int64_t length = static_cast<std::int64_t>(payload.size());
     comm->all_gather(&length, lengths.data(), 1, DType::i64);
     for (auto l : lengths) longest = std::max(longest, l);

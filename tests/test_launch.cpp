@@ -348,3 +348,68 @@ TEST(WorldEnvironment, ARankOutsideTheJobIsInvalid) {
   e.set("RANK", "x");
   EXPECT_THROW(sim::world_from_environment(), InvalidInput);
 }
+
+// A job id is used once per store: a second job under the same id is refused
+// (exit 2, naming the id and the process that holds it), never joined.
+TEST(Launch, AJobIdAlreadyInUseOnAStoreIsRefused) {
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-test-jobid-" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  auto run_job = [&](const std::string& job) {
+    std::vector<cpsim::testing::ProcessResult> results(2);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::pair<std::string, std::string>> env = {
+          {"WORLD_SIZE", "2"}, {"RANK", std::to_string(r)}, {"CPSIM_STORE", "file:" + dir.string()},
+          {"CPSIM_JOB_ID", job}, {"CPSIM_GLOO_HOST", "127.0.0.1"}};
+      ranks.emplace_back([&, r, env] { results[r] = run_process({kCpsim, "check", kExample, "--timeout", "5"}, 60s, {}, env); });
+    }
+    for (auto& t : ranks) t.join();
+    return results;
+  };
+  const auto first = run_job("once");
+  for (const auto& r : first) EXPECT_EQ(r.status, 0) << r.out << r.err;
+  const auto start = std::chrono::steady_clock::now();
+  const auto second = run_job("once");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  for (const auto& r : second) {
+    EXPECT_EQ(r.status, 2) << r.out << r.err;
+    EXPECT_THAT(r.err, AllOf(HasSubstr("job id 'once' is already in use on store file:"), HasSubstr("claimed by")));
+  }
+  const auto other = run_job("another");  // the same store under another id: fine
+  for (const auto& r : other) EXPECT_EQ(r.status, 0) << r.out << r.err;
+  std::filesystem::remove_all(dir);
+}
+
+// A rank of a smaller group stops answering (SIGSTOP, not dead) while another rank
+// sits that group out: every live rank ends within the timeout + 2 s and names it.
+TEST(Launch, AStoppedRankEndsTheRanksSittingOutWithinTheTimeout) {
+  Pids pids;
+  std::atomic<pid_t> victim{-1};
+  std::chrono::steady_clock::time_point stopped_at;
+  std::thread stopper([&] {
+    victim = pids.wait_for(1, 60s);
+    if (victim <= 0) return;
+    std::this_thread::sleep_for(2500ms);
+    stopped_at = std::chrono::steady_clock::now();
+    kill(victim, SIGSTOP);
+  });
+  std::chrono::steady_clock::time_point rank2_at;
+  const auto r = run_process({kCpsim, "launch", "-n", "3", "--grace", "6", "--", "cpsim", "fuzz", "--cases", "1000000",
+                              "--max-cp", "2", "--timeout", "2"},
+                             120s, [&](const std::string& line) {
+                               pids.see(line);
+                               if (line.find("cpsim: rank 2: error:") != std::string::npos)
+                                 rank2_at = std::chrono::steady_clock::now();
+                             });
+  stopper.join();
+  ASSERT_GT(victim, 0) << r.err;
+  kill(victim, SIGCONT);
+  ASSERT_NE(rank2_at, std::chrono::steady_clock::time_point{}) << r.err;
+  EXPECT_LT(rank2_at - stopped_at, 2s + 2s) << "the rank sitting out waited too long\n" << r.err;
+  // Each live rank's error (its line and the records under it) names the stopped rank.
+  for (const char* live : {"cpsim: rank 0: error:", "cpsim: rank 2: error:"}) {
+    const auto at = r.err.find(live);
+    ASSERT_NE(at, std::string::npos) << r.err;
+    EXPECT_THAT(r.err.substr(at, r.err.find("cpsim", at + 10) - at), HasSubstr("no failure record from rank 1")) << r.err;
+  }
+}

@@ -101,25 +101,34 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
   // before it died and lost only a peer that lost it too (whose record says so).
   // So launch's records are read for every rank of the group, the suspects'
   // own records only for them.
-  const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout, 2000ms);
+  //
+  // A suspect that writes nothing in that moment is named as such: it stopped
+  // answering (SIGSTOP, a hang), or died outside cpsim launch.
+  const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout, 1000ms);
   for (;;) {
     std::string died, lost;  // records cpsim launch wrote for dead processes come first
+    std::vector<int> silent;
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
       const bool suspect = std::find(suspects.begin(), suspects.end(), q) != suspects.end();
       if (!suspect && !processes_) continue;  // in-process ranks are never killed alone
       const auto record = failure_record(*records_, q);
-      if (!record) continue;
+      if (!record) {
+        if (suspect) silent.push_back(q);
+        continue;
+      }
       if (is_launch_record(*record)) died += "\n  " + *record;
       else if (suspect) lost += "\n  " + *record;
     }
+    const std::string quiet = silent.empty() ? ""
+                                             : "\n  no failure record from rank" +
+                                                   std::string(silent.size() > 1 ? "s " : " ") + rank_list(silent) +
+                                                   " (stopped answering, or killed or crashed outside cpsim launch)";
     // Peers' records only say they lost someone too; the root cause is worth the wait.
-    if (!died.empty() || (!lost.empty() && (!processes_ || Clock::now() >= deadline))) return died + lost;
-    if (Clock::now() >= deadline) break;
+    if (!died.empty() || (!lost.empty() && (!processes_ || Clock::now() >= deadline))) return died + lost + quiet;
+    if (Clock::now() >= deadline) return quiet;
     std::this_thread::sleep_for(20ms);
   }
-  return "\n  no failure record from rank" + std::string(suspects.size() > 1 ? "s " : " ") + rank_list(suspects) +
-         " (killed, crashed, or stuck outside cpsim)";
 }
 
 void GlooRank::break_group(const std::string& why, const std::vector<int>& suspects,

@@ -1,0 +1,189 @@
+// The fault matrix on every backend that runs ranks in this process (threads,
+// the test-only delayed, gloo): each fault ends on every surviving rank with the
+// documented error, naming the ranks and their calls, within the timeout + 2 s,
+// and leaves no thread behind. With CPSIM_FAULT_TABLE=FILE the measured times are
+// appended to FILE as the rows of docs/errors.md.
+#include <gmock/gmock.h>
+
+#include <dirent.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+#include "core/comm/run_ranks.hpp"
+
+using namespace cpsim;
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+
+namespace {
+
+constexpr auto kTimeout = 1000ms;  // the timeout the faults run under
+
+struct Fault {
+  std::string name;
+  int ranks;
+  // Rank r's part; `faulty` is the rank that misbehaves.
+  std::function<void(Communicator& comm)> body;
+  // Text every surviving rank's error must contain (the rank and its call).
+  std::vector<std::string> survivors_see;
+  // The faulty rank's own error ("" when it does not fail itself).
+  std::string faulty_sees;
+};
+
+std::vector<Fault> faults() {
+  auto ag = [](Communicator& comm, std::size_t count = 2, DType dt = DType::f64) {
+    std::vector<double> in(count), out(count * comm.size());
+    comm.all_gather(in.data(), out.data(), count, dt);
+  };
+  return {
+      {"a rank skips a collective (returns early)", 3,
+       [=](Communicator& comm) {
+         ag(comm);
+         if (comm.rank() != 1) ag(comm);
+       },
+       {"rank 1 returned without joining all_gather #2"}, ""},
+      {"two ranks call different collectives", 3,
+       [=](Communicator& comm) {
+         if (comm.rank() == 1) comm.barrier();
+         else ag(comm);
+       },
+       {"different collectives at #1", "rank 1: in barrier #1", "rank 0: in all_gather #1"}, "different collectives"},
+      {"one collective, different sizes", 3,
+       [=](Communicator& comm) { ag(comm, comm.rank() == 1 ? 3 : 2); },
+       {"all_gather #1 with different sizes", "rank 1: in all_gather #1 (count 3"}, "different sizes"},
+      {"one collective, different dtypes", 3,
+       [=](Communicator& comm) { ag(comm, 2, comm.rank() == 1 ? DType::i64 : DType::f64); },
+       {"different dtypes", "rank 1: in all_gather #1 (count 2, int64)"}, "different dtypes"},
+      {"one collective, different roots", 3,
+       [=](Communicator& comm) {
+         double x = 1;
+         comm.broadcast(&x, 1, DType::f64, comm.rank() == 1 ? 1 : 0);
+       },
+       {"broadcast #1 with different roots", "root 1", "root 0"}, "different roots"},
+      {"send_recv peers that do not pair up", 3,
+       [=](Communicator& comm) {
+         float out = 1, in = 0;
+         const int dst = comm.rank() == 0 ? 1 : -1, src = comm.rank() == 1 ? 2 : -1;
+         comm.send_recv({&out, 1, dst, &in, 1, src}, DType::f32);
+       },
+       {"send_recv #1: rank 0 sends to rank 1, which does not receive from it",
+        "rank 1: in send_recv #1 (send 0 to nobody, recv 1 from rank 2"},
+       "send_recv #1"},
+      {"a rank throws before any collective", 3,
+       [=](Communicator& comm) {
+         if (comm.rank() == 1) throw InvalidInput("injected before");
+         ag(comm);
+       },
+       {"rank 1 threw: injected before"}, "injected before"},
+      {"a rank throws between the collectives of an operator", 3,
+       [=](Communicator& comm) {
+         ag(comm);
+         if (comm.rank() == 1) throw Error("injected inside");
+         ag(comm);
+       },
+       {"rank 1 threw: injected inside"}, "injected inside"},
+      {"a rank throws after its last collective", 3,
+       [=](Communicator& comm) {
+         ag(comm);
+         if (comm.rank() == 1) throw Error("injected after");
+       },
+       {}, "injected after"},
+      {"a rank sleeps past the timeout", 3,
+       [=](Communicator& comm) {
+         if (comm.rank() == 1) std::this_thread::sleep_for(kTimeout + 500ms);
+         ag(comm);
+       },
+       {"timeout", "waited 1000 ms in all_gather #1", "rank 1: not in a collective"}, ""},
+      {"a call after a failure", 3,
+       [=](Communicator& comm) {
+         try {
+           ag(comm, comm.rank() == 1 ? 3 : 2);
+         } catch (const CollectiveError&) {
+         }
+         ag(comm);  // the group is stopped: this fails at once, with the first failure
+       },
+       {"all_gather #1 with different sizes"}, "different sizes"},
+  };
+}
+
+int threads_of_this_process() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(d))
+      if (e->d_name[0] != '.') ++n;
+    closedir(d);
+  }
+  return n;
+}
+
+class FaultMatrix : public ::testing::TestWithParam<std::string> {};
+INSTANTIATE_TEST_SUITE_P(Backends, FaultMatrix, ::testing::ValuesIn(backend_names()),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+
+TEST_P(FaultMatrix, EveryFaultEndsOnEveryRankWithItsErrorWithinTheTimeout) {
+  const std::string backend = GetParam();
+  std::ofstream table;
+  if (const char* path = std::getenv("CPSIM_FAULT_TABLE")) table.open(path, std::ios::app);
+  int threads_after_first = -1;
+  for (int round = 0; round < 2; ++round) {
+    for (const Fault& f : faults()) {
+      std::mutex mutex;
+      std::vector<std::string> seen(f.ranks);
+      std::vector<double> at(f.ranks, 0);
+      const auto start = std::chrono::steady_clock::now();
+      std::string rethrown;
+      try {
+        run_ranks(f.ranks, [&](Communicator& comm) {
+          try {
+            f.body(comm);
+          } catch (const std::exception& e) {
+            std::lock_guard<std::mutex> lock(mutex);
+            seen[comm.rank()] = e.what();
+            at[comm.rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            throw;
+          }
+        }, {backend, kTimeout});
+      } catch (const std::exception& e) {
+        rethrown = e.what();
+      }
+      const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      SCOPED_TRACE(f.name);
+      EXPECT_LT(total, std::chrono::duration<double>(kTimeout).count() + 2.0) << "took " << total << " s";
+      EXPECT_FALSE(rethrown.empty()) << "run_ranks returned as if nothing happened";
+      for (int r = 0; r < f.ranks; ++r) {
+        if (r == 1) {
+          if (!f.faulty_sees.empty()) {
+            EXPECT_THAT(seen[r], HasSubstr(f.faulty_sees));
+          }
+          continue;
+        }
+        if (f.survivors_see.empty()) {
+          EXPECT_EQ(seen[r], "") << "rank " << r << " should have finished";
+          continue;
+        }
+        for (const auto& text : f.survivors_see) EXPECT_THAT(seen[r], HasSubstr(text)) << "rank " << r;
+      }
+      if (round == 0 && table.is_open()) {
+        double slowest = 0;
+        for (double t : at) slowest = std::max(slowest, t);
+        // What a surviving rank sees (rank 0), else what run_ranks rethrew.
+        const std::string& what = seen[0].empty() ? rethrown : seen[0];
+        const std::string first_line = what.substr(0, what.find('\n'));
+        table << "| " << backend << " | " << f.name << " | `" << first_line.substr(0, 110) << "` | "
+              << static_cast<int>(slowest * 1000 + 0.5) << " ms |\n";
+      }
+    }
+    // A second round of every fault starts no new threads: none were left behind.
+    if (round == 0) {
+      threads_after_first = threads_of_this_process();
+    } else {
+      EXPECT_LE(threads_of_this_process(), threads_after_first) << "threads were left behind";
+    }
+  }
+}
