@@ -48,7 +48,10 @@ int run_fuzz(FuzzArgs a) {
   o.timeout = milliseconds_of(a.job.timeout);
   o.conv_width = a.conv_width;
   if (a.job.multi) a.max_cp = std::min(a.max_cp, a.job.size);
-  else if (const int most = find_backend(a.job.backend).max_ranks().first; most > 0) a.max_cp = std::min(a.max_cp, most);
+  else if (const auto [most, why] = find_backend(a.job.backend).max_ranks(); most > 0 && a.max_cp > most) {
+    std::cerr << "cpsim fuzz: --max-cp " << a.max_cp << " capped at " << most << ": " << why << "\n";
+    a.max_cp = most;
+  }
   std::optional<LayoutCase> smallest;
   std::string failure;
   std::map<std::string, int> passed;

@@ -326,6 +326,7 @@ void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chro
     // ends it at once. Once every process has arrived, the run's timeout holds.
     w.all->begin(timeout);
     auto comm = w.all->communicator();
+    if (w.config.rank >= n) w.all->patience(n, timeout);  // once the group is in, the others get the timeout
     comm->barrier(CallOptions{w.config.rank < n ? timeout : std::max<std::chrono::milliseconds>(timeout, 600s)});
     const std::int64_t length = static_cast<std::int64_t>(payload.size());
     comm->all_gather(&length, lengths.data(), 1, DType::i64);

@@ -102,3 +102,16 @@ TEST(Cli, BenchTimesChecksAndPlotsEveryPoint) {
     EXPECT_THAT(j.out, HasSubstr(key));
   std::filesystem::remove_all(dir);
 }
+
+// Too few descriptors for an in-process gloo group: a resource error naming the
+// limit (exit 2, one line), never a hang or a property failure.
+TEST(Cli, TooFewDescriptorsForAGlooGroupIsAResourceErrorNamingTheLimit) {
+  const std::string example = (kExamples / "spec_example.json").string();
+  const auto r = run_process({"/bin/bash", "-c",
+                              "ulimit -Sn 256 && ulimit -Hn 256 && exec \"$0\" check \"$1\" --backend gloo --cp 40",
+                              kCpsim, example},
+                             60s);
+  EXPECT_EQ(r.status, 2) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("may open 256 descriptors (RLIMIT_NOFILE"));
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}

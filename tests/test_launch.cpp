@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <regex>
@@ -239,6 +240,8 @@ TEST(Launch, AKilledRankFailsTheOthersWithinTheTimeout) {
   ASSERT_GT(victim, 0) << r.err;
   const auto after_kill = std::chrono::steady_clock::now() - killed_at;
   EXPECT_LT(after_kill, 5s + 3s) << "the others did not fail within the timeout";
+  std::cout << "[ measured ] SIGKILL mid-run, timeout 5 s: the job ended "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(after_kill).count() << " ms after the kill\n";
   EXPECT_EQ(r.status, 128 + SIGKILL) << r.err;
   const std::string named = "rank 1 (pid " + std::to_string(victim) + ") was killed by signal 9";
   EXPECT_THAT(r.err, AllOf(HasSubstr("cpsim: rank 0: error:"), HasSubstr("cpsim: rank 2: error:"), HasSubstr(named),
@@ -406,6 +409,9 @@ TEST(Launch, AStoppedRankEndsTheRanksSittingOutWithinTheTimeout) {
   kill(victim, SIGCONT);
   ASSERT_NE(rank2_at, std::chrono::steady_clock::time_point{}) << r.err;
   EXPECT_LT(rank2_at - stopped_at, 2s + 2s) << "the rank sitting out waited too long\n" << r.err;
+  std::cout << "[ measured ] SIGSTOP of a group rank, timeout 2 s: the rank sitting out reported "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(rank2_at - stopped_at).count()
+            << " ms after the stop\n";
   // Each live rank's error (its line and the records under it) names the stopped rank.
   for (const char* live : {"cpsim: rank 0: error:", "cpsim: rank 2: error:"}) {
     const auto at = r.err.find(live);

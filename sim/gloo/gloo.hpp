@@ -118,6 +118,13 @@ class GlooRank : public CallChannel, public std::enable_shared_from_this<GlooRan
   // The CallChannel the checked communicator runs over.
   std::vector<CallRecord> exchange(const CallRecord& mine, std::chrono::milliseconds timeout) override;
   [[noreturn]] void stop(const std::string& why) override;
+  // For the next exchange only: once ranks [0, first) have all arrived, wait at
+  // most `then` for the rest (ranks that sat a run out wait long for the group,
+  // but not for a peer that stops answering after the group is done).
+  void patience(int first, std::chrono::milliseconds then) {
+    patience_first_ = first;
+    patience_ = then;
+  }
   // The call the last exchange agreed on (its sequence number), for transport errors.
   const CallRecord& current() const { return current_; }
   // Moves data after a successful exchange; a transport failure breaks the group.
@@ -140,6 +147,8 @@ class GlooRank : public CallChannel, public std::enable_shared_from_this<GlooRan
   bool processes_;
   std::uint64_t seq_ = 0;
   CallRecord current_;
+  int patience_first_ = 0;
+  std::chrono::milliseconds patience_{0};
   std::string stopped_;  // why this run stopped (empty: in step)
   std::string broken_;   // why the group is broken (empty: usable)
 };

@@ -63,24 +63,47 @@ std::vector<std::shared_ptr<GlooThreadsGroup>> pool;
 
 std::size_t descriptors(const GlooThreadsGroup& g) { return static_cast<std::size_t>(g.size()) * (g.size() - 1) + 1; }
 
-std::size_t descriptor_budget() {
-  static const std::size_t budget = [] {
+// The descriptors this process may open (RLIMIT_NOFILE), raised to the hard limit
+// on first use: groups of 16 ranks need 240 each.
+std::size_t descriptor_limit() {
+  static const std::size_t limit = [] {
     rlimit lim{};
-    if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return std::size_t{256};
-    if (lim.rlim_cur < lim.rlim_max) {  // take what the system allows: groups of 16 ranks need 240 each
+    if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return std::size_t{1024};
+    if (lim.rlim_cur < lim.rlim_max) {
       rlimit raised = lim;
       raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? std::max<rlim_t>(lim.rlim_cur, 65536) : lim.rlim_max;
       if (setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
     }
-    return static_cast<std::size_t>(std::min<rlim_t>(lim.rlim_cur, 1 << 20) / 4);
+    return static_cast<std::size_t>(std::min<rlim_t>(lim.rlim_cur, 1 << 20));
   }();
-  return budget;
+  return limit;
 }
+
+std::size_t descriptor_budget() { return descriptor_limit() / 4; }
+
+// Descriptors kept free for everything else the process opens (files, stores, pipes).
+constexpr std::size_t kSpareDescriptors = 64;
 
 }  // namespace
 
+static int max_gloo_threads_ranks() {
+  const std::size_t usable = descriptor_limit() > kSpareDescriptors ? descriptor_limit() - kSpareDescriptors : 0;
+  int n = 1;
+  while (static_cast<std::size_t>(n + 1) * n <= usable) ++n;
+  return n;
+}
+
+static std::string gloo_threads_limit_reason() {
+  const int most = max_gloo_threads_ranks();
+  return "an in-process gloo group of n ranks holds n(n-1) sockets, and this process may open " +
+         std::to_string(descriptor_limit()) + " descriptors (RLIMIT_NOFILE, ulimit -n), enough for " +
+         std::to_string(most) + " ranks; raise the limit, run one process per rank (cpsim launch), or use --backend threads";
+}
+
 std::shared_ptr<GlooThreadsGroup> acquire_gloo_group(int n, std::chrono::milliseconds timeout) {
-  descriptor_budget();
+  // Too many ranks for the descriptors: a resource error now, not a hang in connect.
+  if (n > max_gloo_threads_ranks()) throw Unsupported("gloo with " + std::to_string(n) + " ranks: " + gloo_threads_limit_reason());
+  std::vector<std::shared_ptr<GlooThreadsGroup>> closing;  // closed outside the lock
   {
     std::lock_guard<std::mutex> lock(pool_mutex);
     for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
@@ -89,7 +112,17 @@ std::shared_ptr<GlooThreadsGroup> acquire_gloo_group(int n, std::chrono::millise
       pool.erase(std::next(it).base());
       return group;
     }
+    // Idle groups give their descriptors back when a new group needs them.
+    std::size_t held = 0;
+    for (const auto& g : pool) held += descriptors(*g);
+    const std::size_t needed = static_cast<std::size_t>(n) * (n - 1) + kSpareDescriptors;
+    while (!pool.empty() && held + needed > descriptor_limit()) {
+      held -= descriptors(*pool.front());
+      closing.push_back(pool.front());
+      pool.erase(pool.begin());
+    }
   }
+  closing.clear();
   return std::make_shared<GlooThreadsGroup>(n, timeout);
 }
 
@@ -132,7 +165,8 @@ const BackendRegistrar registrar{Backend{
       if (!current_world()) return false;
       run_in_world(n, fn, timeout, outputs);
       return true;
-    }}};
+    },
+    [] { return std::pair<int, std::string>{max_gloo_threads_ranks(), gloo_threads_limit_reason()}; }}};
 
 }  // namespace
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <utility>
 #include <thread>
 
 #include "sim/gloo/gloo.hpp"
@@ -170,13 +171,21 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
     arrived[rank_] = true;
     auto send = context_->createUnboundBuffer(&out, sizeof(Wire));
     auto recv = context_->createUnboundBuffer(in.data(), sizeof(Wire) * size_);
-    const auto deadline = Clock::now() + timeout;
+    auto deadline = Clock::now() + timeout;
+    const int first = std::exchange(patience_first_, 0);
+    const auto then = std::exchange(patience_, std::chrono::milliseconds(0));
+    auto group_in = [&] {
+      for (int q = 0; q < first && q < size_; ++q)
+        if (!arrived[q]) return false;
+      return true;
+    };
     try {
       for (int q = 0; q < size_; ++q)
         if (q != rank_) recv->recv(q, kCallSlot, q * sizeof(Wire), sizeof(Wire));
       for (int q = 0; q < size_; ++q)
         if (q != rank_) send->send(q, kCallSlot);
       for (int i = 1; i < size_; ++i) {
+        if (first > 0 && group_in()) deadline = std::min(deadline, Clock::now() + then);
         int src = -1;
         recv->waitRecv(&src, remaining(deadline));
         if (src >= 0 && src < size_) arrived[src] = true;
