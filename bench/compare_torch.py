@@ -137,9 +137,17 @@ def main():
     ap.add_argument("--ranks", default="2,4,8")
     ap.add_argument("--sizes", default="64K,1M,16M")
     ap.add_argument("--seconds", type=float, default=5)
+    ap.add_argument("--only", choices=["all_gather", "properties"], help="run one of the two comparisons")
     a = ap.parse_args()
     ranks = [int(r) for r in a.ranks.split(",")]
     sizes = [parse_size(s) for s in a.sizes.split(",")]
+    if a.only != "properties":
+        compare_all_gather(a, ranks, sizes)
+    if a.only != "all_gather":
+        compare_properties(a, ranks)
+
+
+def compare_all_gather(a, ranks, sizes):
     print("# all_gather, float32, bytes per rank; time of one call (us); ratio = cpsim / torch gloo")
     print(f"{'ranks':>5} {'bytes':>10} {'torch gloo':>11} {'threads':>9} {'gloo':>9} {'gloo mp':>9}"
           f" {'threads/torch':>14} {'gloo/torch':>11} {'gloo mp/torch':>14}")
@@ -156,6 +164,9 @@ def main():
             row = [ours[k][size] for k in ("threads", "gloo", "gloo mp")]
             print(f"{n:>5} {size:>10} {t:>11.1f} {row[0]:>9.1f} {row[1]:>9.1f} {row[2]:>9.1f}"
                   f" {row[0] / t:>14.3f} {row[1] / t:>11.3f} {row[2] / t:>14.3f}")
+
+
+def compare_properties(a, ranks):
     print("\n# property throughput, cases/s: random layouts (S <= 256, C = 8), checked forward and backward")
     print(f"{'ranks':>5} {'torch loop':>11} {'cpsim g+h':>10} {'cpsim all':>10} {'g+h / torch':>12} {'all / torch':>12}")
     for n in ranks:
