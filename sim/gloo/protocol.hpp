@@ -15,5 +15,6 @@ inline constexpr Capabilities kGlooCapabilities{/*rank_order_sums=*/true, /*devi
 // Slots outside the ranges Gloo's own collectives use (prefix << 56 | tag).
 inline constexpr std::uint64_t kCallSlot = 0xC5ull << 56 | 1;
 inline constexpr std::uint64_t kPointToPointSlot = 0xC5ull << 56 | 2;
+inline constexpr std::uint64_t kGatherSlot = 0xC5ull << 56 | 3;
 
 }  // namespace cpsim::sim
