@@ -14,6 +14,7 @@
 // result is wrong.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -81,8 +82,9 @@ Batch packed_batch(std::int64_t rows, std::int64_t seq_len, std::int64_t doc) {
 // of one iteration, and the limit of copying `bytes` per rank by as many threads.
 template <class Body>
 void timed_ranks(benchmark::State& state, const std::string& backend, int ranks, std::size_t bytes, Body body) {
+  // About 64 MiB of traffic, 3 to 200 iterations.
   const int iterations =
-      smoke ? 2 : std::max(3, static_cast<int>(64.0 * (1 << 20) / std::max<std::size_t>(bytes * ranks, 1)));
+      smoke ? 2 : std::clamp(static_cast<int>(64.0 * (1 << 20) / std::max<std::size_t>(bytes * ranks, 1)), 3, 200);
   for (auto _ : state) {
     double seconds = 0;
     RunOptions o;
@@ -93,11 +95,11 @@ void timed_ranks(benchmark::State& state, const std::string& backend, int ranks,
       step();
       comm.barrier();
       const auto t0 = Clock::now();
-      for (int i = 0; i < std::min(iterations, 200); ++i) step();
+      for (int i = 0; i < iterations; ++i) step();
       comm.barrier();
-      if (comm.rank() == 0) seconds = std::chrono::duration<double>(Clock::now() - t0).count() / std::min(iterations, 200);
+      if (comm.rank() == 0) seconds = std::chrono::duration<double>(Clock::now() - t0).count() / iterations;
     }, o);
-    const double limit = bench::limit_us(ranks, bytes, std::min(iterations, 200)) / 1e6;
+    const double limit = bench::limit_us(ranks, bytes, iterations) / 1e6;
     state.SetIterationTime(seconds);
     state.counters["vs_limit"] = limit / seconds;
     state.SetBytesProcessed(static_cast<std::int64_t>(bytes));

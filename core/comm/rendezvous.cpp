@@ -146,41 +146,34 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
   // calls_ stays as it is until every rank has read: the next call's arrival
   // cannot complete before then.
   read(calls_);
-  if (!wait_for_readers) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    me.done = seq;
-    me.phase = Phase::idle;
-    me.last = call;
-  }
-  if (!wait_for_readers) {
-    if (after) after();
-    return;
-  }
   // Peers may still read this rank's buffers: wait until all have finished reading
   // (or one of them threw while reading, and reads no more).
+  if (wait_for_readers) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      me.done = seq;
+      if ((last = ++readers_ == n)) {
+        readers_ = 0;
+        read_.store(seq, std::memory_order_release);
+      }
+    }
+    if (last) {
+      wake_all();
+    } else {
+      const bool all_read = wait_for(read_, seq, std::chrono::steady_clock::time_point::max(), [&] {
+        for (const RankState& s : ranks_)
+          if (s.done < seq && s.phase == Phase::failed) return true;
+        return false;
+      });
+      if (!all_read) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        throw CollectiveError(poison_ ? *poison_ : "a peer failed while reading");
+      }
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     me.done = seq;
-    if ((last = ++readers_ == n)) {
-      readers_ = 0;
-      read_.store(seq, std::memory_order_release);
-    }
-  }
-  if (last) {
-    wake_all();
-  } else {
-    const bool all_read = wait_for(read_, seq, std::chrono::steady_clock::time_point::max(), [&] {
-      for (const RankState& s : ranks_)
-        if (s.done < seq && s.phase == Phase::failed) return true;
-      return false;
-    });
-    if (!all_read) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      throw CollectiveError(poison_ ? *poison_ : "a peer failed while reading");
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
     me.phase = Phase::idle;
     me.last = call;
   }

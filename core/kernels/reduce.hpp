@@ -10,37 +10,31 @@
 
 namespace cpsim::kernels {
 
+// The type a sum runs in: the element's own, except bf16, which adds in float and
+// rounds once at the end. (bool adds as int and converts back: an or.)
+template <class T>
+struct Accumulator {
+  using type = T;
+  CPSIM_HD static T load(T v) { return v; }
+  CPSIM_HD static T store(T a) { return a; }
+};
+template <>
+struct Accumulator<Bf16Bits> {
+  using type = float;
+  CPSIM_HD static float load(Bf16Bits v) { return bf16_to_float(v.bits); }
+  CPSIM_HD static Bf16Bits store(float a) { return Bf16Bits{bf16_from_float(a)}; }
+};
+
 template <class T>
 struct SumInOrder {
   const T* const* srcs;  // on the device that runs the functor
   T* dst;
   index_t n;
   CPSIM_HD void operator()(index_t i) const {
-    T acc = srcs[0][i];
-    for (index_t s = 1; s < n; ++s) acc = static_cast<T>(acc + srcs[s][i]);
-    dst[i] = acc;
-  }
-};
-template <>
-struct SumInOrder<bool> {
-  const bool* const* srcs;
-  bool* dst;
-  index_t n;
-  CPSIM_HD void operator()(index_t i) const {
-    bool acc = false;
-    for (index_t s = 0; s < n; ++s) acc = acc || srcs[s][i];
-    dst[i] = acc;
-  }
-};
-template <>
-struct SumInOrder<Bf16Bits> {
-  const Bf16Bits* const* srcs;
-  Bf16Bits* dst;
-  index_t n;
-  CPSIM_HD void operator()(index_t i) const {
-    float acc = bf16_to_float(srcs[0][i].bits);
-    for (index_t s = 1; s < n; ++s) acc += bf16_to_float(srcs[s][i].bits);
-    dst[i].bits = bf16_from_float(acc);
+    using A = Accumulator<T>;
+    typename A::type acc = A::load(srcs[0][i]);
+    for (index_t s = 1; s < n; ++s) acc = static_cast<typename A::type>(acc + A::load(srcs[s][i]));
+    dst[i] = A::store(acc);
   }
 };
 
