@@ -52,14 +52,14 @@ class ThreadsCommunicator final : public Communicator {
     c.send = send;
     c.recv = recv;
     const std::size_t bytes = count * dtype_size(dt);
-    const bool staged = stage(c, bytes);
+    stage(c, bytes);
     group_->run(
         rank_, c, pick(o),
         [&](const std::vector<CallRecord>& all) {
           for (std::size_t q = 0; q < all.size(); ++q)
             if (bytes) std::memcpy(static_cast<std::byte*>(recv) + q * bytes, all[q].send, bytes);
         },
-        {}, !staged);
+        {});
   }
 
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
@@ -67,7 +67,7 @@ class ThreadsCommunicator final : public Communicator {
     c.send = send;
     c.recv = recv;
     const std::size_t offset = rank_ * count * dtype_size(dt);
-    const bool staged = stage(c, size() * count * dtype_size(dt));
+    stage(c, size() * count * dtype_size(dt));
     group_->run(
         rank_, c, pick(o),
         [&](const std::vector<CallRecord>& all) {
@@ -75,7 +75,7 @@ class ThreadsCommunicator final : public Communicator {
           for (const auto& peer : all) srcs.push_back(static_cast<const std::byte*>(peer.send) + offset);
           if (count) sum_in_order(dt, recv, srcs.data(), srcs.size(), count);
         },
-        {}, !staged);
+        {});
   }
 
   void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override {
@@ -83,9 +83,9 @@ class ThreadsCommunicator final : public Communicator {
     c.send = buf;
     c.recv = buf;
     // In place: sum into a private copy, write back once every peer has read
-    // (staged: peers read the slot, so at once).
+    // (when every rank staged, peers read the slots, so at once).
     std::vector<std::byte> sum(count * dtype_size(dt));
-    const bool staged = stage(c, sum.size());
+    stage(c, sum.size());
     group_->run(
         rank_, c, pick(o),
         [&](const std::vector<CallRecord>& all) {
@@ -95,19 +95,18 @@ class ThreadsCommunicator final : public Communicator {
         },
         [&] {
           if (!sum.empty()) std::memcpy(buf, sum.data(), sum.size());
-        },
-        !staged);
+        });
   }
 
   void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
     CallRecord c = send_recv_record(step, dt);
-    const bool staged = stage(c, c.count * dtype_size(dt));
+    stage(c, c.count * dtype_size(dt));
     group_->run(
         rank_, c, pick(o),
         [&](const std::vector<CallRecord>& all) {
           if (step.src >= 0 && c.recv_count) std::memcpy(step.recv, all[step.src].send, c.recv_count * dtype_size(dt));
         },
-        {}, !staged);
+        {});
   }
 
   void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
@@ -115,31 +114,33 @@ class ThreadsCommunicator final : public Communicator {
     c.root = root;
     c.send = buf;
     c.recv = buf;
-    const bool staged = stage(c, count * dtype_size(dt));
+    stage(c, count * dtype_size(dt));
     group_->run(
         rank_, c, pick(o),
         [&](const std::vector<CallRecord>& all) {
           if (rank_ != root && count) std::memcpy(buf, all[root].send, count * dtype_size(dt));
         },
-        {}, !staged);
+        {});
   }
 
   void barrier(CallOptions o) override {
     ++calls_;
-    group_->run(rank_, CallRecord{CollectiveKind::barrier}, pick(o), [](const std::vector<CallRecord>&) {}, {}, false);
+    CallRecord c{CollectiveKind::barrier};
+    c.staged = true;  // nothing to read
+    group_->run(rank_, c, pick(o), [](const std::vector<CallRecord>&) {});
   }
 
  private:
   // Counts the call; for a small message, copies the `bytes` this rank publishes
-  // into this call's slot and points the record there. Whether it did.
-  bool stage(CallRecord& c, std::size_t bytes) {
+  // into this call's slot, points the record there and marks it staged.
+  void stage(CallRecord& c, std::size_t bytes) {
     const std::size_t parity = ++calls_ % 2;
-    if (bytes > kStagedBytes) return false;
+    if (bytes > kStagedBytes) return;
     auto& slot = staging_->slots[rank_][parity];
     if (slot.size() < bytes) slot.resize(bytes);
     if (bytes) std::memcpy(slot.data(), c.send, bytes);
     c.send = slot.data();
-    return true;
+    c.staged = true;
   }
 
   std::chrono::milliseconds pick(CallOptions o) const { return o.timeout.count() > 0 ? o.timeout : group_->timeout(); }

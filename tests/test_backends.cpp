@@ -70,6 +70,37 @@ TEST_P(Collectives, AreExactOnRankDistinctInputs) {
   }, {backend, 5000ms});
 }
 
+// Counts on both sides of the size thresholds (threads stages up to 64 KiB, gloo
+// gathers directly up to 1 MiB per rank): 8192 float64 = 64 KiB, 131072 = 1 MiB.
+INSTANTIATE_TEST_SUITE_P(Thresholds, Collectives,
+                         ::testing::Combine(::testing::ValuesIn(backend_names()), ::testing::Values(2, 3),
+                                            ::testing::Values(8191, 8193, 16385, 131071, 131073)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) +
+                                  "ranks_count" + std::to_string(std::get<2>(info.param));
+                         });
+
+// A send of one size and a receive of another, on every rank, around the
+// thresholds: a rank whose own message is staged may still receive a large one.
+TEST_P(BackendCalls, SendRecvOfUnequalSizesAroundTheThresholdsCompletes) {
+  const std::size_t sizes[] = {0, 1, 16383, 16385, 262145};  // float32: 0 B to just over 1 MiB
+  for (int n : {2, 3}) {
+    for (std::size_t shift = 0; shift < std::size(sizes); ++shift) {
+      run_ranks(n, [&](Communicator& comm) {
+        const int r = comm.rank();
+        // Rank r sends sizes[(r + shift) % 5] elements to r + 1 (ring, the last to nobody).
+        auto count_of = [&](int q) { return sizes[(q + shift) % std::size(sizes)]; };
+        std::vector<float> out(count_of(r), static_cast<float>(r + 1)), in(r > 0 ? count_of(r - 1) : 0, -1.0f);
+        comm.send_recv({out.data(), r + 1 < n ? out.size() : 0, r + 1 < n ? r + 1 : -1, in.data(), in.size(),
+                        r > 0 ? r - 1 : -1},
+                       DType::f32);
+        for (float v : in) ASSERT_EQ(v, static_cast<float>(r));
+        comm.barrier();
+      }, fast());
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(SizesAndCounts, Collectives,
                          ::testing::Combine(::testing::ValuesIn(backend_names()),
                                             ::testing::Values(1, 2, 3, 5, 16), ::testing::Values(0, 1, 7)),

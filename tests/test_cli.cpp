@@ -36,6 +36,31 @@ TEST(Cli, EveryExampleHoldsAtEveryCpSize) {
   }
 }
 
+// Shapes whose halo and gather messages pass the threads backend's 64 KiB staging
+// threshold (they hung on the default backend once): wide channels, and many rows.
+TEST(Cli, PropertiesHoldWithMessagesAboveTheStagingThreshold) {
+  const std::string example = (kExamples / "spec_example.json").string();
+  for (const char* channels : {"2730", "2731", "4096"}) {
+    const auto r = run_process({kCpsim, "check", example, "--cp", "2,3", "--channels", channels, "--timeout", "10"}, 120s);
+    EXPECT_EQ(r.status, 0) << "--channels " << channels << "\n" << r.out << r.err;
+  }
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-rows-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  for (int rows : {512, 513, 2000}) {
+    const auto path = dir / ("rows" + std::to_string(rows) + ".json");
+    std::ofstream out(path);
+    out << "{\"input_ids\": [";
+    for (int r = 0; r < rows; ++r) out << (r ? ", " : "") << "[1, 2, 3, 4]";
+    out << "], \"seq_lens\": [";
+    for (int r = 0; r < rows; ++r) out << (r ? ", " : "") << "[3, 1]";
+    out << "]}\n";
+    out.close();
+    const auto r = run_process({kCpsim, "check", path.string(), "--cp", "2,4", "--timeout", "10"}, 120s);
+    EXPECT_EQ(r.status, 0) << rows << " rows\n" << r.out << r.err;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // Runs cpsim check on every JSON file of `dir`: each must be exit 2 with one line
 // containing its expected text (`expected`: file name -> text).
 void expect_each_invalid(const std::filesystem::path& dir, const std::map<std::string, std::string>& expected) {

@@ -41,6 +41,12 @@ std::string describe_call(const CallRecord& c) {
   return os.str();
 }
 
+std::string name_ranks(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
 std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls) {
   const CallRecord& a = calls.at(0);
   const int n = static_cast<int>(calls.size());

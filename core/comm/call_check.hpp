@@ -25,6 +25,11 @@ struct CallRecord {
   std::size_t recv_count = 0;
   const void* send = nullptr;
   void* recv = nullptr;
+  // In-process backends: `send` points at a staged copy that stays valid after
+  // this rank returns, so peers need not finish reading before it does. A call
+  // skips the wait for readers only when every rank's record is staged (a group
+  // decision: one rank may stage a small send while it receives a large one).
+  bool staged = false;
 };
 
 // The record of one call (seq left 0: the rendezvous numbers calls).
@@ -33,6 +38,9 @@ CallRecord send_recv_record(const SendRecv& step, DType dtype);
 
 // "all_gather #3 (count 8, float64)".
 std::string describe_call(const CallRecord& call);
+
+// "rank 2", or "ranks 0, 3": how every error names a set of ranks.
+std::string name_ranks(const std::vector<int>& ranks);
 
 // Why the calls of one sequence number (index = rank) cannot run together, or nothing.
 std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls);

@@ -29,6 +29,11 @@ void futex_wait(std::atomic<std::uint32_t>& word, std::uint32_t expected, std::c
   timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
   syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, &ts, nullptr, 0);
 }
+// Milliseconds since `start`, as a message says them: the real wait, not the limit.
+std::string elapsed_ms(std::chrono::steady_clock::time_point start) {
+  return std::to_string(
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count());
+}
 void futex_wake_all(std::atomic<std::uint32_t>& word) {
   syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
 }
@@ -70,6 +75,19 @@ void Rendezvous::poison_locked(const std::string& why) {
   throw CollectiveError(*poison_);
 }
 
+std::vector<int> Rendezvous::behind_locked(std::uint64_t RankState::*field, std::uint64_t seq) const {
+  std::vector<int> out;
+  for (std::size_t q = 0; q < ranks_.size(); ++q)
+    if (ranks_[q].*field < seq) out.push_back(static_cast<int>(q));
+  return out;
+}
+
+void Rendezvous::timeout_locked(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
+                                std::chrono::milliseconds timeout, const std::vector<int>& who, const char* what) {
+  poison_locked("timeout: rank " + std::to_string(rank) + " waited " + elapsed_ms(start) + " ms (limit " +
+                std::to_string(timeout.count()) + " ms) in " + describe_call(call) + " for " + name_ranks(who) + what);
+}
+
 template <class Stop>
 bool Rendezvous::wait_for(const std::atomic<std::uint64_t>& reached, std::uint64_t seq,
                           std::chrono::steady_clock::time_point deadline, Stop stop) {
@@ -97,7 +115,7 @@ bool Rendezvous::wait_for(const std::atomic<std::uint64_t>& reached, std::uint64
 
 void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeout,
                      const std::function<void(const std::vector<CallRecord>&)>& read,
-                     const std::function<void()>& after, bool wait_for_readers) {
+                     const std::function<void()>& after) {
   const int n = size();
   RankState& me = ranks_[rank];
   std::uint64_t seq = 0;
@@ -120,7 +138,8 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
   if (last) {
     wake_all();
   } else {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + timeout;
     const bool arrived = wait_for(arrived_, seq, deadline, [&] {
       if (poison_) return true;
       for (const RankState& s : ranks_)
@@ -138,16 +157,18 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
                           " without joining " + collective_name(call.kind) + " #" + std::to_string(seq) +
                           " that rank " + std::to_string(rank) + " waits in");
         }
-        poison_locked("timeout: rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) +
-                      " ms in " + describe_call(call) + " for ranks that never arrived");
+        timeout_locked(rank, call, start, timeout, behind_locked(&RankState::posted, seq), ", which never arrived");
       }
     }
   }
   // calls_ stays as it is until every rank has read: the next call's arrival
-  // cannot complete before then.
+  // cannot complete before then. Every rank sees the same records, so every rank
+  // makes the same choice of a second rendezvous.
   read(calls_);
+  bool wait_for_readers = false;
+  for (const CallRecord& c : calls_) wait_for_readers = wait_for_readers || !c.staged;
   // Peers may still read this rank's buffers: wait until all have finished reading
-  // (or one of them threw while reading, and reads no more).
+  // (or one of them threw while reading, and reads no more), within the timeout.
   if (wait_for_readers) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -160,14 +181,19 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
     if (last) {
       wake_all();
     } else {
-      const bool all_read = wait_for(read_, seq, std::chrono::steady_clock::time_point::max(), [&] {
+      const auto start = std::chrono::steady_clock::now();
+      const bool all_read = wait_for(read_, seq, start + timeout, [&] {
         for (const RankState& s : ranks_)
           if (s.done < seq && s.phase == Phase::failed) return true;
         return false;
       });
       if (!all_read) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        throw CollectiveError(poison_ ? *poison_ : "a peer failed while reading");
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (read_.load() < seq) {
+          if (poison_) throw CollectiveError(*poison_);
+          timeout_locked(rank, call, start, timeout, behind_locked(&RankState::done, seq),
+                         " to finish reading its buffers");
+        }
       }
     }
   }

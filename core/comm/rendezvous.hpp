@@ -36,12 +36,12 @@ class Rendezvous {
 
   // One call of `rank`: rendezvous, check, then `read` (which may read every
   // peer's buffers through their records), a second rendezvous, then `after`.
-  // Without `wait_for_readers` there is no second rendezvous: for buffers that
-  // stay valid until every rank has arrived at the next call (a backend's own
-  // staging, alternating between two slots).
+  // When every rank's record is `staged` there is no second rendezvous: the
+  // buffers stay valid until every rank has arrived at the next call (a backend's
+  // own staging, alternating between two slots). Both waits end by `timeout`.
   void run(int rank, CallRecord call, std::chrono::milliseconds timeout,
            const std::function<void(const std::vector<CallRecord>&)>& read,
-           const std::function<void()>& after = {}, bool wait_for_readers = true);
+           const std::function<void()>& after = {});
 
   // Lifecycle: a rank that returned, or threw.
   void finish(int rank);
@@ -58,6 +58,11 @@ class Rendezvous {
   };
   std::string states_locked() const;
   [[noreturn]] void poison_locked(const std::string& why);
+  // The ranks whose `field` (calls posted, or read) has not reached seq.
+  std::vector<int> behind_locked(std::uint64_t RankState::*field, std::uint64_t seq) const;
+  // Rank `rank` waited in `call` since `start` for `who` (`what` they did not do).
+  [[noreturn]] void timeout_locked(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
+                                   std::chrono::milliseconds timeout, const std::vector<int>& who, const char* what);
   // Waits, without the lock, until `reached` is at least seq (true), or until the
   // deadline or something `stop` sees under the lock (false).
   template <class Stop>

@@ -87,7 +87,9 @@ class GlooCommunicator final : public Communicator {
         in = g_->context().createUnboundBuffer(recv, recv_bytes);
         in->recv(src, kPointToPointSlot);
       }
+      g_->awaiting() = {src};
       if (in) in->waitRecv(t);
+      g_->awaiting() = {dst};
       if (out) out->waitSend(t);
     });
   }
@@ -138,8 +140,20 @@ class GlooCommunicator final : public Communicator {
     for (int q = 0; q < n; ++q)
       if (q != me) mine->send(q, kGatherSlot);
     std::memcpy(out + me * bytes, send, bytes);
-    for (int i = 1; i < n; ++i) in->waitRecv(t);
-    for (int i = 1; i < n; ++i) mine->waitSend(t);
+    // One deadline for the whole call, not one per peer.
+    const auto deadline = Clock::now() + t;
+    auto left = [&] {
+      return std::max(1ms, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    };
+    for (int i = 1; i < n; ++i) {
+      int src = -1;
+      in->waitRecv(&src, left());
+      std::erase(g_->awaiting(), src);
+    }
+    g_->awaiting().clear();
+    for (int q = 0; q < n; ++q)
+      if (q != me) g_->awaiting().push_back(q);
+    for (int i = 1; i < n; ++i) mine->waitSend(left());
   }
   static constexpr std::size_t kDirectGatherBytes = 1 << 20;
   void sum_parts(const std::vector<std::uint8_t>& parts, void* out, std::size_t count, DType dt) {

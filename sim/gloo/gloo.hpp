@@ -128,8 +128,11 @@ class GlooRank : public CallChannel, public std::enable_shared_from_this<GlooRan
   // The call the last exchange agreed on (its sequence number), for transport errors.
   const CallRecord& current() const { return current_; }
   // Moves data after a successful exchange; a transport failure breaks the group.
+  // `f` may narrow down the peers it still waits for (awaiting()), so that a
+  // timeout names them; by default every peer is.
   template <class F>
   void transport(const CallRecord& call, F&& f);
+  std::vector<int>& awaiting() { return awaiting_; }
 
   std::chrono::milliseconds pick(CallOptions o) const { return o.timeout.count() > 0 ? o.timeout : timeout_; }
   gloo::Context& context() { return *context_; }
@@ -149,6 +152,7 @@ class GlooRank : public CallChannel, public std::enable_shared_from_this<GlooRan
   CallRecord current_;
   int patience_first_ = 0;
   std::chrono::milliseconds patience_{0};
+  std::vector<int> awaiting_;  // the peers the current transport still waits for
   std::string stopped_;  // why this run stopped (empty: in step)
   std::string broken_;   // why the group is broken (empty: usable)
 };
@@ -157,20 +161,28 @@ class GlooRank : public CallChannel, public std::enable_shared_from_this<GlooRan
 // naming the call.
 template <class F>
 void GlooRank::transport(const CallRecord& call, F&& f) {
+  const auto start = std::chrono::steady_clock::now();
+  awaiting_.clear();
+  for (int q = 0; q < size_; ++q)
+    if (q != rank_) awaiting_.push_back(q);
   try {
     f();
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    std::vector<int> everyone;
-    for (int q = 0; q < size_; ++q)
-      if (q != rank_) everyone.push_back(q);
     const std::string what = e.what();
-    const bool timed_out = is_gloo_timeout(what);
-    break_group((timed_out ? "timeout: rank " + std::to_string(rank_) + " waited for its peers in "
-                           : "rank " + std::to_string(rank_) + " lost its peers during ") +
-                    describe_call(call) + " (gloo: " + what + ")",
-                everyone, timeout_);
+    std::string peers;
+    for (int q : awaiting_) peers += (peers.empty() ? "" : ", ") + std::to_string(q);
+    const std::string ranks = std::string(awaiting_.size() == 1 ? "rank " : "ranks ") + peers;
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+    break_group(is_gloo_timeout(what)
+                    ? "timeout: rank " + std::to_string(rank_) + " waited " + std::to_string(waited) + " ms (limit " +
+                          std::to_string(pick({}).count()) + " ms) in " + describe_call(call) + " for data from " +
+                          ranks + " (gloo: " + what + ")"
+                    : "rank " + std::to_string(rank_) + " lost " + ranks + " during " + describe_call(call) +
+                          " (gloo: " + what + ")",
+                std::vector<int>(awaiting_), timeout_);
   }
 }
 

@@ -65,12 +65,6 @@ std::string state_of(const CallRecord& c, GlooRank::Status status, const std::st
   return "?";
 }
 
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string s;
-  for (int q : ranks) s += (s.empty() ? "" : ", ") + std::to_string(q);
-  return s;
-}
-
 }  // namespace
 
 GlooRank::GlooRank(std::shared_ptr<gloo::Context> context, int rank, int size, std::shared_ptr<Store> records,
@@ -122,8 +116,7 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
       else if (suspect) lost += "\n  " + *record;
     }
     const std::string quiet = silent.empty() ? ""
-                                             : "\n  no failure record from rank" +
-                                                   std::string(silent.size() > 1 ? "s " : " ") + rank_list(silent) +
+                                             : "\n  no failure record from " + name_ranks(silent) +
                                                    " (stopped answering, or killed or crashed outside cpsim launch)";
     // Peers' records only say they lost someone too; the root cause is worth the wait.
     if (!died.empty() || (!lost.empty() && (!processes_ || Clock::now() >= deadline))) return died + lost + quiet;
@@ -171,7 +164,8 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
     arrived[rank_] = true;
     auto send = context_->createUnboundBuffer(&out, sizeof(Wire));
     auto recv = context_->createUnboundBuffer(in.data(), sizeof(Wire) * size_);
-    auto deadline = Clock::now() + timeout;
+    const auto start = Clock::now();
+    auto deadline = start + timeout;
     const int first = std::exchange(patience_first_, 0);
     const auto then = std::exchange(patience_, std::chrono::milliseconds(0));
     auto group_in = [&] {
@@ -209,11 +203,12 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
       const bool timed_out = is_gloo_timeout(what) || Clock::now() >= deadline;
       std::string why;
       if (timed_out)
-        why = "timeout: rank " + std::to_string(rank_) + " waited " + std::to_string(timeout.count()) + " ms in " +
-              describe_call(me) + " for ranks that never arrived: " + rank_list(missing);
+        why = "timeout: rank " + std::to_string(rank_) + " waited " +
+              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()) +
+              " ms (limit " + std::to_string(timeout.count()) + " ms) in " + describe_call(me) + " for " +
+              name_ranks(missing) + ", which never arrived";
       else
-        why = "rank " + std::to_string(rank_) + " lost its connection to rank" + (missing.size() > 1 ? "s " : " ") +
-              rank_list(missing) + " in " + describe_call(me) + " (gloo: " + what + ")";
+        why = "rank " + std::to_string(rank_) + " lost its connection to " + name_ranks(missing) + " in " + describe_call(me) + " (gloo: " + what + ")";
       break_group(why + states.str(), missing, timeout);
     }
     for (int q = 0; q < size_; ++q) {
