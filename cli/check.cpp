@@ -28,13 +28,14 @@ void print_table(const std::string& name, const std::vector<PropertyResult>& res
       for (const auto& r : results)
         if (r.property == prop && r.cp == cp) {
           std::ostringstream cell;
-          cell << (r.ok ? "pass " : "FAIL ") << std::setprecision(2) << r.error;
+          if (r.aborted) cell << "ABORTED";
+          else cell << (r.ok ? "pass " : "FAIL ") << std::setprecision(2) << r.error;
           std::cout << std::setw(16) << cell.str();
         }
     std::cout << "\n";
   }
   for (const auto& r : results)
-    if (!r.ok) std::cout << "  FAIL " << r.property << " at cp=" << r.cp << ": " << r.detail << "\n";
+    if (!r.ok) std::cout << (r.aborted ? "  ABORTED " : "  FAIL ") << r.property << " at cp=" << r.cp << ": " << r.detail << "\n";
 }
 
 }  // namespace
@@ -66,7 +67,7 @@ int run_check(CheckArgs a) {
       if (most > 0 && cp > most) throw UsageError("--cp " + std::to_string(cp) + " on --backend " + o.backend + ": " + why);
   }
   nlohmann::json out = {{"ok", true}, {"results", nlohmann::json::array()}};
-  bool ok = true;
+  bool failed = false, aborted = false;
   for (std::size_t i = 0; i < files.size(); ++i) {
     std::vector<PropertyResult> all;
     for (int cp : a.cp_sizes) {
@@ -75,17 +76,23 @@ int run_check(CheckArgs a) {
       for (auto& r : check_all(c, o)) all.push_back(r);
     }
     for (const auto& r : all) {
-      ok = ok && r.ok;
-      nlohmann::json j = {{"batch", a.batches[i]}, {"cp", r.cp}, {"property", r.property}, {"ok", r.ok}, {"error", r.error}};
+      failed = failed || (!r.ok && !r.aborted);
+      aborted = aborted || r.aborted;
+      nlohmann::json j = {{"batch", a.batches[i]}, {"cp", r.cp},    {"property", r.property},
+                          {"ok", r.ok},            {"error", r.error}, {"aborted", r.aborted}};
       if (!r.ok) j["detail"] = r.detail;
       out["results"].push_back(j);
     }
     if (!a.json) print_table(a.batches[i], all, a.cp_sizes);
   }
-  out["ok"] = ok;
+  out["ok"] = !failed && !aborted;
+  out["aborted"] = aborted;
   if (a.json) std::cout << out.dump(1) << "\n";
-  else std::cout << (ok ? "all properties hold\n" : "some properties FAILED\n");
-  return finish_job(a.job, ok ? kExitOk : kExitFailed);
+  else if (failed) std::cout << "some properties FAILED\n";
+  else if (aborted) std::cout << "the run could not complete (ABORTED: no verdict on those properties)\n";
+  else std::cout << "all properties hold\n";
+  // A failed property is a finding whatever else happened; an aborted run alone is exit 3.
+  return finish_job(a.job, failed ? kExitFailed : aborted ? kExitAborted : kExitOk);
 }
 
 }  // namespace cpsim::cli

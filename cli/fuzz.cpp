@@ -55,9 +55,17 @@ int run_fuzz(FuzzArgs a) {
   std::optional<LayoutCase> smallest;
   std::string failure;
   std::map<std::string, int> passed;
+  // Why the run could not complete. Every later case fails at once, so RapidCheck
+  // stops (its shrinking of an instant failure is quick); no case is blamed.
+  std::string aborted;
   auto property = [&](const LayoutCase& c) {
-    if (job_broken()) RC_FAIL("the job stopped");
+    if (aborted.empty() && job_broken()) aborted = "the job stopped";
+    if (!aborted.empty()) RC_FAIL("aborted: " + aborted);
     for (const auto& r : check_all(c, o)) {
+      if (r.aborted) {
+        aborted = r.property + " at cp=" + std::to_string(r.cp) + ": " + r.detail;
+        RC_FAIL("aborted: " + aborted);
+      }
       if (!r.ok) {
         smallest = c;  // the last failure seen is the most shrunk one
         failure = r.property + " at cp=" + std::to_string(r.cp) + ": " + r.detail;
@@ -73,6 +81,11 @@ int run_fuzz(FuzzArgs a) {
   Progress progress(a.cases, a.job.rank == 0);
   const auto gen = gen_layout_case(a.max_cp);
   const PropertyOutcome result = run_property(settings, [&] { property(*gen); }, &progress);
+  if (!aborted.empty() && !smallest) {
+    // A job that broke says why itself (finish_job), once.
+    if (!job_broken()) report_error("aborted: the run could not complete, no verdict: " + aborted);
+    return finish_job(a.job, kExitAborted);
+  }
   if (result.ok) {
     std::cout << "fuzz: " << a.cases << " random layouts (seed " << a.seed << ", cp 1-" << a.max_cp << ", backend "
               << a.job.backend << (a.job.multi ? ", " + std::to_string(a.job.size) + " processes" : std::string())
@@ -80,8 +93,8 @@ int run_fuzz(FuzzArgs a) {
     for (const auto& [name, n] : passed) std::cout << "  " << std::left << std::setw(21) << name << n << " cases\n";
     return finish_job(a.job, kExitOk);
   }
-  if (job_broken()) return finish_job(a.job, kExitFailed);  // the job failed, not a layout
   std::cout << "fuzz: property failed: " << failure << "\n";
+  if (!aborted.empty()) std::cout << "(shrinking stopped early: the run could not complete: " << aborted << ")\n";
   if (smallest && a.job.rank == 0) {
     write_batch_json(a.out, smallest->batch, smallest->pad_token_id);
     std::cout << "smallest failing layout (cp=" << smallest->cp << "): " << *smallest << "\n"

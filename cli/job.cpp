@@ -61,8 +61,8 @@ int finish_job(const JobArgs& a, int status) {
   sim::leave_world();
   std::cout.clear();
   if (world && !world->failure.empty()) {
-    report_error("error: " + world->failure);
-    return kExitFailed;
+    report_error("aborted: " + world->failure);
+    return status == kExitFailed ? kExitFailed : kExitAborted;
   }
   return status;
 }

@@ -1,5 +1,6 @@
 // The cpsim command line (SPEC §6). Exit status: 0 every property holds,
-// 1 a property failed, 2 bad usage or invalid input (one line naming key, row, index).
+// 1 a property failed, 2 bad usage or invalid input (one line naming key, row,
+// index), 3 the run could not complete (a rank died or timed out, a resource failed).
 #include <csignal>
 #include <filesystem>
 #include <iostream>
@@ -40,12 +41,15 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     report_error(e.what());
     return kExitUsage;
-  } catch (const InvalidInput& e) {
-    report_error(std::string("invalid input: ") + e.what());
-    return kExitUsage;
-  } catch (const std::exception& e) {
-    report_error(std::string("error: ") + e.what());
-    return kExitFailed;
+  } catch (...) {
+    const FailureReport report = classify_failure(std::current_exception());
+    switch (report.kind) {
+      case FailureKind::invalid_input: report_error("invalid input: " + report.what); return kExitUsage;
+      case FailureKind::unsupported: report_error(report.what); return kExitUsage;
+      case FailureKind::collective: report_error("error: " + report.what); return kExitFailed;
+      case FailureKind::aborted: report_error("aborted: " + report.what); return kExitAborted;
+      case FailureKind::internal: report_error(report.what); return kExitAborted;
+    }
   }
   return kExitUsage;
 }

@@ -12,7 +12,10 @@
 
 namespace cpsim::cli {
 
-inline constexpr int kExitOk = 0, kExitFailed = 1, kExitUsage = 2;
+// Exit statuses: every property holds; a property failed; bad usage or invalid
+// input; the run could not complete (a rank died or timed out, memory, a store or
+// another resource failed: no verdict on the code under test).
+inline constexpr int kExitOk = 0, kExitFailed = 1, kExitUsage = 2, kExitAborted = 3;
 inline constexpr const char* kVersion = "cpsim 0.4.0";
 
 // Options of every command that runs ranks.

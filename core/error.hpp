@@ -2,10 +2,15 @@
 // these, thrown with the source location so a report points at the check that fired.
 //   Error            base class
 //   InvalidInput     a batch or argument breaks SPEC §1/§2 (names key, row, index)
-//   CollectiveError  a distributed bug: mismatch, timeout, a rank that failed or left
+//   CollectiveError  a distributed bug: ranks whose calls do not match, a rank that
+//                    threw or returned while its peers wait in a collective
+//   Aborted          the run could not complete, whatever the code under test does:
+//                    a rank timed out, died or lost its peers, memory ran out, a
+//                    store or another resource failed (the command line's exit 3)
 //   Unsupported      a backend that does not implement an operation
 #pragma once
 
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -27,10 +32,25 @@ class CollectiveError : public Error {
   explicit CollectiveError(const std::string& what) : Error(what) {}
 };
 
+class Aborted : public Error {
+ public:
+  explicit Aborted(const std::string& what) : Error(what) {}
+};
+
 class Unsupported : public Error {
  public:
   explicit Unsupported(const std::string& what) : Error(what) {}
 };
+
+// How a failure is reported and what the command line exits with: the classes
+// above, and the standard library's own exceptions in cpsim's words (running out
+// of memory aborts a run; anything else escaping cpsim is an internal error).
+enum class FailureKind : unsigned char { invalid_input, collective, aborted, unsupported, internal };
+struct FailureReport {
+  FailureKind kind = FailureKind::internal;
+  std::string what;
+};
+FailureReport classify_failure(const std::exception_ptr& failure);
 
 namespace detail {
 template <class... Args>

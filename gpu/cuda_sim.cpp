@@ -176,7 +176,7 @@ class CudaSimGroup final : public Group {
     const cudaError_t e = cudaStreamSynchronize(state_->streams[rank]);
     kernels::current_stream() = nullptr;
     if (e != cudaSuccess)  // run_ranks reports it and fails the rank (fail below)
-      throw Error(std::string("CUDA error at the end of the run: ") + cudaGetErrorString(e));
+      throw Aborted(std::string("CUDA error at the end of the run: ") + cudaGetErrorString(e));
     state_->rendezvous->finish(rank);
   }
   void fail(int rank, const std::string& what) override {

@@ -34,7 +34,7 @@ constexpr Capabilities kNcclCapabilities{/*rank_order_sums=*/false, /*device_buf
                                          /*stream_ordered=*/true};
 
 void nccl_check(ncclResult_t r, const char* call) {
-  if (r != ncclSuccess) throw Error(std::string(call) + ": " + ncclGetErrorString(r));
+  if (r != ncclSuccess) throw Aborted(std::string(call) + ": " + ncclGetErrorString(r));
 }
 #define CPSIM_NCCL(call) nccl_check((call), #call)
 
@@ -100,7 +100,7 @@ class NcclTransport final : public Communicator {
  private:
   template <class F>
   void run(const char* what, CallOptions o, F&& enqueue) {
-    if (!r_->aborted.empty()) throw CollectiveError("the nccl communicator was aborted: " + r_->aborted);
+    if (!r_->aborted.empty()) throw Aborted("the nccl communicator was aborted: " + r_->aborted);
     const ncclResult_t r = enqueue();
     if (r != ncclSuccess && r != ncclInProgress)
       abort(std::string("rank ") + std::to_string(rank_) + ": " + what + " failed to start: " + ncclGetErrorString(r));
@@ -130,7 +130,7 @@ class NcclTransport final : public Communicator {
     r_->aborted = why;
     (void)ncclCommAbort(r_->comm);
     r_->comm = nullptr;
-    throw CollectiveError(why + " (the nccl communicator was aborted)");
+    throw Aborted(why + " (the nccl communicator was aborted)");
   }
 
   std::shared_ptr<NcclRank> r_;
@@ -211,7 +211,7 @@ class NcclGroup final : public Group {
   void finish(int rank) override {
     const cudaError_t e = cudaStreamSynchronize(ranks_[rank]->stream);
     kernels::current_stream() = nullptr;
-    if (e != cudaSuccess) throw Error(std::string("CUDA error at the end of the run: ") + cudaGetErrorString(e));
+    if (e != cudaSuccess) throw Aborted(std::string("CUDA error at the end of the run: ") + cudaGetErrorString(e));
     rendezvous_->finish(rank);
   }
   void fail(int rank, const std::string& what) override {
@@ -256,7 +256,7 @@ std::unique_ptr<Communicator> job_transport(const std::shared_ptr<sim::GlooRank>
     side->communicator()->broadcast(&id, sizeof id, DType::b8, 0);  // over Gloo
     const ncclResult_t init = ncclCommInitRank(&r->comm, n, id, side->rank());
     if (init != ncclSuccess)
-      throw Error(std::string("ncclCommInitRank on cuda:") + std::to_string(r->device) + ": " + ncclGetErrorString(init) +
+      throw Aborted(std::string("ncclCommInitRank on cuda:") + std::to_string(r->device) + ": " + ncclGetErrorString(init) +
                   " (two ranks of one host on one GPU? nccl needs a GPU per rank; cuda-sim runs many ranks on one)");
     std::lock_guard<std::mutex> lock(job_mutex);
     job_ranks[n] = r;

@@ -13,7 +13,7 @@
 namespace cpsim::gpu {
 
 void cuda_fail(cudaError_t error, const char* call, const char* file, int line) {
-  throw Error(detail::concat(file, ":", line, ": ", call, ": ", cudaGetErrorName(error), " (",
+  throw Aborted(detail::concat(file, ":", line, ": ", call, ": ", cudaGetErrorName(error), " (",
                              cudaGetErrorString(error), ")"));
 }
 

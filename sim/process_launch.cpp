@@ -59,7 +59,7 @@ int launch_processes(const LaunchOptions& o, std::ostream& log) {
   std::string store = o.store, temp_dir;
   if (store.empty()) {
     char tmpl[] = "/tmp/cpsim-launch-XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) throw Error(std::string("cannot create a store directory: ") + strerror(errno));
+    if (mkdtemp(tmpl) == nullptr) throw Aborted(std::string("cannot create a store directory: ") + strerror(errno));
     temp_dir = tmpl;
     store = "file:" + temp_dir;
   }
@@ -82,7 +82,7 @@ int launch_processes(const LaunchOptions& o, std::ostream& log) {
   std::vector<Child> children(o.processes);
   for (int r = 0; r < o.processes; ++r) {
     const pid_t pid = fork();
-    if (pid < 0) throw Error(std::string("fork failed: ") + strerror(errno));
+    if (pid < 0) throw Aborted(std::string("fork failed: ") + strerror(errno));
     if (pid == 0) {
       setenv("RANK", std::to_string(r).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(o.processes).c_str(), 1);

@@ -242,11 +242,14 @@ std::vector<Tensor> deserialize_tensors(const std::uint8_t* data, std::size_t si
 
 namespace {
 
-enum class Failure : std::uint8_t { none, collective, invalid_input, unsupported, other };
+// A rank's failure as it travels: none, or a FailureKind + 1.
+enum class Failure : std::uint8_t { none, invalid_input, collective, aborted, unsupported, internal };
+static_assert(static_cast<int>(Failure::internal) == static_cast<int>(FailureKind::internal) + 1);
 
 [[noreturn]] void rethrow_as(Failure kind, const std::string& what) {
   switch (kind) {
     case Failure::collective: throw CollectiveError(what);
+    case Failure::aborted: throw Aborted(what);
     case Failure::invalid_input: throw InvalidInput(what);
     case Failure::unsupported: throw Unsupported(what);
     default: throw Error(what);
@@ -262,7 +265,7 @@ enum class Failure : std::uint8_t { none, collective, invalid_input, unsupported
     } catch (const std::exception&) {
     }
   }
-  throw CollectiveError(why);
+  throw Aborted(why);
 }
 
 }  // namespace
@@ -272,7 +275,7 @@ void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chro
   CPSIM_ENFORCE(world, "run_in_world before join_world");
   World& w = *world;
   if (!w.failure.empty())
-    throw CollectiveError("the job stopped at an earlier failure: " + w.failure.substr(0, w.failure.find('\n')));
+    throw Aborted("the job stopped at an earlier failure: " + w.failure.substr(0, w.failure.find('\n')));
   if (n > w.config.size)
     CPSIM_INVALID("a group of ", n, " ranks needs ", n, " processes; this job has ", w.config.size,
                   " (start it with cpsim launch -n ", n, ")");
@@ -286,16 +289,10 @@ void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chro
       const std::unique_ptr<Communicator> comm = transport ? transport(g, n) : g->communicator();
       fn(*comm);
       g->finish();
-    } catch (const CollectiveError& e) {
-      kind = Failure::collective, what = e.what();
-    } catch (const InvalidInput& e) {
-      kind = Failure::invalid_input, what = e.what();
-    } catch (const Unsupported& e) {
-      kind = Failure::unsupported, what = e.what();
-    } catch (const std::exception& e) {
-      kind = Failure::other, what = e.what();
     } catch (...) {
-      kind = Failure::other, what = "unknown exception";
+      const FailureReport report = classify_failure(std::current_exception());
+      kind = static_cast<Failure>(static_cast<int>(report.kind) + 1);
+      what = report.what;
     }
     if (kind != Failure::none && g) g->fail(what);
     if (g && g->broken()) fail_job(g->broken_reason());

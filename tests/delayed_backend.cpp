@@ -9,6 +9,8 @@
 // kernels are the host's. It drives every operator and property through the
 // device paths (inputs moved to the rank's device, results moved back, plans and
 // layouts copied over) on a machine without a GPU.
+// `stalling` (registered by the tests that use it): threads whose last rank stalls
+// past the timeout before every call, so every run that moves data times out.
 // `counting` (registered by the tests that use it, so the suites over every backend
 // do not run it): threads, counting the groups made, so tests can count simulations.
 #include <atomic>
@@ -18,53 +20,29 @@
 #include <random>
 #include <thread>
 
+#include "core/comm/forwarding.hpp"
 #include "core/comm/registry.hpp"
 #include "core/kernels/table.hpp"
 
 namespace cpsim::testing {
+
+using namespace std::chrono_literals;
 
 std::atomic<std::int64_t> counting_groups{0};
 std::atomic<std::int64_t> host_device_allocations{0};
 
 namespace {
 
-class DelayedCommunicator final : public Communicator {
+class DelayedCommunicator final : public ForwardingCommunicator {
  public:
-  DelayedCommunicator(std::unique_ptr<Communicator> inner, std::uint64_t seed) : inner_(std::move(inner)), rng_(seed) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  DelayedCommunicator(std::unique_ptr<Communicator> inner, std::uint64_t seed)
+      : ForwardingCommunicator(std::move(inner)), rng_(seed) {}
   std::string backend_name() const override { return "delayed"; }
-  Capabilities capabilities() const override { return inner_->capabilities(); }
-
-  void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
-    delay();
-    inner_->all_gather(send, recv, count, dt, o);
-  }
-  void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
-    delay();
-    inner_->reduce_scatter(send, recv, count, dt, o);
-  }
-  void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override {
-    delay();
-    inner_->all_reduce(buf, count, dt, o);
-  }
-  void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
-    delay();
-    inner_->send_recv(step, dt, o);
-  }
-  void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
-    delay();
-    inner_->broadcast(buf, count, dt, root, o);
-  }
-  void barrier(CallOptions o) override {
-    delay();
-    inner_->barrier(o);
-  }
 
  private:
-  void delay() { std::this_thread::sleep_for(std::chrono::microseconds(rng_() % 300)); }
-  std::unique_ptr<Communicator> inner_;
+  void before(const CallRecord&, CallOptions) override {
+    std::this_thread::sleep_for(std::chrono::microseconds(rng_() % 300));
+  }
   std::mt19937_64 rng_;
 };
 
@@ -111,40 +89,22 @@ class HostMemoryDevice final : public DeviceRuntime {
   void copy(void* dst, Device, const void* src, Device, std::size_t bytes) override { std::memmove(dst, src, bytes); }
 };
 
-class OnDevice final : public Communicator {
+class OnDevice final : public ForwardingCommunicator {
  public:
-  explicit OnDevice(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  using ForwardingCommunicator::ForwardingCommunicator;
   std::string backend_name() const override { return "host-device"; }
   Capabilities capabilities() const override { return kCapabilities; }
   Device device() const override { return Device::cuda(0); }
-  void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
-    inner_->all_gather(send, recv, count, dt, o);
-  }
-  void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
-    inner_->reduce_scatter(send, recv, count, dt, o);
-  }
-  void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override { inner_->all_reduce(buf, count, dt, o); }
-  void send_recv(const SendRecv& step, DType dt, CallOptions o) override { inner_->send_recv(step, dt, o); }
-  void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
-    inner_->broadcast(buf, count, dt, root, o);
-  }
-  void barrier(CallOptions o) override { inner_->barrier(o); }
   static constexpr Capabilities kCapabilities{/*rank_order_sums=*/true, /*device_buffers=*/true,
                                               /*stream_ordered=*/false};
-
- private:
-  std::unique_ptr<Communicator> inner_;
 };
 
-class OnDeviceGroup final : public Group {
+// The ranks of `inner`, each wrapped in a W.
+template <class W>
+class WrappedGroup final : public Group {
  public:
-  explicit OnDeviceGroup(std::shared_ptr<Group> inner) : inner_(std::move(inner)) {}
-  std::unique_ptr<Communicator> communicator(int rank) override {
-    return std::make_unique<OnDevice>(inner_->communicator(rank));
-  }
+  explicit WrappedGroup(std::shared_ptr<Group> inner) : inner_(std::move(inner)) {}
+  std::unique_ptr<Communicator> communicator(int rank) override { return std::make_unique<W>(inner_->communicator(rank)); }
   void finish(int rank) override { inner_->finish(rank); }
   void fail(int rank, const std::string& what) override { inner_->fail(rank, what); }
   void done() override { inner_->done(); }
@@ -162,7 +122,31 @@ void register_host_device_backend() {
     kernels::register_kernels(DeviceKind::cuda, &kernels::kernels_for(Device::host()));
     register_backend(Backend{"host-device", "test only: threads with tensors on a cuda:0 made of host memory",
                              OnDevice::kCapabilities, [](int n, std::chrono::milliseconds timeout) {
-                               return std::make_shared<OnDeviceGroup>(find_backend("threads").make_group(n, timeout));
+                               return std::make_shared<WrappedGroup<OnDevice>>(find_backend("threads").make_group(n, timeout));
+                             }});
+    return true;
+  }();
+  (void)once;
+}
+
+namespace {
+class Stalling final : public ForwardingCommunicator {
+ public:
+  using ForwardingCommunicator::ForwardingCommunicator;
+
+ private:
+  void before(const CallRecord&, CallOptions o) override {
+    if (rank() == size() - 1) std::this_thread::sleep_for((o.timeout.count() > 0 ? o.timeout : timeout()) + 100ms);
+  }
+};
+}  // namespace
+
+void register_stalling_backend() {
+  static const bool once = [] {
+    register_backend(Backend{"stalling", "test only: threads whose last rank stalls past the timeout at every call",
+                             Capabilities{/*rank_order_sums=*/true, /*device_buffers=*/false, /*stream_ordered=*/false},
+                             [](int n, std::chrono::milliseconds timeout) {
+                               return std::make_shared<WrappedGroup<Stalling>>(find_backend("threads").make_group(n, timeout));
                              }});
     return true;
   }();

@@ -17,14 +17,16 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 namespace {
-template <class F>
+// What a run of `n` ranks threw: a CollectiveError (a distributed bug), or with
+// E = Aborted a run that could not complete (a timeout).
+template <class E = CollectiveError, class F>
 std::string collective_error(const std::string& backend, int n, F f, std::chrono::milliseconds t) {
   try {
     run_ranks(n, f, {backend, t});
-  } catch (const CollectiveError& e) {
+  } catch (const E& e) {
     return e.what();
   }
-  ADD_FAILURE() << "no CollectiveError";
+  ADD_FAILURE() << "no " << (std::is_same_v<E, Aborted> ? "Aborted" : "CollectiveError");
   return "";
 }
 }  // namespace
@@ -33,9 +35,13 @@ std::string collective_error(const std::string& backend, int n, F f, std::chrono
 class BackendCalls : public ::testing::TestWithParam<std::string> {
  protected:
   RunOptions fast(std::chrono::milliseconds t = 5000ms) const { return {GetParam(), t}; }
-  template <class F>
+  template <class E = CollectiveError, class F>
   std::string collective_error(int n, F f, std::chrono::milliseconds t = 5000ms) const {
-    return ::collective_error(GetParam(), n, f, t);
+    return ::collective_error<E>(GetParam(), n, f, t);
+  }
+  template <class F>
+  std::string timeout_error(int n, F f, std::chrono::milliseconds t) const {
+    return collective_error<Aborted>(n, f, t);
   }
 };
 INSTANTIATE_TEST_SUITE_P(Registered, BackendCalls, ::testing::ValuesIn(backend_names()),
@@ -162,7 +168,7 @@ TEST_P(BackendCalls, MispairedSendRecvIsReported) {
 TEST_P(BackendCalls, ARankThatNeverArrivesTimesOutOnEveryRank) {
   std::atomic<bool> release{false};
   const auto start = std::chrono::steady_clock::now();
-  const std::string why = collective_error(3, [&](Communicator& comm) {
+  const std::string why = timeout_error(3, [&](Communicator& comm) {
     if (comm.rank() == 2) {
       while (!release) std::this_thread::sleep_for(1ms);  // stuck in user code
       comm.barrier();
@@ -211,7 +217,7 @@ TEST_P(BackendCalls, ARankThatReturnsEarlyIsReportedImmediately) {
 TEST_P(BackendCalls, PerCallTimeoutOverridesTheDefault) {
   const auto start = std::chrono::steady_clock::now();
   std::atomic<bool> release{false};
-  collective_error(2, [&](Communicator& comm) {
+  timeout_error(2, [&](Communicator& comm) {
     if (comm.rank() == 1) {
       while (!release) std::this_thread::sleep_for(1ms);
       return;

@@ -128,6 +128,37 @@ TEST(Cli, BenchTimesChecksAndPlotsEveryPoint) {
   std::filesystem::remove_all(dir);
 }
 
+// A run that cannot complete is exit 3 with one line saying "aborted:", never a
+// property failure (1): a peer that never comes (a timeout), a store that cannot
+// be reached or made (a resource).
+TEST(Cli, ARunThatCannotCompleteIsExitThree) {
+  const std::string example = (kExamples / "spec_example.json").string();
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-exit3-" + std::to_string(::getpid()));
+  struct Case {
+    std::string name;
+    std::vector<std::string> args;
+    std::vector<std::pair<std::string, std::string>> env;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"a peer that never comes", {kCpsim, "check", example, "--timeout", "1"},
+       {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"CPSIM_STORE", "file:" + (dir / "store").string()}, {"CPSIM_JOB_ID", "x"}},
+       "rank 1 never came"},
+      {"a Redis store that is down", {kCpsim, "check", example, "--cp", "1", "--store", "redis://127.0.0.1:1"},
+       {{"RANK", "0"}, {"WORLD_SIZE", "1"}}, "cannot reach the Redis store"},
+      {"a file store that cannot be made", {kCpsim, "check", example, "--cp", "1", "--store", "file:/proc/cpsim-no"},
+       {{"RANK", "0"}, {"WORLD_SIZE", "1"}}, "cannot create the directory"},
+  };
+  for (const auto& c : cases) {
+    const auto r = run_process(c.args, 60s, {}, c.env);
+    EXPECT_EQ(r.status, 3) << c.name << "\n" << r.out << r.err;
+    EXPECT_THAT(r.err, HasSubstr("aborted: ")) << c.name;
+    EXPECT_THAT(r.err, HasSubstr(c.says)) << c.name;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << c.name << ": " << r.err;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // Too few descriptors for an in-process gloo group: a resource error naming the
 // limit (exit 2, one line), never a hang or a property failure.
 TEST(Cli, TooFewDescriptorsForAGlooGroupIsAResourceErrorNamingTheLimit) {

@@ -244,10 +244,10 @@ TEST(Launch, AKilledRankFailsTheOthersWithinTheTimeout) {
             << std::chrono::duration_cast<std::chrono::milliseconds>(after_kill).count() << " ms after the kill\n";
   EXPECT_EQ(r.status, 128 + SIGKILL) << r.err;
   const std::string named = "rank 1 (pid " + std::to_string(victim) + ") was killed by signal 9";
-  EXPECT_THAT(r.err, AllOf(HasSubstr("cpsim: rank 0: error:"), HasSubstr("cpsim: rank 2: error:"), HasSubstr(named),
+  EXPECT_THAT(r.err, AllOf(HasSubstr("cpsim: rank 0: aborted:"), HasSubstr("cpsim: rank 2: aborted:"), HasSubstr(named),
                            Not(HasSubstr("did not exit in time"))));
   // Each survivor's own error names the dead rank (launch's record, read from the store).
-  for (const char* survivor : {"cpsim: rank 0: error:", "cpsim: rank 2: error:"}) {
+  for (const char* survivor : {"cpsim: rank 0: aborted:", "cpsim: rank 2: aborted:"}) {
     const auto at = r.err.find(survivor);
     ASSERT_NE(at, std::string::npos);
     const auto end = r.err.find("cpsim", at + 10);
@@ -273,7 +273,7 @@ TEST(Launch, AStuckRankTimesOutTheOthersAndLaunchKillsIt) {
   ASSERT_GT(victim, 0) << r.err;
   EXPECT_LT(r.elapsed, 30s);
   EXPECT_EQ(r.status, 128 + SIGKILL) << r.err;
-  EXPECT_THAT(r.err, AllOf(HasSubstr("timeout: rank"), HasSubstr("cpsim: rank 0: error:"),
+  EXPECT_THAT(r.err, AllOf(HasSubstr("timeout: rank"), HasSubstr("cpsim: rank 0: aborted:"),
                            HasSubstr("rank 2 (pid " + std::to_string(victim) + ") did not exit in time; killing it")));
 }
 
@@ -401,7 +401,7 @@ TEST(Launch, AStoppedRankEndsTheRanksSittingOutWithinTheTimeout) {
                               "--max-cp", "2", "--timeout", "2"},
                              120s, [&](const std::string& line) {
                                pids.see(line);
-                               if (line.find("cpsim: rank 2: error:") != std::string::npos)
+                               if (line.find("cpsim: rank 2: aborted:") != std::string::npos)
                                  rank2_at = std::chrono::steady_clock::now();
                              });
   stopper.join();
@@ -413,7 +413,7 @@ TEST(Launch, AStoppedRankEndsTheRanksSittingOutWithinTheTimeout) {
             << std::chrono::duration_cast<std::chrono::milliseconds>(rank2_at - stopped_at).count()
             << " ms after the stop\n";
   // Each live rank's error (its line and the records under it) names the stopped rank.
-  for (const char* live : {"cpsim: rank 0: error:", "cpsim: rank 2: error:"}) {
+  for (const char* live : {"cpsim: rank 0: aborted:", "cpsim: rank 2: aborted:"}) {
     const auto at = r.err.find(live);
     ASSERT_NE(at, std::string::npos) << r.err;
     EXPECT_THAT(r.err.substr(at, r.err.find("cpsim", at + 10) - at), HasSubstr("no failure record from rank 1")) << r.err;

@@ -1,4 +1,6 @@
 // The SPEC §5 properties over random packed layouts, CP sizes 1-16.
+#include <gmock/gmock.h>
+
 #include "tests/property_harness.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
@@ -164,6 +166,34 @@ extern std::atomic<std::int64_t> counting_groups;  // tests/delayed_backend.cpp
 extern std::atomic<std::int64_t> host_device_allocations;
 void register_counting_backend();
 void register_host_device_backend();
+void register_stalling_backend();
+}
+
+// A run that cannot complete (a rank stalls past the timeout) is no verdict on the
+// code: every row that runs ranks is aborted (with the timeout's report), never
+// FAIL, and the rows that run no ranks still give theirs.
+TEST(PropertyTable, ARunThatTimesOutIsAbortedNotFailed) {
+  cpsim::testing::register_stalling_backend();
+  const auto gen = gen_layout_case(4);
+  LayoutCase c = gen(rc::Random(5), 30).value();
+  c.cp = 3;
+  CheckOptions o;
+  o.backend = "stalling";
+  o.timeout = std::chrono::milliseconds(150);
+  const auto all = check_all(c, o);
+  ASSERT_EQ(all.size(), property_table().size());
+  for (std::size_t k = 0; k < all.size(); ++k) {
+    SCOPED_TRACE(all[k].property);
+    if (!property_table()[k].runs_ranks) {
+      EXPECT_TRUE(all[k].ok) << all[k].detail;
+      EXPECT_FALSE(all[k].aborted);
+      continue;
+    }
+    EXPECT_FALSE(all[k].ok);
+    EXPECT_TRUE(all[k].aborted) << all[k].detail;
+    EXPECT_THAT(all[k].detail, ::testing::HasSubstr("timeout: rank"));
+    EXPECT_THAT(all[k].detail, ::testing::HasSubstr("for rank 2, which never arrived"));
+  }
 }
 
 // Every row holds when each rank's tensors live on its backend's device: inputs

@@ -192,7 +192,7 @@ std::string batch_to_json(const Batch& batch, std::int64_t pad_token_id, bool pr
 
 void write_batch_json(const std::string& path, const Batch& batch, std::int64_t pad_token_id) {
   std::ofstream out(path);
-  if (!out) throw Error(path + ": cannot write");
+  if (!out) throw Aborted(path + ": cannot write (" + std::string(std::strerror(errno)) + ")");
   out << batch_to_json(batch, pad_token_id, true) << "\n";
 }
 

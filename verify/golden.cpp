@@ -1,5 +1,6 @@
 #include "verify/golden.hpp"
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -109,7 +110,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
   auto save = [&](const std::string& name, const GoldenFile& f) {
     const std::string path = (std::filesystem::path(dir) / name).string();
     std::ofstream out(path, std::ios::binary);
-    if (!out) throw Error(path + ": cannot write");
+    if (!out) throw Aborted(path + ": cannot write (" + std::string(std::strerror(errno)) + ")");
     out << write_safetensors(f.tensors, {{"format", "pt"}});
     manifest["files"][name] = f.keys;
     written.push_back(path);

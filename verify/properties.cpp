@@ -50,6 +50,15 @@ PropertyResult failed(const std::string& name, int cp, const std::string& why) {
   return {name, cp, false, 1.0, why};
 }
 
+// The property's run ended in the exception being handled: the code under test
+// failed (its exception is the property's failure), or the run could not
+// complete (a timeout, a lost rank, memory: aborted, no verdict on the code).
+PropertyResult threw(const std::string& name, int cp, const std::string& doing = "threw: ") {
+  const FailureReport report = classify_failure(std::current_exception());
+  if (report.kind == FailureKind::aborted) return {name, cp, false, 0.0, report.what, true};
+  return failed(name, cp, doing + report.what);
+}
+
 std::vector<std::int64_t> row_of(const Tensor& t, std::int64_t row) {
   const std::int64_t S = t.dim(1);
   std::vector<std::int64_t> v(S);
@@ -140,8 +149,8 @@ PropertyResult check_layout(const LayoutCase& c, const LayoutFn& layout_fn) {
     t.expect_equal(want.padding, unpacked.at("padding_mask"), "unpacked padding_mask");
     t.expect_equal(want.positions, unpacked.at("position_ids"), "unpacked position_ids");
     t.expect_equal(b.at("input_ids"), unpacked.at("input_ids"), "unpack changed input_ids");
-  } catch (const std::exception& e) {
-    return failed("layout", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("layout", c.cp);
   }
   return t.result();
 }
@@ -208,8 +217,8 @@ PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard) {
       }
       t.expect_equal(ref_ids, cat(local_ids, 1), "concatenated local doc ids");
     }
-  } catch (const std::exception& e) {
-    return failed("shard", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("shard", c.cp);
   }
   return t.result();
 }
@@ -232,14 +241,18 @@ Prepared::Prepared(LayoutCase c_in) : c(std::move(c_in)), runs(std::make_shared<
   try {
     for (int r = 0; r < c.cp; ++r)
       contexts.push_back(shard_batch_at(r, c.cp, c.batch, std::nullopt, c.pad_token_id, false).context);
-  } catch (const std::exception& e) {
+  } catch (...) {
     contexts.clear();
-    shard_error = e.what();
+    shard_failure = std::current_exception();
   }
 }
 
 const PackedContext& Prepared::context(int rank) const {
-  if (contexts.empty()) throw Error("shard_batch threw: " + shard_error);
+  if (contexts.empty()) {
+    const FailureReport report = classify_failure(shard_failure);
+    if (report.kind == FailureKind::aborted) throw Aborted(report.what);
+    throw Error("shard_batch threw: " + report.what);
+  }
   return contexts.at(rank);
 }
 
@@ -287,8 +300,8 @@ PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const
       for (int r = 0; r < c.cp; ++r)
         t.expect_equal(globals[k], got[k][r],
                        std::string("gathered ") + dtype_name(cases[k].first) + " on rank " + std::to_string(r));
-  } catch (const std::exception& e) {
-    return failed("gather_forward", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("gather_forward", c.cp);
   }
   return t.result();
 }
@@ -359,8 +372,8 @@ PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, cons
         t.expect_sum(reference_grad(dtypes[k], upstream[k], all, s.g, r), grads[k][r], capabilities_of(o),
                      std::string(dtype_name(dtypes[k])) + " gradient of rank " + std::to_string(r));
       }
-  } catch (const std::exception& e) {
-    return failed("gather_backward", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("gather_backward", c.cp);
   }
   return t.result();
 }
@@ -414,8 +427,8 @@ PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherF
                "without the anchor the skipped reduce_scatter was not reported" +
                    (error.empty() ? std::string() : " (got: " + error + ")"));
     }
-  } catch (const std::exception& e) {
-    return failed("anchor", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("anchor", c.cp);
   }
   return t.result();
 }
@@ -458,8 +471,8 @@ PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const H
       for (int r = 0; r < c.cp; ++r)
         t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[k][r],
                        "history of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
-  } catch (const std::exception& e) {
-    return failed("halo_forward", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("halo_forward", c.cp);
   }
   return t.result();
 }
@@ -497,8 +510,8 @@ PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const 
       for (int r = 0; r < c.cp; ++r)
         t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[k][r], kConvTolerance,
                        "input gradient of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
-  } catch (const std::exception& e) {
-    return failed("halo_backward", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("halo_backward", c.cp);
   }
   return t.result(kConvTolerance);
 }
@@ -583,8 +596,8 @@ PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn&
     const ConvRun& run = *held;
     for (std::size_t e = 0; e < run.y.size(); ++e)
       t.expect_close(run.ref.y, cat(run.y[e], 1), kConvTolerance, "conv output" + exchange_tag(kExchanges[e]));
-  } catch (const std::exception& e) {
-    return failed("conv_forward", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("conv_forward", c.cp);
   }
   return t.result(kConvTolerance);
 }
@@ -607,8 +620,8 @@ PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn
       t.expect_close(run.ref.dw, run.dw[e], kConvTolerance, "dw summed over ranks" + tag);
       t.expect_close(run.ref.dbias, run.dbias[e], kConvTolerance, "dbias summed over ranks" + tag);
     }
-  } catch (const std::exception& e) {
-    return failed("conv_backward", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("conv_backward", c.cp);
   }
   return t.result(kConvTolerance);
 }
@@ -699,8 +712,8 @@ PropertyResult recurrence_forward_of(Prepared& s, const CheckOptions& o, const R
     const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
     const RecurrenceRun& run = *held;
     t.expect_close(run.ref.o, run.o, kRecurrenceTolerance, "recurrence output o");
-  } catch (const std::exception& e) {
-    return failed("recurrence_forward", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("recurrence_forward", c.cp);
   }
   return t.result(kRecurrenceTolerance);
 }
@@ -716,8 +729,8 @@ PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const 
     t.expect_close(run.ref.dv, run.dv, kRecurrenceTolerance, "dv");
     t.expect_close(run.ref.dbeta, run.dbeta, kRecurrenceTolerance, "dbeta");
     t.expect_close(run.ref.dg, run.dg, kRecurrenceTolerance, "dg");
-  } catch (const std::exception& e) {
-    return failed("recurrence_backward", c.cp, std::string("threw: ") + e.what());
+  } catch (...) {
+    return threw("recurrence_backward", c.cp);
   }
   return t.result(kRecurrenceTolerance);
 }
@@ -732,8 +745,8 @@ PropertyResult prepared(const LayoutCase& c, const char* name, F&& f) {
   std::optional<Prepared> p;
   try {
     p.emplace(c);
-  } catch (const std::exception& e) {
-    return failed(name, c.cp, std::string("could not prepare the case: ") + e.what());
+  } catch (...) {
+    return threw(name, c.cp, "could not prepare the case: ");
   }
   return f(*p);
 }
@@ -846,14 +859,23 @@ const std::vector<PropertyRow>& property_table() {
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o) {
   std::vector<PropertyResult> out;
   std::optional<Prepared> p;
-  std::string why;
+  std::exception_ptr why;
   try {
     p.emplace(c);
-  } catch (const std::exception& e) {
-    why = std::string("could not prepare the case: ") + e.what();
+  } catch (...) {
+    why = std::current_exception();
   }
-  for (const PropertyRow& row : property_table())
-    out.push_back(p ? row.check(*p, o) : failed(row.name, c.cp, why));
+  for (const PropertyRow& row : property_table()) {
+    if (p) {
+      out.push_back(row.check(*p, o));
+      continue;
+    }
+    try {
+      std::rethrow_exception(why);
+    } catch (...) {
+      out.push_back(threw(row.name, c.cp, "could not prepare the case: "));
+    }
+  }
   return out;
 }
 

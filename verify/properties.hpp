@@ -39,6 +39,9 @@ struct PropertyResult {
   bool ok = false;
   double error = 0;    // wrong elements, or relative RMSE for floating-point results
   std::string detail;  // why it failed
+  // The run could not complete (a rank timed out or died, memory ran out): no
+  // verdict on the code under test, and not a failure of the property.
+  bool aborted = false;
 };
 
 // One case prepared once: its reference layout and geometry (never from the code
@@ -61,7 +64,7 @@ class Prepared {
 
  private:
   std::vector<PackedContext> contexts;
-  std::string shard_error;
+  std::exception_ptr shard_failure;
 };
 
 using LayoutFn = std::function<Layout(const Batch& batch)>;

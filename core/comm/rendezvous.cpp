@@ -68,10 +68,18 @@ std::string Rendezvous::states_locked() const {
   return os.str();
 }
 
-void Rendezvous::poison_locked(const std::string& why) {
-  if (!poison_) poison_ = why + states_locked();
+void Rendezvous::poison_locked(const std::string& why, bool aborted) {
+  if (!poison_) {
+    poison_ = why + states_locked();
+    poison_aborted_ = aborted;
+  }
   poisoned_ = true;
   wake_all();
+  rethrow_poison_locked();
+}
+
+void Rendezvous::rethrow_poison_locked() const {
+  if (poison_aborted_) throw Aborted(*poison_);
   throw CollectiveError(*poison_);
 }
 
@@ -85,7 +93,8 @@ std::vector<int> Rendezvous::behind_locked(std::uint64_t RankState::*field, std:
 void Rendezvous::timeout_locked(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
                                 std::chrono::milliseconds timeout, const std::vector<int>& who, const char* what) {
   poison_locked("timeout: rank " + std::to_string(rank) + " waited " + elapsed_ms(start) + " ms (limit " +
-                std::to_string(timeout.count()) + " ms) in " + describe_call(call) + " for " + name_ranks(who) + what);
+                    std::to_string(timeout.count()) + " ms) in " + describe_call(call) + " for " + name_ranks(who) + what,
+                true);
 }
 
 template <class Stop>
@@ -122,7 +131,7 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
   bool last = false;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (poison_) throw CollectiveError(*poison_);
+    if (poison_) rethrow_poison_locked();
     seq = call.seq = me.posted + 1;
     me.call = call;
     me.posted = seq;
@@ -149,7 +158,7 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
     if (!arrived) {
       std::unique_lock<std::mutex> lock(mutex_);
       if (arrived_.load() < seq) {
-        if (poison_) throw CollectiveError(*poison_);
+        if (poison_) rethrow_poison_locked();
         for (std::size_t q = 0; q < ranks_.size(); ++q) {
           const RankState& s = ranks_[q];
           if (s.posted < seq && (s.phase == Phase::exited || s.phase == Phase::failed))
@@ -190,7 +199,7 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
       if (!all_read) {
         std::unique_lock<std::mutex> lock(mutex_);
         if (read_.load() < seq) {
-          if (poison_) throw CollectiveError(*poison_);
+          if (poison_) rethrow_poison_locked();
           timeout_locked(rank, call, start, timeout, behind_locked(&RankState::done, seq),
                          " to finish reading its buffers");
         }

@@ -57,7 +57,10 @@ class Rendezvous {
     std::string failure;
   };
   std::string states_locked() const;
-  [[noreturn]] void poison_locked(const std::string& why);
+  // Stops the group: every rank's next wait or call throws `why` with the states
+  // of all ranks, as an Aborted (a timeout) or a CollectiveError (a bug).
+  [[noreturn]] void poison_locked(const std::string& why, bool aborted = false);
+  [[noreturn]] void rethrow_poison_locked() const;
   // The ranks whose `field` (calls posted, or read) has not reached seq.
   std::vector<int> behind_locked(std::uint64_t RankState::*field, std::uint64_t seq) const;
   // Rank `rank` waited in `call` since `start` for `who` (`what` they did not do).
@@ -77,6 +80,7 @@ class Rendezvous {
   std::atomic<std::uint32_t> event_{0};  // the futex word waiters sleep on
   std::vector<RankState> ranks_;
   std::optional<std::string> poison_;
+  bool poison_aborted_ = false;
   std::atomic<bool> poisoned_{false};
   // The current call: how many ranks arrived / finished reading, the sequence
   // number whose arrival (reading) completed, and the calls the last arriver collected.

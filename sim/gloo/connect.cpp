@@ -37,7 +37,7 @@ std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& host) {
     try {
       device = gloo::transport::tcp::CreateDevice(attr);
     } catch (const std::exception& e) {
-      throw CollectiveError("cannot open a Gloo TCP device on '" + (key.empty() ? "this host's name" : key) +
+      throw Aborted("cannot open a Gloo TCP device on '" + (key.empty() ? "this host's name" : key) +
                             "' (set CPSIM_GLOO_HOST or CPSIM_GLOO_IFNAME): " + e.what());
     }
   }
@@ -62,11 +62,11 @@ void await_peers(int rank, int size, Store& store, Store& records, std::chrono::
     std::string names;
     for (int q : missing) names += (names.empty() ? "" : ", ") + std::to_string(q);
     if (!died.empty())
-      throw CollectiveError("rank " + std::to_string(rank) + " of " + std::to_string(size) +
+      throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) +
                             " could not connect: rank" + (missing.size() > 1 ? "s " : " ") + names +
                             " never came" + died);
     if (Clock::now() >= deadline)
-      throw CollectiveError("rank " + std::to_string(rank) + " of " + std::to_string(size) +
+      throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) +
                             " could not connect to its peers within " + std::to_string(timeout.count()) +
                             " ms: rank" + (missing.size() > 1 ? "s " : " ") + names + " never came");
     std::this_thread::sleep_for(10ms);
@@ -90,12 +90,12 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
   try {
     if (records) await_peers(rank, size, store, *records, timeout);
     context->connectFullMesh(store, dev);
-  } catch (const CollectiveError&) {
+  } catch (const Aborted&) {
     throw;
   } catch (const std::exception& e) {
     const std::string what = e.what();
     const bool stale = what.find("already set") != std::string::npos;
-    throw CollectiveError("rank " + std::to_string(rank) + " of " + std::to_string(size) +
+    throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) +
                           (stale ? " found the keys of an earlier run in the store; give every run its own "
                                    "CPSIM_JOB_ID or store directory"
                                  : " could not connect to its peers within " + std::to_string(timeout.count()) + " ms") +

@@ -142,12 +142,12 @@ void GlooRank::break_group(const std::string& why, const std::vector<int>& suspe
     } catch (const std::exception&) {
     }
   }
-  throw CollectiveError(broken_);
+  throw Aborted(broken_);
 }
 
 std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status, const std::string& text,
                                            std::chrono::milliseconds timeout) {
-  if (!broken_.empty()) throw CollectiveError("group broken by an earlier failure: " + broken_);
+  if (!broken_.empty()) throw Aborted("group broken by an earlier failure: " + broken_);
   if (!stopped_.empty()) throw CollectiveError(stopped_);
   CallRecord me = mine;
   me.seq = ++seq_;

@@ -23,7 +23,8 @@ std::shared_ptr<Store> open_store(const std::string& spec) {
     if (dir.empty()) CPSIM_INVALID("store '", spec, "': file: needs a directory, as in file:/shared/cpsim-job");
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
-    if (!std::filesystem::is_directory(dir)) CPSIM_INVALID("store '", spec, "': cannot create directory ", dir);
+    if (!std::filesystem::is_directory(dir))
+      throw Aborted("store '" + spec + "': cannot create the directory " + dir + (ec ? " (" + ec.message() + ")" : ""));
     return std::make_shared<gloo::rendezvous::FileStore>(dir);
   }
   if (spec.rfind("redis://", 0) == 0) {
@@ -45,7 +46,7 @@ std::shared_ptr<Store> open_store(const std::string& spec) {
     try {
       return std::make_shared<gloo::rendezvous::RedisStore>(host, port);
     } catch (const std::exception& e) {
-      throw CollectiveError("cannot reach the Redis store at " + host + ":" + std::to_string(port) + ": " + e.what());
+      throw Aborted("cannot reach the Redis store at " + host + ":" + std::to_string(port) + ": " + e.what());
     }
   }
   CPSIM_INVALID("store '", spec, "': expected file:DIR or redis://HOST:PORT");

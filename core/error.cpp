@@ -1,0 +1,31 @@
+#include "core/error.hpp"
+
+#include <new>
+
+namespace cpsim {
+
+FailureReport classify_failure(const std::exception_ptr& failure) {
+  try {
+    std::rethrow_exception(failure);
+  } catch (const InvalidInput& e) {
+    return {FailureKind::invalid_input, e.what()};
+  } catch (const CollectiveError& e) {
+    return {FailureKind::collective, e.what()};
+  } catch (const Aborted& e) {
+    return {FailureKind::aborted, e.what()};
+  } catch (const Unsupported& e) {
+    return {FailureKind::unsupported, e.what()};
+  } catch (const Error& e) {
+    return {FailureKind::internal, std::string("internal error: ") + e.what() + " (please report it with the command)"};
+  } catch (const std::bad_alloc&) {
+    return {FailureKind::aborted,
+            "out of memory: an allocation failed (a larger batch or CP size than this machine's memory, or an "
+            "address-space limit, ulimit -v, holds)"};
+  } catch (const std::exception& e) {
+    return {FailureKind::internal, std::string("internal error (") + e.what() + "); please report it with the command"};
+  } catch (...) {
+    return {FailureKind::internal, "internal error (an exception that is not a std::exception); please report it"};
+  }
+}
+
+}  // namespace cpsim
