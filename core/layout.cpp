@@ -1,6 +1,8 @@
 #include "core/layout.hpp"
 
 #include <algorithm>
+#include <cctype>
+#include <optional>
 
 #include "core/kernels/table.hpp"
 
@@ -61,6 +63,14 @@ std::vector<std::int64_t> read_cu(const Tensor& cu, const std::string& key) {
   return lengths;
 }
 
+// Where document i (0-based) of a row is named in `key`: index i of a lengths key,
+// index i + 1 (its end) of a cu_seqlens key. Messages say "KEY row R index I:
+// document D ..." with I the index into the key's array and D the document's
+// number from 1, as its doc id.
+std::int64_t index_in(const std::string& key, std::size_t doc) {
+  return static_cast<std::int64_t>(doc) + (key.rfind("cu_", 0) == 0 ? 1 : 0);
+}
+
 // Doc ids and padding [B, S] of packed rows from their real and occupied lengths
 // (validated here; computed by the layout kernel).
 Layout packed_ids(const std::vector<std::vector<std::int64_t>>& real,
@@ -71,8 +81,8 @@ Layout packed_ids(const std::vector<std::vector<std::int64_t>>& real,
     std::int64_t pos = 0;
     for (std::size_t i = 0; i < occupied[r].size(); ++i) {
       if (occupied[r][i] > seq_len - pos)
-        CPSIM_INVALID(key, " row ", r, " index ", i, ": documents end at ", pos + occupied[r][i],
-                      ", overflowing the sequence length ", seq_len);
+        CPSIM_INVALID(key, " row ", r, " index ", index_in(key, i), ": document ", i + 1, " ends at ",
+                      pos + occupied[r][i], ", past the sequence length ", seq_len);
       pos += occupied[r][i];
     }
     D = std::max(D, occupied[r].size());
@@ -140,14 +150,56 @@ PackedLengths packed_lengths(const Batch& b, std::int64_t rows) {
     }
   for (std::size_t r = 0; r < out.real.size(); ++r) {
     if (out.real[r].size() != out.occupied[r].size())
-      CPSIM_INVALID(out.occupied_key, " row ", r, " index ", std::min(out.real[r].size(), out.occupied[r].size()),
-                    ": ", out.occupied[r].size(), " documents, but ", real_key, " has ", out.real[r].size());
+      CPSIM_INVALID(out.occupied_key, " row ", r, " index ",
+                    index_in(out.occupied_key, std::min(out.real[r].size(), out.occupied[r].size())), ": ",
+                    out.occupied[r].size(), " documents, but ", real_key, " has ", out.real[r].size());
     for (std::size_t i = 0; i < out.real[r].size(); ++i)
       if (out.real[r][i] > out.occupied[r][i])
-        CPSIM_INVALID(real_key, " row ", r, " index ", i, ": real length ", out.real[r][i],
-                      " exceeds the padded length ", out.occupied[r][i]);
+        CPSIM_INVALID(real_key, " row ", r, " index ", index_in(real_key, i), ": document ", i + 1, " has real length ",
+                      out.real[r][i], ", more than its padded length ", out.occupied[r][i], " in ", out.occupied_key);
   }
   return out;
+}
+
+// The largest position a batch may give: the padded tail continues from the last
+// one, so there must be room above it.
+constexpr std::int64_t kMaxPosition = std::int64_t{1} << 62;
+
+// A mask holds 0 or 1 (false or true).
+void check_mask_values(const Batch& b) {
+  for (const char* key : {"padding_mask", "attention_mask", "loss_mask"}) {
+    if (!has(b, key)) continue;
+    const Tensor& m = b.at(key);
+    require_int(m, key);
+    if (m.dtype() == DType::b8) continue;
+    const std::int64_t S = m.dim(1);
+    for (std::int64_t i = 0; i < m.numel(); ++i) {
+      const std::int64_t v = m.get_int(i);
+      if (v != 0 && v != 1)
+        CPSIM_INVALID(key, " row ", i / S, " index ", i % S, ": value ", v,
+                      "; a mask holds 0 or 1 (document indices, as some collators write, are no mask: give "
+                      "seq_lens, cu_seqlens or position_ids for the documents)");
+    }
+  }
+}
+
+// Every mask the batch gives must say what its padding is: padding_mask true,
+// attention_mask 0 on padding. `source` names what the padding came from.
+void check_masks_agree(const Batch& b, const Tensor& padding, const std::string& source) {
+  const std::int64_t S = padding.dim(1);
+  const bool* pad = padding.data<bool>();
+  for (const char* key : {"padding_mask", "attention_mask"}) {
+    if (!has(b, key) || source == key) continue;
+    const Tensor& m = b.at(key);
+    const bool is_padding_mask = std::string(key) == "padding_mask";
+    for (std::int64_t i = 0; i < m.numel(); ++i) {
+      const bool says_pad = is_padding_mask ? m.get_int(i) != 0 : m.get_int(i) == 0;
+      if (says_pad != pad[i])
+        CPSIM_INVALID(key, " row ", i / S, " index ", i % S, ": ", m.get_int(i), " says ",
+                      says_pad ? "padding" : "a real token", ", but ", source, " makes it ",
+                      pad[i] ? "padding" : "a real token", " (give one form, or forms that agree)");
+    }
+  }
 }
 
 bool is_packed(const Batch& b) {
@@ -176,6 +228,46 @@ Tensor derive_positions(const Tensor& doc_ids) {
 }
 
 }  // namespace
+
+const std::vector<std::string>& known_batch_keys() {
+  static const std::vector<std::string> keys = {
+      "input_ids",  "labels",         "position_ids", "seq_lens",       "seq_lens_padded", "cu_seqlens",
+      "cu_seqlens_padded", "padding_mask", "attention_mask", "loss_mask", "token_type_ids"};
+  return keys;
+}
+
+namespace {
+// Edit distance (insertions, deletions, substitutions), case-insensitive, up to `most` + 1.
+std::size_t edit_distance(const std::string& a, const std::string& b, std::size_t most) {
+  if (a.size() > b.size() + most || b.size() > a.size() + most) return most + 1;
+  std::vector<std::size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const bool same = std::tolower(static_cast<unsigned char>(a[i - 1])) == std::tolower(static_cast<unsigned char>(b[j - 1]));
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (same ? 0 : 1)});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+}  // namespace
+
+std::optional<std::string> near_known_key(const std::string& key) {
+  const auto& known = known_batch_keys();
+  if (std::find(known.begin(), known.end(), key) != known.end()) return std::nullopt;
+  for (const auto& k : known)
+    if (edit_distance(key, k, 2) <= 2) return k;
+  return std::nullopt;
+}
+
+void check_batch_keys(const Batch& batch) {
+  for (const auto& [key, t] : batch)
+    if (auto near = near_known_key(key))
+      CPSIM_INVALID(key, ": not a key cpsim knows; did you mean ", *near,
+                    "? (cpsim reads any other [batch, sequence] key as a token stream, padded with 0)");
+}
 
 void normalize_batch_axis(Batch& batch) {
   for (auto& [key, t] : batch) {
@@ -252,36 +344,67 @@ Tensor global_doc_ids(const Batch& batch) {
     const PackedLengths pl = packed_lengths(batch, B);
     return doc_ids_from_rows(pl.occupied, S, pl.occupied_key);
   }
-  // Unpacked: one document per row; real tokens get id 1, padding 0.
+  // Unpacked: padding (from a mask) gets id 0. The real tokens of a row are one
+  // document, unless position_ids reset to 0 inside it (a flattening collator's
+  // packing): each reset starts the next document.
   Tensor ids({B, S}, DType::i64);
-  for (std::int64_t i = 0; i < B * S; ++i) {
-    bool is_pad = false;
-    if (has(batch, "padding_mask")) is_pad = batch.at("padding_mask").get_int(i) != 0;
-    else if (has(batch, "attention_mask")) is_pad = batch.at("attention_mask").get_int(i) == 0;
-    ids.data<std::int64_t>()[i] = is_pad ? kPadDocId : 1;
+  const bool positions = has(batch, "position_ids");
+  for (std::int64_t r = 0; r < B; ++r) {
+    std::int64_t doc = 0;
+    for (std::int64_t s = 0; s < S; ++s) {
+      const std::int64_t i = r * S + s;
+      bool is_pad = false;
+      if (has(batch, "padding_mask")) is_pad = batch.at("padding_mask").get_int(i) != 0;
+      else if (has(batch, "attention_mask")) is_pad = batch.at("attention_mask").get_int(i) == 0;
+      if (!is_pad && (doc == 0 || (positions && batch.at("position_ids").get_int(i) == 0))) ++doc;
+      ids.data<std::int64_t>()[i] = is_pad ? kPadDocId : (positions ? doc : 1);
+    }
   }
   return ids;
 }
 
 Layout derive_layout(const Batch& batch) {
   const std::int64_t S = sequence_length(batch), B = batch_rows(batch);
+  check_batch_keys(batch);
   for (const char* key : {"input_ids", "labels", "position_ids"})
     if (has(batch, key)) require_int(batch.at(key), key);
+  check_mask_values(batch);
   check_packing_keys(batch, B);
   Layout out;
+  std::string padding_source;
   if (is_packed(batch)) {
     const PackedLengths pl = packed_lengths(batch, B);
     out = packed_ids(pl.real, pl.occupied, S, pl.occupied_key);
+    padding_source = has(batch, "seq_lens") ? "seq_lens" : pl.occupied_key;
   } else {
     out.doc_ids = global_doc_ids(batch);
     out.padding = Tensor({B, S}, DType::b8);
     const auto* id = out.doc_ids.data<std::int64_t>();
     auto* p = out.padding.data<bool>();
     for (std::int64_t i = 0; i < B * S; ++i) p[i] = id[i] == kPadDocId;
+    padding_source = has(batch, "padding_mask") ? "padding_mask" : "attention_mask";
   }
+  check_masks_agree(batch, out.padding, padding_source);
   const bool* pad = out.padding.data<bool>();
   if (has(batch, "position_ids")) {
     out.positions = batch.at("position_ids").to(DType::i64);
+    const auto* given = out.positions.data<std::int64_t>();
+    for (std::int64_t r = 0; r < B; ++r)
+      if (given[r * S + S - 1] > kMaxPosition)
+        CPSIM_INVALID("position_ids row ", r, " index ", S - 1, ": position ", given[r * S + S - 1],
+                      " leaves no room for the padded tail, whose positions continue from it (at most 2^62)");
+    if (is_packed(batch)) {
+      // Given positions must agree with the documents: the offset inside the
+      // document at every real token (0 at its start, unit steps).
+      const Tensor offsets = derive_positions(out.doc_ids);
+      const auto* k = offsets.data<std::int64_t>();
+      const auto* id = out.doc_ids.data<std::int64_t>();
+      for (std::int64_t i = 0; i < B * S; ++i)
+        if (!pad[i] && given[i] != k[i])
+          CPSIM_INVALID("position_ids row ", i / S, " index ", i % S, ": position ", given[i], ", but the token is ",
+                        k[i] == 0 ? std::string("the start") : "offset " + std::to_string(k[i]), " of document ", id[i],
+                        " of the lengths (positions restart at 0 at every document and step by 1 inside it)");
+    }
   } else {
     out.positions = derive_positions(out.doc_ids);
   }

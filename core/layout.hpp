@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,15 @@ struct Layout {
   Tensor padding;    // bool: true = padding
   Tensor positions;  // int64: given position_ids, else derived
 };
+
+// The keys cpsim reads by name (SPEC §1, and token_type_ids). Any other key is a
+// [B, S] token stream: padded with 0 and sharded like labels.
+const std::vector<std::string>& known_batch_keys();
+// A known key one or two edits from `key` (a misspelling: attention_masks), unless
+// `key` is itself known.
+std::optional<std::string> near_known_key(const std::string& key);
+// InvalidInput for a key that looks like a misspelled known key ("did you mean").
+void check_batch_keys(const Batch& batch);
 
 // 1-D tensors ([S], THD collators) become [1, S]; cu_seqlens stay 1-D.
 void normalize_batch_axis(Batch& batch);

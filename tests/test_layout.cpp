@@ -86,9 +86,13 @@ TEST(Layout, UnpackRowLayoutReplacesLengthsInPlaceAndKeepsTokens) {
 
 TEST(Layout, UnpackKeepsGivenPositionIds) {
   Batch b = spec_example();
-  b["position_ids"] = i64({1, 8}, {4, 5, 6, 9, 0, 1, 9, 9});  // a shard starting inside a document
+  b["position_ids"] = i64({1, 8}, {0, 1, 2, 9, 0, 1, 9, 9});  // padding's positions are the batch's own
   unpack_row_layout(b);
-  EXPECT_EQ(values(b.at("position_ids")), (std::vector<std::int64_t>{4, 5, 6, 9, 0, 1, 9, 9}));
+  EXPECT_EQ(values(b.at("position_ids")), (std::vector<std::int64_t>{0, 1, 2, 9, 0, 1, 9, 9}));
+  // Without lengths, a row may begin inside a document (a shard of one).
+  Batch shard{{"input_ids", i64({1, 4}, {1, 2, 3, 4})}, {"position_ids", i64({1, 4}, {4, 5, 0, 1})}};
+  unpack_row_layout(shard);
+  EXPECT_EQ(values(shard.at("position_ids")), (std::vector<std::int64_t>{4, 5, 0, 1}));
 }
 
 TEST(Layout, PositionRule) {
@@ -122,14 +126,97 @@ TEST(LayoutErrors, RealEntryAfterSentinel) {
 TEST(LayoutErrors, RealLengthExceedsPadded) {
   Batch b = spec_example();
   b["seq_lens"] = i64({1, 3}, {5, 2, -1000});
-  EXPECT_THAT(invalid([&] { derive_layout(b); }), AllOf(HasSubstr("seq_lens row 0 index 0"), HasSubstr("exceeds")));
+  EXPECT_THAT(invalid([&] { derive_layout(b); }), AllOf(HasSubstr("seq_lens row 0 index 0: document 1"), HasSubstr("more than its padded length 4")));
 }
 
 TEST(LayoutErrors, LengthsOverflowTheRow) {
   Batch b = spec_example();
   b["seq_lens_padded"] = i64({1, 3}, {4, 5, -1000});
   EXPECT_THAT(invalid([&] { derive_layout(b); }),
-              AllOf(HasSubstr("seq_lens_padded row 0 index 1"), HasSubstr("overflowing")));
+              AllOf(HasSubstr("seq_lens_padded row 0 index 1: document 2 ends at 9"), HasSubstr("past the sequence length 8")));
+}
+
+// One indexing convention: "index" is the index into the key's own array (a cu_seqlens
+// entry ends its document), "document" counts from 1 as doc ids do.
+TEST(LayoutErrors, MessagesIndexTheKeysArrayAndNumberDocumentsFromOne) {
+  const Batch b{{"input_ids", i64({1, 6}, {1, 2, 3, 4, 5, 6})}, {"cu_seqlens", i64({3}, {0, 3, 7})}};
+  EXPECT_THAT(invalid([&] { derive_layout(b); }),
+              HasSubstr("cu_seqlens row 0 index 2: document 2 ends at 7, past the sequence length 6"));
+}
+
+// A mask holds 0 or 1; document indices (as some collators write) are refused.
+TEST(LayoutErrors, AMaskThatIsNotZeroOrOneIsInvalid) {
+  const Batch b{{"input_ids", i64({1, 6}, {1, 2, 3, 4, 5, 6})}, {"attention_mask", i64({1, 6}, {1, 1, 2, 2, 2, 0})}};
+  EXPECT_THAT(invalid([&] { derive_layout(b); }),
+              AllOf(HasSubstr("attention_mask row 0 index 2: value 2"), HasSubstr("0 or 1")));
+}
+
+// Two forms of the padding that disagree are invalid input, not one silently dropped.
+TEST(LayoutErrors, MasksThatContradictTheLengthsOrEachOtherAreInvalid) {
+  Batch b = spec_example();  // padding [F,F,F,T,F,F,T,T]
+  b["attention_mask"] = i64({1, 8}, {1, 1, 1, 0, 1, 1, 0, 1});
+  EXPECT_THAT(invalid([&] { derive_layout(b); }),
+              AllOf(HasSubstr("attention_mask row 0 index 7"), HasSubstr("seq_lens makes it padding")));
+  b["attention_mask"] = i64({1, 8}, {1, 1, 1, 0, 1, 1, 0, 0});
+  derive_layout(b);  // agrees
+  b.erase("attention_mask");
+  b["padding_mask"] = Tensor::from<bool>({1, 8}, {false, true, false, true, false, false, true, true});
+  EXPECT_THAT(invalid([&] { derive_layout(b); }), HasSubstr("padding_mask row 0 index 1"));
+  const Batch both{{"input_ids", i64({1, 3}, {1, 2, 3})},
+                   {"padding_mask", Tensor::from<bool>({1, 3}, {false, false, true})},
+                   {"attention_mask", i64({1, 3}, {1, 1, 1})}};
+  EXPECT_THAT(invalid([&] { derive_layout(both); }),
+              AllOf(HasSubstr("attention_mask row 0 index 2"), HasSubstr("padding_mask makes it padding")));
+}
+
+// A key one or two edits from a known key is a misspelling, not a token stream.
+TEST(LayoutErrors, AMisspelledKeyIsInvalidNamingTheKnownOne) {
+  Batch b = spec_example();
+  b["attention_masks"] = i64({1, 8}, {1, 1, 1, 0, 1, 1, 0, 0});
+  EXPECT_THAT(invalid([&] { derive_layout(b); }),
+              AllOf(HasSubstr("attention_masks: not a key cpsim knows; did you mean attention_mask?")));
+  b.erase("attention_masks");
+  b["Position_Id"] = i64({1, 8}, {0, 1, 2, 3, 0, 1, 2, 3});
+  EXPECT_THAT(invalid([&] { derive_layout(b); }), HasSubstr("did you mean position_ids?"));
+  b.erase("Position_Id");
+  b["token_type_ids"] = i64({1, 8}, {0, 0, 0, 0, 1, 1, 1, 1});
+  b["image_mask"] = i64({1, 8}, {0, 0, 0, 0, 1, 1, 1, 1});  // far from every known key: a token stream
+  derive_layout(b);
+}
+
+// Given positions must agree with the lengths: 0 at every document start, unit
+// steps inside (the packed RoPE bug: positions that never reset).
+TEST(LayoutErrors, PositionsThatContradictTheLengthsAreInvalid) {
+  Batch b{{"input_ids", i64({1, 8}, {1, 2, 3, 4, 5, 6, 7, 8})}, {"cu_seqlens", i64({3}, {0, 3, 8})}};
+  b["position_ids"] = i64({1, 8}, {0, 1, 2, 3, 4, 5, 6, 7});  // never resets
+  EXPECT_THAT(invalid([&] { derive_layout(b); }),
+              AllOf(HasSubstr("position_ids row 0 index 3: position 3"), HasSubstr("the start of document 2")));
+  b["position_ids"] = i64({1, 8}, {0, 1, 2, 0, 1, 0, 1, 2});  // resets inside document 2
+  EXPECT_THAT(invalid([&] { derive_layout(b); }),
+              AllOf(HasSubstr("position_ids row 0 index 5: position 0"), HasSubstr("offset 2 of document 2")));
+  b["position_ids"] = i64({1, 8}, {0, 1, 2, 0, 1, 2, 3, 4});
+  derive_layout(b);
+}
+
+// A batch with only position_ids takes its documents from the resets to 0 (a
+// flattening collator's packing).
+TEST(Layout, PositionIdsAloneGiveTheDocumentsAtTheirResets) {
+  const Batch b{{"input_ids", i64({1, 9}, {1, 2, 3, 4, 5, 6, 7, 8, 9})},
+                {"position_ids", i64({1, 9}, {0, 1, 2, 0, 1, 0, 0, 1, 2})}};
+  EXPECT_EQ(values(derive_layout(b).doc_ids), (std::vector<std::int64_t>{1, 1, 1, 2, 2, 3, 4, 4, 4}));
+  // With padding (attention_mask 0): padding is doc 0, a reset after it starts the next.
+  const Batch padded{{"input_ids", i64({1, 6}, {0, 1, 2, 0, 3, 4})},
+                     {"attention_mask", i64({1, 6}, {0, 1, 1, 0, 1, 1})},
+                     {"position_ids", i64({1, 6}, {0, 0, 1, 0, 0, 1})}};
+  EXPECT_EQ(values(derive_layout(padded).doc_ids), (std::vector<std::int64_t>{0, 1, 1, 0, 2, 2}));
+}
+
+// The padded tail's positions continue from the last one: a position that leaves
+// no room for them is refused, never wrapped to a negative one.
+TEST(LayoutErrors, PositionsWithoutRoomForThePaddedTailAreInvalid) {
+  const Batch b{{"input_ids", i64({1, 3}, {1, 2, 3})},
+                {"position_ids", i64({1, 3}, {INT64_MAX - 2, INT64_MAX - 1, INT64_MAX})}};
+  EXPECT_THAT(invalid([&] { derive_layout(b); }), AllOf(HasSubstr("position_ids row 0 index 2"), HasSubstr("no room")));
 }
 
 TEST(LayoutErrors, CuSeqlensNotStartingAtZeroOrDecreasing) {

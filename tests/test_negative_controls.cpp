@@ -372,3 +372,20 @@ TEST(NegativeControls, LayoutOfAUserBatchCatchesCuSeqlensPaddedReadAsUnpacked) {
     RC_ASSERT(r.ok);
   }));
 }
+
+// A layout that ignores position_ids resets (reads a flattening collator's row as
+// one document, the attention leak across documents) is caught on user batches.
+TEST(NegativeControls, LayoutOfAUserBatchCatchesPositionResetsIgnored) {
+  const auto one_document = [](const Batch& b) {
+    Batch copy = b;
+    if (!copy.count("seq_lens") && !copy.count("cu_seqlens") && !copy.count("cu_seqlens_padded")) copy.erase("position_ids");
+    Layout layout = derive_layout(copy);
+    if (b.count("position_ids")) layout.positions = b.at("position_ids").to(DType::i64);
+    return layout;
+  };
+  expect_found(expect_counterexample("layout of user batches vs position resets ignored", [&](LayoutCase c) {
+    c.truth.reset();
+    const auto r = check_layout(c, one_document);
+    RC_ASSERT(r.ok);
+  }));
+}

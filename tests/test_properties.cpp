@@ -112,6 +112,12 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
     if (unpacked && !has("padding_mask") && !has("attention_mask") && has("position_ids"))
       seen["keys: position_ids only"]++;
     if (unpacked && !has("padding_mask") && !has("attention_mask") && !has("position_ids")) seen["keys: tokens only"]++;
+    if (unpacked && has("position_ids"))
+      for (std::int64_t i = 1; i < t.doc_ids.numel(); ++i)
+        if (t.doc_ids.get_int(i) > 1) {
+          seen["keys: documents from position_ids resets"]++;
+          break;
+        }
     if (has("token_type_ids")) seen["an extra [B, S] key"]++;
     if (c.batch.at("input_ids").ndim() == 1) seen["1-D tensors"]++;
     // Real tokens equal to the pad id at a document's end and inside one.
@@ -132,6 +138,7 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
                         "keys: seq_lens + seq_lens_padded", "keys: seq_lens alone", "keys: cu_seqlens + cu_seqlens_padded",
                         "keys: cu_seqlens alone", "keys: cu_seqlens_padded alone", "keys: unpacked with padding_mask",
                         "keys: unpacked with attention_mask", "keys: position_ids only", "keys: tokens only",
+                        "keys: documents from position_ids resets",
                         "an extra [B, S] key", "1-D tensors", "PAD id as a document's last real token",
                         "PAD id inside a document"})
     EXPECT_GT(seen[k], 0) << "the generator never drew: " << k;

@@ -95,3 +95,15 @@ TEST(Reference, LargeTokenIdsAreCopiedExactly) {
   EXPECT_EQ(values(g.at("input_ids")), (V{big, big + 2, 0, 0}));
   EXPECT_EQ(values(g.at("labels")), (V{big + 4, -100, -100, -100}));
 }
+
+// The reference's own reading of a batch with only position_ids: a document per
+// run that starts at a reset to 0; padding (mask 0) is doc 0.
+TEST(Reference, PositionIdsAloneGiveTheDocumentsAtTheirResets) {
+  const Batch b{{"input_ids", i64({1, 9}, {1, 2, 3, 4, 5, 6, 7, 8, 9})},
+                {"position_ids", i64({1, 9}, {0, 1, 2, 0, 1, 0, 0, 1, 2})}};
+  EXPECT_EQ(values(reference_layout(b).doc_ids), (V{1, 1, 1, 2, 2, 3, 4, 4, 4}));
+  const Batch padded{{"input_ids", i64({1, 6}, {0, 1, 2, 0, 3, 4})},
+                     {"attention_mask", i64({1, 6}, {0, 1, 1, 0, 1, 1})},
+                     {"position_ids", i64({1, 6}, {0, 0, 1, 0, 0, 1})}};
+  EXPECT_EQ(values(reference_layout(padded).doc_ids), (V{0, 1, 1, 0, 2, 2}));
+}

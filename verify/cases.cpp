@@ -38,6 +38,8 @@ void fill_positions(LayoutTruth& t, std::int64_t B, std::int64_t S) {
 LayoutCase build_case(const LayoutSpec& spec) {
   const std::int64_t S = std::max(1, spec.seq_len);
   const bool unpacked = spec.form == LayoutForm::unpacked;
+  const bool resets = spec.form == LayoutForm::position_resets;
+  const bool unmasked_resets = resets && spec.mask_kind == 2;  // no mask: every token is real
   const bool thd = spec.form == LayoutForm::cu_seqlens || spec.form == LayoutForm::cu_seqlens_only ||
                    spec.form == LayoutForm::cu_seqlens_padded_only;
   // One lengths key alone gives real = occupied: documents carry no padding of their own.
@@ -74,13 +76,25 @@ LayoutCase build_case(const LayoutSpec& spec) {
       docs[r].push_back(c);
       pos += c.real + c.extra;
     }
-    if (spec.absorb_tail && !one_key && !docs[r].empty())
+    if (unmasked_resets) {
+      // Without a mask nothing is padding: the documents cover the row.
+      for (DocSpec& d : docs[r]) d.extra = 0;
+      std::int64_t covered = 0;
+      for (const DocSpec& d : docs[r]) covered += d.real;
+      if (docs[r].empty() || docs[r].back().real == 0) docs[r].push_back(DocSpec{0, 0});
+      docs[r].back().real += static_cast<int>(S - covered);
+      pos = S;
+    }
+    if (spec.absorb_tail && !one_key && !resets && !docs[r].empty())
       docs[r].back().extra += static_cast<int>(S - pos);
     pos = 0;
+    std::int64_t number = 0;  // position_resets: documents with real tokens, from 1; padding is doc 0
     for (std::size_t i = 0; i < docs[r].size(); ++i) {
+      if (docs[r][i].real > 0) ++number;
       for (int k = 0; k < docs[r][i].real + docs[r][i].extra; ++k) {
-        id[r * S + pos + k] = static_cast<std::int64_t>(i + 1);
-        pad[r * S + pos + k] = k >= docs[r][i].real;
+        const bool padding = k >= docs[r][i].real;
+        id[r * S + pos + k] = resets ? (padding ? kPadDocId : number) : static_cast<std::int64_t>(i + 1);
+        pad[r * S + pos + k] = padding;
       }
       pos += docs[r][i].real + docs[r][i].extra;
     }
@@ -129,7 +143,7 @@ LayoutCase build_case(const LayoutSpec& spec) {
       b["cu_seqlens"] = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu.size())}, cu);
     if (spec.form != LayoutForm::cu_seqlens_only)
       b["cu_seqlens_padded"] = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu_padded.size())}, cu_padded);
-  } else if (!unpacked) {
+  } else if (!unpacked && !resets) {
     std::size_t D = 1;
     for (const auto& d : docs) D = std::max(D, d.size());
     Tensor lens({B, static_cast<std::int64_t>(D)}, DType::i64), padded = lens.clone();
@@ -148,7 +162,7 @@ LayoutCase build_case(const LayoutSpec& spec) {
     for (std::int64_t i = 0; i < B * S; ++i) am.data<std::int64_t>()[i] = pad[i] ? 0 : 1;
     b["attention_mask"] = am;
   }
-  if (spec.give_positions) b["position_ids"] = truth.positions.clone();
+  if (spec.give_positions || resets) b["position_ids"] = truth.positions.clone();
   if (spec.give_loss_mask) {
     Tensor lm({B, S}, DType::i64);
     for (std::int64_t i = 0; i < B * S; ++i) lm.data<std::int64_t>()[i] = pad[i] ? 0 : 1;

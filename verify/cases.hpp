@@ -35,23 +35,26 @@ struct DocSpec {
 };
 // Which SPEC §1 keys carry the layout: seq_lens with seq_lens_padded, seq_lens
 // alone, both cu_seqlens keys, none (unpacked: a mask or nothing, maybe
-// position_ids), cu_seqlens alone, cu_seqlens_padded alone.
+// position_ids), cu_seqlens alone, cu_seqlens_padded alone, or position_ids whose
+// resets start the documents of `rows` (a flattening collator's packing; their
+// padding, and the row's tail, marked by the mask of mask_kind, or none).
 enum class LayoutForm {
   seq_lens_padded = 0,
   seq_lens = 1,
   cu_seqlens = 2,
   unpacked = 3,
   cu_seqlens_only = 4,
-  cu_seqlens_padded_only = 5
+  cu_seqlens_padded_only = 5,
+  position_resets = 6
 };
-inline constexpr int kLayoutForms = 6;
+inline constexpr int kLayoutForms = 7;
 struct LayoutSpec {
   int cp = 1;
   LayoutForm form = LayoutForm::seq_lens_padded;
   int seq_len = 1;
   std::vector<std::vector<DocSpec>> rows;      // packed forms
   std::vector<std::pair<int, int>> row_pads;   // unpacked: (left, right) padding per row
-  int mask_kind = 0;          // unpacked: 0 padding_mask, 1 attention_mask, 2 none
+  int mask_kind = 0;          // unpacked, position_resets: 0 padding_mask, 1 attention_mask, 2 none
   bool absorb_tail = false;   // last document's padded length absorbs the row's tail
   bool give_positions = false;
   bool give_loss_mask = false;

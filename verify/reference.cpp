@@ -110,12 +110,18 @@ LayoutTruth reference_layout(const Batch& raw) {
         start += occupied[i];
       }
     } else {
+      // One document of real tokens, or with position_ids one per run that starts
+      // at a reset to 0 (the first real token starts the first).
+      std::int64_t documents = 0;
       for (std::int64_t s = 0; s < S; ++s) {
         bool is_pad = false;
         if (has("padding_mask")) is_pad = raw.at("padding_mask").get_int(r * S + s) != 0;
         else if (has("attention_mask")) is_pad = raw.at("attention_mask").get_int(r * S + s) == 0;
-        id[r * S + s] = is_pad ? kPadDocId : 1;
         pad[r * S + s] = is_pad;
+        if (is_pad) continue;
+        const bool reset = has("position_ids") && raw.at("position_ids").get_int(r * S + s) == 0;
+        if (documents == 0 || reset) ++documents;
+        id[r * S + s] = has("position_ids") ? documents : 1;
       }
     }
     auto* p = t.positions.data<std::int64_t>() + r * S;
