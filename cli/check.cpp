@@ -1,5 +1,6 @@
 // cpsim check: every property on batch files at each CP size.
 #include <iomanip>
+#include <set>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -40,17 +41,45 @@ void print_table(const std::string& name, const std::vector<PropertyResult>& res
 
 }  // namespace
 
+// What the report says about a batch before its table: stand-in token ids, and
+// the keys read as token streams.
+std::vector<std::string> notes_of(const BatchFile& f) {
+  std::vector<std::string> notes;
+  if (f.stand_in_ids)
+    notes.push_back("no input_ids in the file: stand-in token ids (padding comes from the lengths and masks, never "
+                    "from token ids)");
+  // Keys with a meaning of their own (SPEC §1); any other is a token stream.
+  static const std::set<std::string> meaning = {"input_ids", "labels", "position_ids", "padding_mask",
+                                                "attention_mask", "loss_mask"};
+  std::string streams;
+  for (const auto& [key, t] : f.batch)
+    if (!meaning.count(key) && !is_length_key(key)) streams += (streams.empty() ? "" : ", ") + key;
+  if (!streams.empty()) notes.push_back("read as token streams (padded with 0, sharded like labels): " + streams);
+  return notes;
+}
+
 int run_check(CheckArgs a) {
   CheckOptions o = check_options(a.model);
-  // Load and validate every batch first: invalid input is exit 2 before any work.
+  // Load and validate every batch first, before any work: an invalid one is
+  // reported (one line naming the file) and the others still run; exit 2 overall.
   std::vector<BatchFile> files;
+  std::vector<std::string> paths, invalid;
   for (const auto& path : a.batches) {
-    const MappedFile file(path);
-    fingerprint_bytes(file.bytes());
-    BatchFile f = parse_batch(file.bytes(), path);
-    derive_layout(f.batch);
-    files.push_back(std::move(f));
+    try {
+      const MappedFile file(path);
+      fingerprint_bytes(file.bytes());
+      BatchFile f = parse_batch(file.bytes(), path);
+      derive_layout(f.batch);
+      files.push_back(std::move(f));
+      paths.push_back(path);
+    } catch (const InvalidInput& e) {
+      const std::string what = e.what();
+      const std::string line = what.rfind(path, 0) == 0 ? what : path + ": " + what;
+      report_error("invalid input: " + line);
+      invalid.push_back(line);
+    }
   }
+  if (files.empty()) return kExitUsage;
   join_job(a.job);
   o.backend = a.job.backend;
   o.timeout = milliseconds_of(a.job.timeout);
@@ -78,21 +107,30 @@ int run_check(CheckArgs a) {
     for (const auto& r : all) {
       failed = failed || (!r.ok && !r.aborted);
       aborted = aborted || r.aborted;
-      nlohmann::json j = {{"batch", a.batches[i]}, {"cp", r.cp},    {"property", r.property},
+      nlohmann::json j = {{"batch", paths[i]}, {"cp", r.cp},    {"property", r.property},
                           {"ok", r.ok},            {"error", r.error}, {"aborted", r.aborted}};
       if (!r.ok) j["detail"] = r.detail;
       out["results"].push_back(j);
     }
-    if (!a.json) print_table(a.batches[i], all, a.cp_sizes);
+    if (!a.json) {
+      for (const auto& note : notes_of(files[i])) std::cout << paths[i] << ": " << note << "\n";
+      print_table(paths[i], all, a.cp_sizes);
+    }
   }
-  out["ok"] = !failed && !aborted;
+  out["ok"] = !failed && !aborted && invalid.empty();
   out["aborted"] = aborted;
+  out["invalid"] = invalid;
+  nlohmann::json notes = nlohmann::json::object();
+  for (std::size_t i = 0; i < files.size(); ++i) notes[paths[i]] = notes_of(files[i]);
+  out["notes"] = notes;
   if (a.json) std::cout << out.dump(1) << "\n";
   else if (failed) std::cout << "some properties FAILED\n";
   else if (aborted) std::cout << "the run could not complete (ABORTED: no verdict on those properties)\n";
+  else if (!invalid.empty()) std::cout << "every property holds on the valid batches; " << invalid.size() << " invalid\n";
   else std::cout << "all properties hold\n";
-  // A failed property is a finding whatever else happened; an aborted run alone is exit 3.
-  return finish_job(a.job, failed ? kExitFailed : aborted ? kExitAborted : kExitOk);
+  // A failed property is a finding whatever else happened; then invalid input;
+  // an aborted run alone is exit 3.
+  return finish_job(a.job, failed ? kExitFailed : !invalid.empty() ? kExitUsage : aborted ? kExitAborted : kExitOk);
 }
 
 }  // namespace cpsim::cli

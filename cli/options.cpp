@@ -1,6 +1,7 @@
 #include "cli/options.hpp"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 
 #include "core/comm/registry.hpp"
 
@@ -39,9 +40,12 @@ Parsed parse_options(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", kVersion);
   app.footer("Run 'cpsim COMMAND --help' for a command's options and an example.");
+  // Every option's help shows its default ([20] after --timeout, say).
+  app.option_defaults()->always_capture_default();
   CheckArgs& check = o.check;
   auto* c = app.add_subcommand("check", "verify every property on batch files at each CP size");
-  c->add_option("batch", check.batches, "BATCH files (JSON, or safetensors as safetensors.torch.save_file writes them)")->required()->check(CLI::ExistingFile);
+  // Files are opened by check itself: one that cannot be read is reported and the others still run.
+  c->add_option("batch", check.batches, "BATCH files (JSON, or safetensors as safetensors.torch.save_file writes them)")->required();
   c->add_option("--cp", check.cp_sizes, "CP sizes (default 1,2,3,4,8; in a multi-process job, its size)")
       ->delimiter(',')
       ->check(CLI::Range(1, 1024))
@@ -52,7 +56,8 @@ Parsed parse_options(int argc, char** argv) {
   c->footer(
       "Example:\n  cpsim check examples/spec_example.json --cp 1,2,3,4,8\n"
       "  cpsim check batch.safetensors --backend gloo --json\n"
-      "Exit status: 0 every property holds, 1 a property failed, 2 bad usage or invalid input.");
+      "Exit status: 0 every property holds, 1 a property failed, 2 bad usage or invalid input (each invalid file\n"
+      "is reported, the others still run), 3 the run could not complete (a rank died or timed out, a resource failed).");
   FuzzArgs& fuzz = o.fuzz;
   auto* f = app.add_subcommand("fuzz", "random layouts, shrunk to the smallest failing one");
   f->add_option("--cases", fuzz.cases, "random layouts")->check(CLI::Range(1, 10000000));
@@ -74,7 +79,7 @@ Parsed parse_options(int argc, char** argv) {
   GoldenArgs& golden = o.golden;
   auto* gd = app.add_subcommand("golden", "conformance vectors for another implementation, as safetensors");
   gd->add_option("batch", golden.batch, "BATCH file (JSON or safetensors)")->required()->check(CLI::ExistingFile);
-  gd->add_option("--cp", golden.cp, "CP size")->check(CLI::Range(1, 1024));
+  gd->add_option("--cp", golden.cp, "CP size")->required()->check(CLI::Range(1, 1024));
   gd->add_option("--out", golden.out, "folder to write")->required();
   add_model_options(gd, golden.model, "seed of the inputs (the same inputs cpsim check --seed draws)");
   gd->footer("Example:\n  cpsim golden examples/spec_example.json --cp 3 --out golden/\n"
@@ -113,6 +118,11 @@ Parsed parse_options(int argc, char** argv) {
     const int code = app.exit(e);
     return {std::nullopt, code == 0 ? kExitOk : kExitUsage};
   }
+  // The same CP size twice is one column.
+  std::vector<int> sizes;
+  for (int cp : check.cp_sizes)
+    if (std::find(sizes.begin(), sizes.end(), cp) == sizes.end()) sizes.push_back(cp);
+  check.cp_sizes = sizes;
   o.command = c->parsed()    ? Command::check
               : f->parsed()  ? Command::fuzz
               : s->parsed()  ? Command::show

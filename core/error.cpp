@@ -4,6 +4,23 @@
 
 namespace cpsim {
 
+std::string printable(const std::string& text, std::size_t most) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (std::size_t i = 0; i < text.size() && i < most; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x20 || c == 0x7f) {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (text.size() > most) out += "... (" + std::to_string(text.size()) + " characters)";
+  return out;
+}
+
 FailureReport classify_failure(const std::exception_ptr& failure) {
   try {
     std::rethrow_exception(failure);

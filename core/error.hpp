@@ -52,6 +52,10 @@ struct FailureReport {
 };
 FailureReport classify_failure(const std::exception_ptr& failure);
 
+// `text` as a message may quote it: control characters escaped (\x00), at most
+// `most` characters, then "..." and the full length.
+std::string printable(const std::string& text, std::size_t most = 48);
+
 namespace detail {
 template <class... Args>
 std::string concat(const Args&... args) {

@@ -271,8 +271,13 @@ void check_batch_keys(const Batch& batch) {
 
 void normalize_batch_axis(Batch& batch) {
   for (auto& [key, t] : batch) {
-    if (key == "cu_seqlens" || key == "cu_seqlens_padded") continue;
-    if (t.defined() && t.ndim() == 1) t = t.reshape({1, t.dim(0)});
+    if (!t.defined()) continue;
+    if (key == "cu_seqlens" || key == "cu_seqlens_padded") {
+      // One packed row's boundaries, also when written nested ([[0, 3, 7]]).
+      if (t.ndim() == 2 && t.dim(0) == 1) t = t.reshape({t.dim(1)});
+      continue;
+    }
+    if (t.ndim() == 1) t = t.reshape({1, t.dim(0)});
   }
 }
 
@@ -299,7 +304,9 @@ std::int64_t sequence_length(const Batch& batch) {
   if (has(batch, "input_ids")) visit("input_ids", batch.at("input_ids"));
   for (const auto& [key, t] : batch)
     if (key != "input_ids" && !is_length_key(key)) visit(key, t);
-  if (S < 0) CPSIM_INVALID("input_ids: missing (no [batch, sequence] key in the batch)");
+  if (S < 0)
+    CPSIM_INVALID("input_ids: missing, and no other [batch, sequence] key (labels, position_ids, a mask) gives the "
+                  "sequence length (a lengths-only JSON batch gives it as \"seq_len\")");
   if (S == 0) CPSIM_INVALID(first, ": empty sequence (shape ", shape_str({B, S}), ")");
   if (B == 0) CPSIM_INVALID(first, ": no rows (shape ", shape_str({B, S}), ")");
   return S;

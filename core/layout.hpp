@@ -37,7 +37,8 @@ std::optional<std::string> near_known_key(const std::string& key);
 // InvalidInput for a key that looks like a misspelled known key ("did you mean").
 void check_batch_keys(const Batch& batch);
 
-// 1-D tensors ([S], THD collators) become [1, S]; cu_seqlens stay 1-D.
+// 1-D tensors ([S], THD collators) become [1, S]; cu_seqlens stay 1-D (a nested
+// one-row [[0, 3, 7]] becomes [0, 3, 7]).
 void normalize_batch_axis(Batch& batch);
 
 // The packing lengths (seq_lens, seq_lens_padded, cu_seqlens, cu_seqlens_padded);

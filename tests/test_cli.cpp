@@ -2,6 +2,7 @@
 // size, every invalid one is exit 2 with one line naming the key.
 #include <gmock/gmock.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -91,6 +92,82 @@ TEST(Cli, EveryInvalidExampleIsExitTwoNamingTheKey) {
                        {"int64_overflow.json", "input_ids row 0 index 1"},
                        {"seq_len_too_large.json", "seq_len: 9000000000000"},
                        {"conflicting_forms.json", "cu_seqlens row 0: the documents it describes disagree with seq_lens"}});
+}
+
+// The hostile batches a new user's tries turned up: each is exit 2 with one line
+// naming the key, row and index (or the byte), never a guess or a property failure.
+TEST(Cli, EveryHostileBatchIsExitTwoNamingWhatIsWrong) {
+  expect_each_invalid(std::filesystem::path(CPSIM_SOURCE_DIR) / "tests" / "data" / "hostile",
+                      {{"attention_mask_contradicts_seq_lens.json", "attention_mask row 0 index 5: 1 says a real token, but seq_lens makes it padding"},
+                       {"attention_mask_of_document_indices.json", "attention_mask row 0 index 2: value 2; a mask holds 0 or 1"},
+                       {"cu_seqlens_past_the_row.json", "cu_seqlens row 0 index 2: document 2 ends at 7"},
+                       {"lengths_without_tokens.json", "gives the sequence length"},
+                       {"long_key.json", "... (2000 characters)\" is no batch key name"},
+                       {"masks_contradict_each_other.json", "attention_mask row 0 index 2: 1 says a real token, but padding_mask"},
+                       {"misspelled_mask_key.json", "did you mean attention_mask?"},
+                       {"nul_after_value.json", "a NUL byte at byte 26"},
+                       {"nul_in_key.json", "a key \"labels\\x00x\" is no batch key name"},
+                       {"padding_mask_not_boolean.json", "padding_mask row 0 index 4: value 2"},
+                       {"positions_never_reset.json", "position_ids row 0 index 2: position 2, but the token is the start of document 2"},
+                       {"positions_overflow_the_fill.json", "position_ids row 0 index 2"},
+                       {"positions_reset_inside_a_document.json", "position_ids row 0 index 3: position 0"},
+                       {"second_value.json", "more after the JSON value, at byte 28"}});
+}
+
+// Batches that look odd but are valid: no input_ids (stand-ins, said in the report),
+// documents from position_ids resets, nested one-row cu_seqlens, JSON named .safetensors.
+TEST(Cli, ValidOddBatchesHoldAtEveryCpSize) {
+  const auto dir = std::filesystem::path(CPSIM_SOURCE_DIR) / "tests" / "data" / "valid";
+  std::size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    ++n;
+    const auto r = run_process({kCpsim, "check", e.path().string(), "--cp", "1,2,3,4"}, 120s);
+    EXPECT_EQ(r.status, 0) << e.path() << "\n" << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr("all properties hold")) << e.path();
+    if (e.path().filename() != "nested_cu_seqlens.json" && e.path().filename() != "json_named.safetensors") {
+      EXPECT_THAT(r.out, HasSubstr("no input_ids in the file: stand-in token ids")) << e.path();
+    }
+  }
+  EXPECT_EQ(n, 5u);
+}
+
+// Several files: an invalid one (or one that cannot be read) is reported on its own
+// line naming it, the others still run, and the status is 2.
+TEST(Cli, SeveralFilesAreEachCheckedAndEachInvalidOneIsNamed) {
+  const std::string good = (kExamples / "spec_example.json").string();
+  const std::string bad = (kExamples / "invalid" / "bad_positions.json").string();
+  const auto r = run_process({kCpsim, "check", good, bad, "/nonexistent/batch.json", good, "--cp", "2,2"}, 60s);
+  EXPECT_EQ(r.status, 2) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("invalid input: " + bad + ": position_ids row 0 index 4"));
+  EXPECT_THAT(r.err, HasSubstr("invalid input: /nonexistent/batch.json: cannot open the batch file"));
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 2) << r.err;
+  // Both valid files ran, and --cp 2,2 is one column.
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 2 * 13 + 1) << r.out;  // two tables of 11 properties
+  EXPECT_THAT(r.out, HasSubstr("every property holds on the valid batches; 2 invalid"));
+  const auto header = r.out.substr(r.out.find("property"), r.out.find('\n', r.out.find("property")) - r.out.find("property"));
+  EXPECT_EQ(header.find("cp=2"), header.rfind("cp=2")) << "one column per CP size: " << header;
+}
+
+// A FIFO (or any file that is not regular) is refused before it is opened: no hang.
+TEST(Cli, AFileThatIsNotRegularIsRefusedWithoutBlocking) {
+  const auto fifo = std::filesystem::temp_directory_path() / ("cpsim-fifo-" + std::to_string(::getpid()));
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const auto r = run_process({kCpsim, "check", fifo.string()}, 20s);
+  std::filesystem::remove(fifo);
+  EXPECT_EQ(r.status, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("not a regular file"));
+}
+
+// --help shows every default; golden needs its CP size.
+TEST(Cli, HelpShowsDefaultsAndGoldenNeedsItsCpSize) {
+  const auto help = run_process({kCpsim, "check", "--help"}, 20s);
+  EXPECT_EQ(help.status, 0);
+  for (const char* d : {"=20", "=[1,2,3,4,8]", "=threads", "=4", "=8"}) EXPECT_THAT(help.out, HasSubstr(d)) << help.out;
+  const auto fuzz = run_process({kCpsim, "fuzz", "--help"}, 20s);
+  for (const char* d : {"=200", "=1", "=16"}) EXPECT_THAT(fuzz.out, HasSubstr(d)) << fuzz.out;
+  const auto golden = run_process({kCpsim, "golden", (kExamples / "spec_example.json").string(), "--out", "/tmp/x"}, 20s);
+  EXPECT_EQ(golden.status, 2);
+  EXPECT_THAT(golden.err, HasSubstr("--cp is required"));
 }
 
 // Inputs the fuzzers found (make fuzz): each is exit 2 with one line naming what is wrong.

@@ -21,8 +21,8 @@ using namespace std::chrono_literals;
 namespace {
 
 // Little-endian bytes of integers.
-template <class T>
-std::string le(std::initializer_list<T> vs) {
+template <class T, class List = std::initializer_list<T>>
+std::string le(const List& vs) {
   std::string out;
   for (T v : vs)
     for (std::size_t b = 0; b < sizeof(T); ++b)
@@ -120,10 +120,46 @@ TEST(SafetensorsErrors, EveryMalformedFileIsOneClearError) {
   EXPECT_THAT(invalid(file(R"({"__metadata__":{"pad_token_id":"zero"},)" + ids + "}", data)),
               HasSubstr("pad_token_id"));
   // A file that parses but has no token key: the layout's error.
-  const BatchFile none = parse_batch_safetensors(file(R"({"seq_lens":{"dtype":"I64","shape":[1,1],"data_offsets":[0,8]}})",
-                                                      le<std::int64_t>({2})),
-                                                 "x.safetensors");
-  EXPECT_THROW(derive_layout(none.batch), InvalidInput);
+  EXPECT_THAT(invalid(file(R"({"seq_lens":{"dtype":"I64","shape":[1,1],"data_offsets":[0,8]}})", le<std::int64_t>({2}))),
+              HasSubstr("input_ids: missing"));
+  // The format's own header limit (100 MB), before any of it is read.
+  EXPECT_THAT(invalid(le<std::uint64_t>({100000001}) + "{}"), HasSubstr("exceeds the format's limit of 100000000 bytes"));
+  // A key that is no name: control characters are escaped, a long one is cut.
+  EXPECT_THAT(invalid(file(R"({"input\u0001":{"dtype":"I64","shape":[1,2],"data_offsets":[0,16]}})", data)),
+              HasSubstr("input\\x01"));
+  EXPECT_THAT(invalid(file("{\"" + std::string(2000, 'k') + R"(":{"dtype":"I64","shape":[1,2],"data_offsets":[0,16]}})", data)),
+              HasSubstr("... (2000 characters)"));
+}
+
+// A batch without input_ids (labels, a mask, positions and lengths only) is valid:
+// the reader gives stand-in token ids and says so.
+TEST(Safetensors, ABatchWithoutInputIdsGetsStandInTokenIds) {
+  const BatchFile f = parse_batch_safetensors(
+      file(R"({"labels":{"dtype":"I64","shape":[1,3],"data_offsets":[0,24]},"seq_lens":{"dtype":"I64","shape":[1,1],"data_offsets":[24,32]}})",
+           le<std::int64_t>({5, 6, -100, 2})),
+      "x.safetensors");
+  EXPECT_TRUE(f.stand_in_ids);
+  ASSERT_TRUE(f.batch.count("input_ids"));
+  EXPECT_EQ(f.batch.at("input_ids").shape(), (Shape{1, 3}));
+  derive_layout(f.batch);
+}
+
+// Many tensors: the header is read in one linear pass (the duplicate-key check once
+// scanned the whole object per tensor).
+TEST(Safetensors, AHeaderOfManyTensorsIsRead) {
+  std::string header = "{";
+  std::vector<std::int64_t> values;
+  for (int i = 0; i < 20000; ++i) {
+    std::string name = "k";
+    name += std::to_string(i);
+    if (i == 0) name = "input_ids";
+    if (i) header += ',';
+    header.append("\"").append(name).append(R"(":{"dtype":"I64","shape":[1,1],"data_offsets":[)");
+    header.append(std::to_string(8 * i)).append(",").append(std::to_string(8 * i + 8)).append("]}");
+    values.push_back(i);
+  }
+  const BatchFile f = parse_batch_safetensors(file(header + "}", le<std::int64_t, std::vector<std::int64_t>>(values)), "many.safetensors");
+  EXPECT_EQ(f.batch.size(), 20000u);
 }
 
 // Truncating a valid file anywhere is an error, never a crash or a read past the end.

@@ -43,7 +43,11 @@ Tensor tensor_from_json(const json& value, const std::string& key) {
       else if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))
         CPSIM_INVALID(key, " row ", r, " index ", i, ": ", v.get<std::uint64_t>(), " does not fit in int64");
       else if (v.is_number_integer()) {
-        if (t.dtype() == DType::b8) t.set(r * cols + i, v.get<std::int64_t>() != 0 ? 1.0 : 0.0);
+        if (t.dtype() == DType::b8) {
+          const std::int64_t x = v.get<std::int64_t>();
+          if (x != 0 && x != 1) CPSIM_INVALID(key, " row ", r, " index ", i, ": value ", x, "; a mask holds 0 or 1");
+          t.set(r * cols + i, x != 0 ? 1.0 : 0.0);
+        }
         else t.data<std::int64_t>()[r * cols + i] = v.get<std::int64_t>();
       } else CPSIM_INVALID(key, " row ", r, " index ", i, ": expected an integer, got ", v.type_name());
     }
@@ -68,7 +72,49 @@ json tensor_to_json(const Tensor& t) {
 
 }  // namespace
 
+namespace {
+// Finds a key repeated at the top level in one linear pass (nlohmann's callback
+// parser removes discarded values by scanning the parent object, which is
+// quadratic in the number of keys).
+struct TopLevelKeys : nlohmann::json_sax<json> {
+  int depth = 0;
+  std::set<std::string> seen;
+  std::string duplicate;
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    ++depth;
+    return true;
+  }
+  bool end_object() override {
+    --depth;
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    ++depth;
+    return true;
+  }
+  bool end_array() override {
+    --depth;
+    return true;
+  }
+  bool key(string_t& k) override {
+    if (depth == 1 && duplicate.empty() && !seen.insert(k).second) duplicate = k;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+};
+}  // namespace
+
 json parse_strict_json(std::string_view text, const std::string& source, int max_depth) {
+  // JSON is text: a NUL byte would end the parse early and hide what follows it.
+  if (const auto nul = text.find('\0'); nul != std::string_view::npos)
+    CPSIM_INVALID(source, ": a NUL byte at byte ", nul, " (a JSON batch is text; is this a binary file?)");
   int depth = 0;
   bool in_string = false, escaped = false;
   for (char ch : text) {
@@ -84,24 +130,56 @@ json parse_strict_json(std::string_view text, const std::string& source, int max
       --depth;
     }
   }
-  std::set<std::string> keys;
-  std::string duplicate;
   json doc;
   try {
-    doc = json::parse(text.begin(), text.end(), [&](int d, json::parse_event_t event, json& parsed) {
-      if (event == json::parse_event_t::key && d == 1 && !keys.insert(parsed.get<std::string>()).second)
-        duplicate = parsed.get<std::string>();
-      return true;
-    });
+    doc = json::parse(text.begin(), text.end());
   } catch (const json::parse_error& e) {
+    if (std::string(e.what()).find("; expected end of input") != std::string::npos)
+      CPSIM_INVALID(source, ": more after the JSON value, at byte ", e.byte, " (a batch file holds one JSON object)");
     CPSIM_INVALID(source, ": malformed JSON at byte ", e.byte);
   } catch (const json::out_of_range&) {
     CPSIM_INVALID(source, ": a number in the JSON is too large to represent");
   } catch (const json::exception& e) {
     CPSIM_INVALID(source, ": unreadable JSON (", e.id, ")");
   }
-  if (!duplicate.empty()) CPSIM_INVALID(duplicate, ": key appears twice in ", source);
+  TopLevelKeys keys;
+  json::sax_parse(text.begin(), text.end(), &keys);
+  if (!keys.duplicate.empty()) CPSIM_INVALID(printable(keys.duplicate), ": key appears twice in ", source);
   return doc;
+}
+
+// Keys are names: no control characters (a NUL would cut a message), not a page long.
+void check_key_name(const std::string& key, const std::string& source) {
+  constexpr std::size_t kLongestKey = 128;
+  bool control = false;
+  for (unsigned char c : key) control = control || c < 0x20 || c == 0x7f;
+  if (key.empty() || control || key.size() > kLongestKey)
+    CPSIM_INVALID(source, ": a key \"", printable(key), "\" is no batch key name (names such as input_ids: 1 to ",
+                  kLongestKey, " characters, no control characters)");
+}
+
+namespace {
+// Stand-in token ids [rows, S] (never used to decide padding, which comes from
+// lengths and masks); their memory is bounded here, since no file bounds them.
+Tensor stand_in_ids(std::int64_t rows, std::int64_t S, const std::string& what) {
+  if (S > kMaxStandInTokens / rows)
+    CPSIM_INVALID(what, ": ", S, " x ", rows, " rows of stand-in tokens exceeds the limit of ", kMaxStandInTokens,
+                  " tokens for a batch without input_ids (give input_ids for longer ones)");
+  Tensor ids({rows, S}, DType::i64);
+  for (std::int64_t i = 0; i < ids.numel(); ++i) ids.data<std::int64_t>()[i] = 1 + (i * 7) % 31;
+  return ids;
+}
+}  // namespace
+
+void finish_batch(BatchFile& out, const std::string& source) {
+  for (const auto& [key, t] : out.batch) check_key_name(key, source);
+  normalize_batch_axis(out.batch);
+  if (out.batch.count("input_ids")) return;
+  // No input_ids: stand-ins shaped like the batch's other token keys (labels,
+  // position_ids, a mask). A batch with no [B, S] key at all is invalid.
+  const std::int64_t S = sequence_length(out.batch), B = batch_rows(out.batch);
+  out.batch["input_ids"] = stand_in_ids(B, S, "input_ids (absent)");
+  out.stand_in_ids = true;
 }
 
 BatchFile parse_batch_json(std::string_view text, const std::string& source) {
@@ -112,6 +190,7 @@ BatchFile parse_batch_json(std::string_view text, const std::string& source) {
   std::int64_t seq_len = -1;
   for (auto it = doc.begin(); it != doc.end(); ++it) {
     const std::string& key = it.key();
+    check_key_name(key, source);
     if (key == "pad_token_id") {
       if (!it->is_number_integer() || (it->is_number_unsigned() && it->get<std::uint64_t>() > INT64_MAX))
         CPSIM_INVALID("pad_token_id: expected an integer that fits in int64");
@@ -125,32 +204,32 @@ BatchFile parse_batch_json(std::string_view text, const std::string& source) {
   }
   normalize_batch_axis(out.batch);
   if (seq_len >= 0) {
-    // Only lengths given: token ids are stand-ins (never used to decide padding).
-    std::int64_t rows = 1;
-    if (out.batch.count("seq_lens")) rows = out.batch.at("seq_lens").dim(0);
-    if (out.batch.count("input_ids")) {
-      if (out.batch.at("input_ids").dim(1) != seq_len)
-        CPSIM_INVALID("seq_len: ", seq_len, " disagrees with input_ids length ", out.batch.at("input_ids").dim(1));
+    // "seq_len" stands in for the token tensors when only lengths are given.
+    bool tokens = false;
+    for (const auto& [key, t] : out.batch) tokens = tokens || !is_length_key(key);
+    if (tokens) {
+      const std::int64_t S = sequence_length(out.batch);
+      if (S != seq_len) CPSIM_INVALID("seq_len: ", seq_len, " disagrees with the batch's sequence length ", S);
     } else {
-      // Stand-in tokens are not in the file: their memory is bounded here instead.
-      if (seq_len > kMaxStandInTokens / rows)
-        CPSIM_INVALID("seq_len: ", seq_len, " x ", rows, " rows of stand-in tokens exceeds the limit of ", kMaxStandInTokens,
-                      " tokens for a lengths-only batch (give input_ids for longer ones)");
-      Tensor ids({rows, seq_len}, DType::i64);
-      for (std::int64_t i = 0; i < ids.numel(); ++i) ids.data<std::int64_t>()[i] = 1 + (i * 7) % 31;
-      out.batch["input_ids"] = ids;
+      const std::int64_t rows = out.batch.count("seq_lens") ? out.batch.at("seq_lens").dim(0) : 1;
+      out.batch["input_ids"] = stand_in_ids(rows, seq_len, "seq_len");
+      out.stand_in_ids = true;
     }
   }
+  finish_batch(out, source);
   return out;
 }
 
 MappedFile::MappedFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) CPSIM_INVALID(path, ": cannot open the batch file (", std::strerror(errno), ")");
+  // A FIFO or a device would block in open or never end: refused before opening.
   struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) CPSIM_INVALID(path, ": cannot open the batch file (", std::strerror(errno), ")");
+  if (!S_ISREG(st.st_mode)) CPSIM_INVALID(path, ": not a regular file (a batch is a JSON or safetensors file)");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) CPSIM_INVALID(path, ": cannot open the batch file (", std::strerror(errno), ")");
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    CPSIM_INVALID(path, ": not a regular file");
+    CPSIM_INVALID(path, ": not a regular file (a batch is a JSON or safetensors file)");
   }
   size_ = static_cast<std::size_t>(st.st_size);
   if (size_ > 0) {
@@ -173,7 +252,11 @@ bool is_safetensors_path(const std::string& path) {
 }
 
 BatchFile parse_batch(std::string_view bytes, const std::string& source) {
-  if (is_safetensors_path(source) || (!bytes.empty() && bytes[0] != '{' && looks_like_safetensors(bytes)))
+  // By the content: a safetensors header, or JSON text (which may begin with white
+  // space); the name decides only which error a file that is neither gets.
+  const auto first = bytes.find_first_not_of(" \t\r\n");
+  const bool json_text = first != std::string_view::npos && bytes[first] == '{';
+  if (looks_like_safetensors(bytes) || (!json_text && is_safetensors_path(source)))
     return parse_batch_safetensors(bytes, source);
   return parse_batch_json(bytes, source);
 }

@@ -19,7 +19,17 @@ inline constexpr std::int64_t kMaxStandInTokens = std::int64_t{1} << 26;
 struct BatchFile {
   Batch batch;
   std::int64_t pad_token_id = 0;
+  // The file gave no input_ids: the batch holds stand-ins (token ids never decide
+  // padding, so every property still checks the layout the file gives).
+  bool stand_in_ids = false;
 };
+
+// InvalidInput unless `key` is a name: 1 to 128 characters, no control characters.
+void check_key_name(const std::string& key, const std::string& source);
+
+// What every reader does last: key names checked, 1-D tensors normalised, stand-in
+// input_ids when the file has none.
+void finish_batch(BatchFile& out, const std::string& source);
 
 // A batch file mapped read-only into memory; InvalidInput when it cannot be opened.
 class MappedFile {
@@ -38,7 +48,7 @@ class MappedFile {
 // JSON: duplicate keys, nesting deeper than a batch, and integers that do not fit
 // int64 are invalid input.
 BatchFile parse_batch_json(std::string_view text, const std::string& source = "batch");
-// JSON or safetensors: by the name (*.safetensors), else by the content.
+// JSON or safetensors, by the content (the name only picks the error for neither).
 BatchFile parse_batch(std::string_view bytes, const std::string& source);
 BatchFile read_batch_file(const std::string& path);
 std::string batch_to_json(const Batch& batch, std::int64_t pad_token_id, bool pretty = false);

@@ -77,6 +77,11 @@ SafetensorsFile parse_safetensors(std::string_view bytes, const std::string& sou
   if (bytes.size() < 8)
     CPSIM_INVALID(source, ": truncated safetensors file: ", bytes.size(), " bytes, the 8-byte header length is missing");
   const std::uint64_t n = le64(bytes.data());
+  // The format's reference implementation refuses headers over 100 MB; so does cpsim,
+  // before reading any of it.
+  constexpr std::uint64_t kMaxHeader = 100'000'000;
+  if (n > kMaxHeader)
+    CPSIM_INVALID(source, ": safetensors header length ", n, " exceeds the format's limit of ", kMaxHeader, " bytes");
   if (n > bytes.size() - 8)
     CPSIM_INVALID(source, ": safetensors header length ", n, " exceeds the ", bytes.size() - 8, " bytes after it");
   const std::string_view header = bytes.substr(8, n);
@@ -97,6 +102,7 @@ SafetensorsFile parse_safetensors(std::string_view bytes, const std::string& sou
   for (auto it = doc.begin(); it != doc.end(); ++it) {
     const std::string& key = it.key();
     const json& e = *it;
+    check_key_name(key, source);
     if (key == "__metadata__") {
       if (!e.is_object()) CPSIM_INVALID("__metadata__: expected an object of strings");
       for (auto m = e.begin(); m != e.end(); ++m) {
@@ -184,7 +190,7 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
     if (used == 0 || used != v.size())
       CPSIM_INVALID("__metadata__ pad_token_id: expected an integer as a string, as safetensors stores metadata");
   }
-  normalize_batch_axis(out.batch);
+  finish_batch(out, source);
   return out;
 }
 
