@@ -6,7 +6,9 @@
 
 #include "cli/job.hpp"
 #include "core/comm/registry.hpp"
+#include "bench/collectives.hpp"
 #include "verify/batch_io.hpp"
+#include "verify/memory.hpp"
 #include "verify/properties.hpp"
 
 namespace cpsim::cli {
@@ -80,6 +82,27 @@ int run_check(CheckArgs a) {
     }
   }
   if (files.empty()) return kExitUsage;
+  // Memory, before anything is allocated: a batch whose estimated peak at some CP
+  // size is over the limit is refused, naming the estimate.
+  const MemoryLimit limit = a.max_memory.empty()
+                                ? default_memory_limit()
+                                : MemoryLimit{static_cast<std::int64_t>(bench::parse_size(a.max_memory)), "--max-memory"};
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const std::int64_t S = sequence_length(files[i].batch), B = batch_rows(files[i].batch);
+    int keys = 0;
+    for (const auto& [key, t] : files[i].batch) keys += !is_length_key(key);
+    for (int cp : a.cp_sizes) {
+      CheckOptions with = o;
+      with.backend = a.job.backend;
+      const MemoryEstimate e = estimate_check_memory(B, S, keys, cp, with);
+      if (e.bytes > limit.bytes)
+        throw InvalidInput(paths[i] + ": needs about " + format_bytes(e.bytes) + " at cp " + std::to_string(cp) + " (" +
+                           std::to_string(B) + " x " + std::to_string(reference_geometry(S, cp).padded_len) +
+                           " tokens, " + std::to_string(static_cast<std::int64_t>(e.per_token)) + " bytes each at " +
+                           e.largest_row + "'s peak), over the limit of " + format_bytes(limit.bytes) + " (" +
+                           limit.source + "); check a smaller batch or CP size, or raise --max-memory");
+    }
+  }
   join_job(a.job);
   o.backend = a.job.backend;
   o.timeout = milliseconds_of(a.job.timeout);

@@ -53,6 +53,9 @@ Parsed parse_options(int argc, char** argv) {
   add_job_options(c, check.job);
   add_model_options(c, check.model, "seed of the activations");
   c->add_flag("--json", check.json, "one JSON object instead of a table");
+  c->add_option("--max-memory", check.max_memory,
+                "refuse a batch whose estimated peak memory is larger: 512M, 8G, ... (default: 80% of this machine's "
+                "memory)");
   c->footer(
       "Example:\n  cpsim check examples/spec_example.json --cp 1,2,3,4,8\n"
       "  cpsim check batch.safetensors --backend gloo --json\n"

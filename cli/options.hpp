@@ -42,6 +42,7 @@ struct CheckArgs {
   JobArgs job;
   ModelArgs model;
   bool json = false;
+  std::string max_memory;  // "8G"; empty: 80% of the machine's memory
 };
 
 struct FuzzArgs {

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@ struct ProcessResult {
   int status = -1;  // exit code, 128+signal if killed, -1 if it hit the deadline
   std::string out, err;
   std::chrono::milliseconds elapsed{0};
+  std::int64_t max_rss_bytes = 0;  // the process's peak resident memory (wait4's ru_maxrss)
 };
 
 inline ProcessResult run_process(const std::vector<std::string>& args, std::chrono::milliseconds deadline,
@@ -80,7 +82,9 @@ inline ProcessResult run_process(const std::vector<std::string>& args, std::chro
   }
   close(out_pipe[0]), close(err_pipe[0]);
   int wstatus = 0;
-  waitpid(pid, &wstatus, 0);
+  rusage usage{};
+  wait4(pid, &wstatus, 0, &usage);
+  r.max_rss_bytes = static_cast<std::int64_t>(usage.ru_maxrss) * 1024;
   r.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
   if (timed_out) r.status = -1;
   else r.status = WIFSIGNALED(wstatus) ? 128 + WTERMSIG(wstatus) : WEXITSTATUS(wstatus);

@@ -9,9 +9,12 @@
 #include <fstream>
 
 #include "tests/subprocess.hpp"
+#include "verify/memory.hpp"
 
 using cpsim::testing::run_process;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;
 
 namespace {
@@ -236,6 +239,30 @@ TEST(Cli, ARunThatCannotCompleteIsExitThree) {
   std::filesystem::remove_all(dir);
 }
 
+// Memory: a batch over the limit is refused before anything is allocated (exit 2,
+// naming the estimate); one that runs out anyway (the limit raised past what the
+// address space allows) aborts (exit 3, ABORTED cells), never FAIL.
+TEST(Cli, MemoryIsEstimatedFirstAndRunningOutAborts) {
+  const auto path = std::filesystem::temp_directory_path() / ("cpsim-oom-" + std::to_string(::getpid()) + ".json");
+  std::ofstream(path) << "{\"seq_len\": 200000, \"seq_lens\": [[150000, 50000]]}\n";
+  const auto refused = run_process({kCpsim, "check", path.string(), "--cp", "2", "--max-memory", "64M"}, 60s);
+  EXPECT_EQ(refused.status, 2) << refused.out << refused.err;
+  EXPECT_THAT(refused.err, AllOf(HasSubstr("needs about"), HasSubstr("at cp 2"), HasSubstr("over the limit of 67 MB")));
+  EXPECT_EQ(std::count(refused.err.begin(), refused.err.end(), '\n'), 1) << refused.err;
+  EXPECT_EQ(refused.out, "");
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // sanitizers need the address space themselves
+  const auto by_default = run_process({"/bin/bash", "-c", "ulimit -v 400000 && exec \"$0\" check \"$1\" --cp 2", kCpsim,
+                                       path.string()}, 60s);
+  EXPECT_EQ(by_default.status, 2) << by_default.err;
+  EXPECT_THAT(by_default.err, HasSubstr("half of the address-space limit (ulimit -v)"));
+  const auto oom = run_process({"/bin/bash", "-c", "ulimit -v 400000 && exec \"$0\" check \"$1\" --cp 2 --max-memory 100G",
+                                kCpsim, path.string()}, 120s);
+  EXPECT_EQ(oom.status, 3) << oom.out << oom.err;
+  EXPECT_THAT(oom.out, AllOf(HasSubstr("ABORTED"), HasSubstr("out of memory"), Not(HasSubstr("FAIL"))));
+#endif
+  std::filesystem::remove(path);
+}
+
 // Too few descriptors for an in-process gloo group: a resource error naming the
 // limit (exit 2, one line), never a hang or a property failure.
 TEST(Cli, TooFewDescriptorsForAGlooGroupIsAResourceErrorNamingTheLimit) {
@@ -247,4 +274,59 @@ TEST(Cli, TooFewDescriptorsForAGlooGroupIsAResourceErrorNamingTheLimit) {
   EXPECT_EQ(r.status, 2) << r.out << r.err;
   EXPECT_THAT(r.err, HasSubstr("may open 256 descriptors (RLIMIT_NOFILE"));
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+// The memory estimate check refuses batches by is an upper bound of the peak it
+// measures, and not a loose one: cpsim check's peak resident memory on batches of
+// tens of thousands of tokens, at several CP sizes and model shapes, lies within
+// [estimate / 1.6, estimate]. (Sanitizer builds hold far more memory: skipped.)
+TEST(Cli, TheMemoryEstimateBoundsTheMeasuredPeak) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizer builds hold shadow memory";
+#endif
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-memory-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  auto batch = [&](std::int64_t tokens) {
+    const auto path = dir / ("tokens" + std::to_string(tokens) + ".json");
+    std::ofstream out(path);
+    out << "{\"seq_len\": " << tokens << ", \"seq_lens\": [[";
+    std::int64_t left = tokens;
+    for (int i = 0; left > 0; ++i) {
+      const std::int64_t len = std::min<std::int64_t>(left, 1 + (i * 7919) % 3000);
+      out << (i ? ", " : "") << len;
+      left -= len;
+    }
+    out << "]]}\n";
+    return path.string();
+  };
+  struct Point {
+    std::int64_t tokens;
+    int cp;
+    std::vector<std::string> model;
+  };
+  const std::vector<Point> points = {{65536, 1, {}},
+                                     {65536, 8, {}},
+                                     {32768, 4, {"--channels", "64"}},
+                                     {16384, 2, {"--heads", "8", "--key-dim", "16", "--value-dim", "16"}}};
+  for (const Point& p : points) {
+    std::vector<std::string> args{kCpsim, "check", batch(p.tokens), "--cp", std::to_string(p.cp)};
+    args.insert(args.end(), p.model.begin(), p.model.end());
+    const auto r = run_process(args, 300s);
+    ASSERT_EQ(r.status, 0) << r.out << r.err;
+    cpsim::verify::CheckOptions o;
+    for (std::size_t i = 0; i + 1 < p.model.size(); i += 2) {
+      const int v = std::stoi(p.model[i + 1]);
+      if (p.model[i] == "--channels") o.channels = v;
+      if (p.model[i] == "--heads") o.heads = v;
+      if (p.model[i] == "--key-dim") o.key_dim = v;
+      if (p.model[i] == "--value-dim") o.value_dim = v;
+    }
+    const auto e = cpsim::verify::estimate_check_memory(1, p.tokens, 1, p.cp, o);
+    const double ratio = static_cast<double>(e.bytes) / static_cast<double>(r.max_rss_bytes);
+    std::cout << "[ measured ] " << p.tokens << " tokens, cp " << p.cp << ": peak " << r.max_rss_bytes / 1000000
+              << " MB, estimate " << e.bytes / 1000000 << " MB (" << e.largest_row << "), ratio " << ratio << "\n";
+    EXPECT_GE(ratio, 1.0) << "the estimate is below the measured peak";
+    EXPECT_LE(ratio, 1.6) << "the estimate is loose";
+  }
+  std::filesystem::remove_all(dir);
 }

@@ -3,6 +3,7 @@
 
 #include "tests/property_harness.hpp"
 #include "verify/generators.hpp"
+#include "verify/memory.hpp"
 #include "verify/properties.hpp"
 #include "core/comm/run_ranks.hpp"
 
@@ -262,3 +263,7 @@ TEST(PropertyTable, EveryRowRunsOnceOnASharedPreparedCase) {
     for (const auto& r : alone) EXPECT_TRUE(r.ok) << r.property << ": " << r.detail;
   }
 }
+
+// Every row has a memory model, so `cpsim check` can estimate a batch's peak before
+// it allocates anything (a new row without one would go unestimated).
+TEST(PropertyTable, EveryRowHasAMemoryModel) { EXPECT_TRUE(every_row_has_a_memory_model()); }

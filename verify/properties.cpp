@@ -346,32 +346,30 @@ PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, cons
   const LayoutCase& c = s.c;
   Tally t{"gather_backward", c.cp};
   try {
-    const std::vector<DType> dtypes{DType::f64, DType::f32};
+    // One dtype at a time: every rank's upstream gradient is a whole [B, P, C]
+    // tensor, so the cp of them are what this row holds at its peak; a run per
+    // dtype holds one dtype's at a time.
     const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
-    std::vector<Tensor> globals;
-    std::vector<std::vector<Tensor>> upstream(dtypes.size()), grads(dtypes.size(), std::vector<Tensor>(c.cp));
-    for (std::size_t k = 0; k < dtypes.size(); ++k) {
-      globals.push_back(random_tensor(shape, dtypes[k], mix_seed(c.seed, 11)));
-      for (int q = 0; q < c.cp; ++q) upstream[k].push_back(random_tensor(shape, dtypes[k], mix_seed(c.seed, 100 + q)));
-    }
-    run_ranks(c.cp, [&](Communicator& comm) {
-      const int r = comm.rank();
-      for (std::size_t k = 0; k < dtypes.size(); ++k) {
-        Var x(on(comm, local(globals[k], s.context(r))), true);
-        backward(dot(gather(x, &comm, true), upstream[k][r]));
-        grads[k][r] = host(x.grad());
-      }
-    }, run_options(o), {&grads[0], &grads[1]});
     const std::vector<bool> all(c.cp, true);
-    for (std::size_t k = 0; k < dtypes.size(); ++k)
+    for (const DType dt : {DType::f64, DType::f32}) {
+      const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, 11));
+      std::vector<Tensor> upstream, grads(c.cp);
+      for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor(shape, dt, mix_seed(c.seed, 100 + q)));
+      run_ranks(c.cp, [&](Communicator& comm) {
+        const int r = comm.rank();
+        Var x(on(comm, local(global, s.context(r))), true);
+        backward(dot(gather(x, &comm, true), upstream[r]));
+        grads[r] = host(x.grad());
+      }, run_options(o), {&grads});
       for (int r = 0; r < c.cp; ++r) {
-        if (!grads[k][r].defined()) {
+        if (!grads[r].defined()) {
           t.expect(false, "rank " + std::to_string(r) + " got no gradient");
           continue;
         }
-        t.expect_sum(reference_grad(dtypes[k], upstream[k], all, s.g, r), grads[k][r], capabilities_of(o),
-                     std::string(dtype_name(dtypes[k])) + " gradient of rank " + std::to_string(r));
+        t.expect_sum(reference_grad(dt, upstream, all, s.g, r), grads[r], capabilities_of(o),
+                     std::string(dtype_name(dt)) + " gradient of rank " + std::to_string(r));
       }
+    }
   } catch (...) {
     return threw("gather_backward", c.cp);
   }
@@ -620,6 +618,7 @@ PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn
       t.expect_close(run.ref.dw, run.dw[e], kConvTolerance, "dw summed over ranks" + tag);
       t.expect_close(run.ref.dbias, run.dbias[e], kConvTolerance, "dbias summed over ranks" + tag);
     }
+    s.runs->conv.reset();  // the last row of the pair: its memory goes before the next row's
   } catch (...) {
     return threw("conv_backward", c.cp);
   }
@@ -665,10 +664,12 @@ RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const R
         for (std::int64_t i = 0; i < chunk; ++i) perm[at++] = ch * chunk + i;
   }
   for (std::int64_t i = 0; i < P; ++i) inverse[perm[i]] = i;
-  const Tensor ids_p = permute_sequence(ids, perm);
-  const Tensor q = permute_sequence(in.q, perm), k = permute_sequence(in.k, perm), v = permute_sequence(in.v, perm),
-               beta = permute_sequence(in.beta, perm), gg = permute_sequence(in.g, perm),
-               up = permute_sequence(d_o, perm);
+  // Contiguous: the identity, so the global tensors themselves (no copies).
+  const bool permuted = sharding == Sharding::zigzag;
+  auto order = [&](const Tensor& t) { return permuted ? permute_sequence(t, perm) : t; };
+  const Tensor ids_p = order(ids);
+  const Tensor q = order(in.q), k = order(in.k), v = order(in.v), beta = order(in.beta), gg = order(in.g),
+               up = order(d_o);
   std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), db(c.cp), dg(c.cp);
   run_ranks(c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
@@ -688,7 +689,7 @@ RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const R
         run.grads_defined = false;
         return Tensor();
       }
-    return permute_sequence(cat(parts, 1), inverse);
+    return permuted ? permute_sequence(cat(parts, 1), inverse) : cat(parts, 1);
   };
   run.o = global(o);
   run.dq = global(dq), run.dk = global(dk), run.dv = global(dv), run.dbeta = global(db), run.dg = global(dg);
@@ -729,6 +730,7 @@ PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const 
     t.expect_close(run.ref.dv, run.dv, kRecurrenceTolerance, "dv");
     t.expect_close(run.ref.dbeta, run.dbeta, kRecurrenceTolerance, "dbeta");
     t.expect_close(run.ref.dg, run.dg, kRecurrenceTolerance, "dg");
+    s.runs->recurrence.reset();  // the last row of the pair: its memory goes before the next row's
   } catch (...) {
     return threw("recurrence_backward", c.cp);
   }

@@ -59,6 +59,8 @@ class Prepared {
   // Rank r's context; throws (naming why) when shard_batch threw for this case.
   const PackedContext& context(int rank) const;
 
+  // Shared runs; the backward row of each pair (the later one in the table) lets
+  // its run go, so that one pair's memory is free before the next pair runs.
   struct Runs;
   std::shared_ptr<Runs> runs;
 

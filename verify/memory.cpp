@@ -1,0 +1,136 @@
+#include "verify/memory.hpp"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <functional>
+
+namespace cpsim::verify {
+
+namespace {
+
+// The shapes a row's memory depends on.
+struct Shapes {
+  double cp, C, H, K, V;
+  double in() const { return H * (3 * K + V + 1) * 8; }  // q, k, g (K each), v (V), beta: float64
+  double out() const { return H * V * 8; }               // o and its upstream gradient
+  double states() const { return H * K * V * 8; }        // one K x V state per token and head
+};
+
+// Bytes per token of the padded batch that each row holds at its peak, on top of
+// what every row shares. Measured peak RSS (cpsim check on 128k-token batches, one
+// row at a time, cp 1 and 8, channels 8 and 64, heads 2 and 8 with K = V = 4 and 16)
+// lies within 0.9-1.0 of these.
+const std::map<std::string, std::function<double(const Shapes&)>>& row_models() {
+  static const std::map<std::string, std::function<double(const Shapes&)>> models = {
+      {"layout", [](const Shapes&) { return 120.0; }},
+      {"shard", [](const Shapes&) { return 150.0; }},
+      // Six dtypes of [B, P, ...] (6C + 40 bytes a token), each rank's gathered copy.
+      {"gather_forward", [](const Shapes& s) { return (6 * s.C + 40) * (1.2 + 1.3 * s.cp); }},
+      // Per dtype (float64 the larger): every rank's upstream gradient, gathered
+      // tensor and reduce-scatter input are whole [B, P, C] tensors.
+      {"gather_backward", [](const Shapes& s) { return 8 * s.C * (1 + 4.5 * s.cp); }},
+      {"anchor", [](const Shapes& s) { return 8 * s.C * (1 + 4.5 * s.cp) + 30 * s.cp; }},
+      {"halo_forward", [](const Shapes& s) { return 8 * s.C * 4.2 + 40; }},
+      {"halo_backward", [](const Shapes& s) { return 8 * s.C * 9.3 + 80; }},
+      // x, the upstream gradient, the reference's y and dx, and both exchanges' results.
+      {"conv_forward", [](const Shapes& s) { return 8 * s.C * 14.5 + 60; }},
+      {"conv_backward", [](const Shapes& s) { return 8 * s.C * 14.5 + 60; }},
+      // Every token's state (for backward), inputs and gradients twice (global and
+      // the reference's), the reference's states of one head.
+      {"recurrence_forward",
+       [](const Shapes& s) { return s.states() + 2 * (s.in() + s.out()) + 8 * s.K * s.V + 800 + 40 * s.cp; }},
+      {"recurrence_backward",
+       [](const Shapes& s) { return s.states() + 2 * (s.in() + s.out()) + 8 * s.K * s.V + 800 + 40 * s.cp; }},
+  };
+  return models;
+}
+
+constexpr double kFixedBytes = 16.0 * (1 << 20);  // the process itself: code, libraries, stacks
+constexpr double kSafety = 1.1;                   // the models' spread, and the allocator's slack
+
+std::int64_t read_cgroup_limit() {
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(path);
+    std::string v;
+    if (in >> v && v != "max") {
+      try {
+        const long long n = std::stoll(v);
+        if (n > 0 && n < (1LL << 60)) return n;
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+bool every_row_has_a_memory_model() {
+  for (const PropertyRow& row : property_table())
+    if (!row_models().count(row.name)) return false;
+  return true;
+}
+
+MemoryEstimate estimate_check_memory(std::int64_t rows, std::int64_t seq_len, int keys, int cp, const CheckOptions& o) {
+  const ReferenceGeometry g = reference_geometry(seq_len, cp);
+  const double tokens = static_cast<double>(rows) * static_cast<double>(g.padded_len);
+  const Shapes s{static_cast<double>(cp), static_cast<double>(o.channels), static_cast<double>(o.heads),
+                 static_cast<double>(o.key_dim), static_cast<double>(o.value_dim)};
+  // Shared by every row: the batch's keys, its layout and reference layout, and
+  // each rank's packed context (the global doc ids).
+  const double shared = 8.0 * keys + 60 + 8 * cp;
+  MemoryEstimate e;
+  double largest = -1;
+  for (const PropertyRow& row : property_table()) {
+    const auto model = row_models().find(row.name);
+    const double b = model == row_models().end() ? 0 : model->second(s);
+    if (b > largest) {
+      largest = b;
+      e.largest_row = row.name;
+    }
+  }
+  double per_token = shared + largest;
+  double fixed = kFixedBytes;
+  // Gloo in one process: a connection pair (and its buffers) per two ranks, and
+  // the transport's own copies of what moves.
+  if (o.backend == "gloo") {
+    per_token *= 1.15;
+    fixed += 0.35 * (1 << 20) * cp * cp;
+  }
+  e.per_token = per_token * kSafety;
+  e.bytes = static_cast<std::int64_t>(fixed + tokens * e.per_token);
+  return e;
+}
+
+MemoryLimit default_memory_limit() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  std::int64_t bytes = pages > 0 && page > 0 ? static_cast<std::int64_t>(pages) * page : (std::int64_t{8} << 30);
+  std::string source = "this machine's memory";
+  if (const std::int64_t cg = read_cgroup_limit(); cg > 0 && cg < bytes) {
+    bytes = cg;
+    source = "this cgroup's memory limit";
+  }
+  // Address space holds more than memory (each rank thread's stack and allocator
+  // arena): half of it.
+  rlimit as{};
+  if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY &&
+      static_cast<std::int64_t>(as.rlim_cur) / 10 * 8 / 2 < bytes / 10 * 8)
+    return {static_cast<std::int64_t>(as.rlim_cur) / 2, "half of the address-space limit (ulimit -v)"};
+  return {bytes / 10 * 8, "80% of " + source};
+}
+
+std::string format_bytes(std::int64_t bytes) {
+  char out[32];
+  const double b = static_cast<double>(bytes);
+  if (b >= 1e9) std::snprintf(out, sizeof out, "%.1f GB", b / 1e9);
+  else if (b >= 1e6) std::snprintf(out, sizeof out, "%.0f MB", b / 1e6);
+  else std::snprintf(out, sizeof out, "%.0f kB", b / 1e3);
+  return out;
+}
+
+}  // namespace cpsim::verify

@@ -1,0 +1,46 @@
+// How much memory `cpsim check` needs for a batch at a CP size, estimated before
+// anything is allocated, so that a batch too large for the machine is refused
+// with the estimate (exit 2) instead of ending in an allocation failure.
+//
+// The properties run one after another and free what they held, so the peak is
+// the largest row's, on top of what every row shares (the batch, its layout and
+// every rank's packed context). Each row's peak is a per-token model of the
+// tensors it holds at once (fitted to peak RSS measured with `cpsim check`, and
+// kept an upper bound by a test that measures it again): with all ranks in one
+// process, the gather rows hold a whole [B, P, C] tensor per rank, so they grow
+// with cp x channels; the recurrence holds every token's K x V state per head.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "verify/properties.hpp"
+
+namespace cpsim::verify {
+
+struct MemoryEstimate {
+  std::int64_t bytes = 0;   // peak, for the whole process
+  std::string largest_row;  // the row whose peak it is
+  double per_token = 0;     // bytes per token of the padded batch (B x P) at that peak
+};
+
+// The peak memory of every property on a batch of `rows` x `seq_len` tokens and
+// `keys` [B, S] keys at CP size `cp`, with the model shapes and backend of `o`.
+MemoryEstimate estimate_check_memory(std::int64_t rows, std::int64_t seq_len, int keys, int cp, const CheckOptions& o);
+
+// Whether every row of the property table has a memory model (a test keeps it so).
+bool every_row_has_a_memory_model();
+
+// The default limit: 80% of this machine's memory (the smaller of physical memory
+// and a cgroup's limit), or half the address-space limit (ulimit -v) when that is
+// smaller, and where it came from.
+struct MemoryLimit {
+  std::int64_t bytes = 0;
+  std::string source;
+};
+MemoryLimit default_memory_limit();
+
+// "1.5 GB", "320 MB".
+std::string format_bytes(std::int64_t bytes);
+
+}  // namespace cpsim::verify
