@@ -99,17 +99,12 @@ struct World {
 
 std::unique_ptr<World> world;
 
-// This process, as a claim on its rank: host, pid and a random tag.
+// This process, as a claim on its rank: "host HOST pid PID tag TAG".
 std::string claim_token() {
   char host[256] = {};
   gethostname(host, sizeof host - 1);
   std::random_device rd;
-  return std::string(host) + " pid " + std::to_string(getpid()) + " tag " + std::to_string(rd());
-}
-
-std::string read_key(Store& store, const std::string& key) {
-  const std::vector<char> v = store.get(key);
-  return std::string(v.begin(), v.end());
+  return "host " + std::string(host) + " pid " + std::to_string(getpid()) + " tag " + std::to_string(rd());
 }
 
 [[noreturn]] void job_in_use(const WorldConfig& c, const std::string& holder) {
@@ -129,15 +124,15 @@ void join_world(const WorldConfig& config) {
   w->config = config;
   w->base = open_store(config.store);
   w->job = std::make_shared<gloo::rendezvous::PrefixStore>(config.job, *w->base);
-  // A job id is used once per store: each rank claims its key first, and a rank
-  // already claimed is refused, never joined (two jobs would pair up).
-  const std::string claim = "claim/" + std::to_string(config.rank), token = claim_token();
-  if (store_has(*w->job, claim)) job_in_use(config, read_key(*w->job, claim));
-  w->job->set(claim, std::vector<char>(token.begin(), token.end()));
+  // A job id is used once per store: each rank claims its key atomically before
+  // it connects, so of two processes that want one rank exactly one gets it, and
+  // the other is refused, never joined (two jobs would pair up). Its claim (host,
+  // pid) is also what peers read to say whether it is alive when it goes quiet.
+  const std::string token = claim_token();
+  if (auto holder = claim_key(config.store, *w->base, config.job + "/claim/" + std::to_string(config.rank), token))
+    job_in_use(config, *holder);
+  w->job->set("holder/" + std::to_string(config.rank), std::vector<char>(token.begin(), token.end()));
   w->all = w->connect(config.size, "world");
-  // Two processes that claimed one rank at the same moment: the later claim wins,
-  // the other stops here.
-  if (const std::string holder = read_key(*w->job, claim); holder != token) job_in_use(config, holder);
   world = std::move(w);
 }
 

@@ -8,6 +8,8 @@
 #include <dirent.h>
 
 #include <atomic>
+#include <cctype>
+#include <map>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
@@ -126,6 +128,37 @@ std::vector<Fault> faults(std::size_t scale) {
   };
 }
 
+// A first line with its numbers made N: times, ports and which surviving rank
+// timed out first vary from run to run; the words do not.
+std::string shape_of(const std::string& line) {
+  std::string out;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    if (std::isdigit(static_cast<unsigned char>(line[i]))) {
+      out += 'N';
+      while (i + 1 < line.size() && std::isdigit(static_cast<unsigned char>(line[i + 1]))) ++i;
+    } else {
+      out += line[i];
+    }
+  }
+  return out;
+}
+
+// The rows of docs/errors.md's in-process table for `backend`: fault -> first line.
+std::map<std::string, std::string> documented_errors(const std::string& backend) {
+  std::ifstream in(std::string(CPSIM_SOURCE_DIR) + "/docs/errors.md");
+  std::map<std::string, std::string> rows;
+  std::string line;
+  const std::string prefix = "| " + backend + " | ";
+  while (std::getline(in, line)) {
+    if (line.rfind(prefix, 0) != 0) continue;
+    const auto fault_end = line.find(" | `", prefix.size());
+    const auto error_end = line.find("` | ", fault_end);
+    if (fault_end == std::string::npos || error_end == std::string::npos) continue;
+    rows[line.substr(prefix.size(), fault_end - prefix.size())] = line.substr(fault_end + 4, error_end - fault_end - 4);
+  }
+  return rows;
+}
+
 int threads_of_this_process() {
   int n = 0;
   if (DIR* d = opendir("/proc/self/task")) {
@@ -155,6 +188,7 @@ TEST_P(FaultMatrix, EveryFaultEndsOnEveryRankWithItsErrorWithinTheTimeout) {
   std::ofstream table;
   if (const char* path = std::getenv("CPSIM_FAULT_TABLE"); path && scale == 1) table.open(path, std::ios::app);
   int threads_after_first = -1;
+  std::map<std::string, std::string> first_lines;  // fault -> what the docs must say
   for (int round = 0; round < 2; ++round) {
     for (const Fault& f : faults(scale)) {
       std::mutex mutex;
@@ -193,15 +227,28 @@ TEST_P(FaultMatrix, EveryFaultEndsOnEveryRankWithItsErrorWithinTheTimeout) {
         }
         for (const auto& text : f.survivors_see) EXPECT_THAT(seen[r], HasSubstr(text)) << "rank " << r;
       }
+      // What a surviving rank sees (rank 0), else what run_ranks rethrew.
+      const std::string& what = seen[0].empty() ? rethrown : seen[0];
+      const std::string first_line = what.substr(0, what.find('\n')).substr(0, 160);
+      if (round == 0) first_lines[f.name] = first_line;
       if (round == 0 && table.is_open()) {
         double slowest = 0;
         for (double t : at) slowest = std::max(slowest, t);
-        // What a surviving rank sees (rank 0), else what run_ranks rethrew.
-        const std::string& what = seen[0].empty() ? rethrown : seen[0];
-        const std::string first_line = what.substr(0, what.find('\n'));
-        table << "| " << backend << " | " << f.name << " | `" << first_line.substr(0, 110) << "` | "
+        table << "| " << backend << " | " << f.name << " | `" << first_line << "` | "
               << static_cast<int>(slowest * 1000 + 0.5) << " ms |\n";
       }
+    }
+    // docs/errors.md says what each fault gives, on this backend: the table's rows
+    // are checked here (numbers aside), so the page cannot drift from the code.
+    if (round == 0 && scale == 1) {
+      const auto documented = documented_errors(backend);
+      for (const auto& [fault, line] : first_lines) {
+        SCOPED_TRACE(fault);
+        ASSERT_TRUE(documented.count(fault)) << "docs/errors.md has no row for " << backend << " | " << fault
+                                             << " (CPSIM_FAULT_TABLE=FILE writes the rows)";
+        EXPECT_EQ(shape_of(documented.at(fault)), shape_of(line)) << "docs/errors.md is out of date";
+      }
+      EXPECT_EQ(documented.size(), first_lines.size()) << "docs/errors.md documents faults the matrix does not run";
     }
     // A second round of every fault starts no new threads: none were left behind.
     if (round == 0) {

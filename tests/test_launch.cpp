@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -383,6 +384,39 @@ TEST(Launch, AJobIdAlreadyInUseOnAStoreIsRefused) {
   std::filesystem::remove_all(dir);
 }
 
+// Two identical jobs (one id, one store) started in the same instant: each rank is
+// claimed atomically before anyone connects, so exactly one process gets each
+// rank and runs; every other one is refused at once (exit 2). Never two runs of
+// one rank, never a process that waits for a partner that was refused.
+TEST(Launch, TwoIdenticalJobsStartedTogetherGiveEachRankToOneProcess) {
+  for (int trial = 0; trial < 5; ++trial) {
+    const auto dir = std::filesystem::temp_directory_path() /
+                     ("cpsim-test-twins-" + std::to_string(getpid()) + "-" + std::to_string(trial));
+    std::filesystem::remove_all(dir);
+    std::vector<cpsim::testing::ProcessResult> results(4);
+    std::vector<std::thread> procs;
+    for (int p = 0; p < 4; ++p) {
+      std::vector<std::pair<std::string, std::string>> env = {
+          {"WORLD_SIZE", "2"}, {"RANK", std::to_string(p % 2)}, {"CPSIM_STORE", "file:" + dir.string()},
+          {"CPSIM_JOB_ID", "twins"}, {"CPSIM_GLOO_HOST", "127.0.0.1"}};
+      procs.emplace_back([&, p, env] {
+        results[p] = run_process({kCpsim, "check", kExample, "--cp", "2", "--timeout", "5"}, 60s, {}, env);
+      });
+    }
+    for (auto& t : procs) t.join();
+    int ran[2] = {0, 0}, refused = 0;
+    for (int p = 0; p < 4; ++p) {
+      if (results[p].status == 0) ++ran[p % 2];
+      else if (results[p].status == 2 && results[p].err.find("is already in use") != std::string::npos) ++refused;
+      else ADD_FAILURE() << "trial " << trial << " process " << p << ": status " << results[p].status << "\n" << results[p].err;
+    }
+    EXPECT_EQ(ran[0], 1) << "trial " << trial;
+    EXPECT_EQ(ran[1], 1) << "trial " << trial;
+    EXPECT_EQ(refused, 2) << "trial " << trial;
+    std::filesystem::remove_all(dir);
+  }
+}
+
 // A rank of a smaller group stops answering (SIGSTOP, not dead) while another rank
 // sits that group out: every live rank ends within the timeout + 2 s and names it.
 TEST(Launch, AStoppedRankEndsTheRanksSittingOutWithinTheTimeout) {
@@ -416,6 +450,18 @@ TEST(Launch, AStoppedRankEndsTheRanksSittingOutWithinTheTimeout) {
   for (const char* live : {"cpsim: rank 0: aborted:", "cpsim: rank 2: aborted:"}) {
     const auto at = r.err.find(live);
     ASSERT_NE(at, std::string::npos) << r.err;
-    EXPECT_THAT(r.err.substr(at, r.err.find("cpsim", at + 10) - at), HasSubstr("no failure record from rank 1")) << r.err;
+    EXPECT_THAT(r.err.substr(at, r.err.find("cpsim", at + 10) - at), HasSubstr("no failure record from rank 1: its process (pid " + std::to_string(victim) + ") is stopped")) << r.err;
   }
+}
+
+// docs/errors.md's table of process faults says what the tests above see: each
+// phrase they assert appears in it.
+TEST(Launch, TheErrorsPageSaysWhatTheseTestsSee) {
+  std::ifstream in(std::string(CPSIM_SOURCE_DIR) + "/docs/errors.md");
+  const std::string page((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const char* phrase : {"was killed by signal 9", "is stopped (SIGSTOP or a debugger)",
+                             "did not exit in time; killing it", "is already in use on store", "is claimed by",
+                             "runs a different job than rank 0", "needs 4 processes; this job has 2", "never came",
+                             "cannot reach the Redis store", "cannot create the directory", "cpsim: rank R: aborted:"})
+    EXPECT_NE(page.find(phrase), std::string::npos) << "docs/errors.md does not say: " << phrase;
 }

@@ -59,16 +59,14 @@ void await_peers(int rank, int size, Store& store, Store& records, std::chrono::
       if (!here[q] && !(here[q] = store_has(store, "present/" + std::to_string(q)))) missing.push_back(q);
     if (missing.empty()) return;
     const std::string died = launch_records(records, size, rank);
-    std::string names;
-    for (int q : missing) names += (names.empty() ? "" : ", ") + std::to_string(q);
     if (!died.empty())
-      throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) +
-                            " could not connect: rank" + (missing.size() > 1 ? "s " : " ") + names +
-                            " never came" + died);
+      throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) + " could not connect: " +
+                    name_ranks(missing) + " never came" + died);
     if (Clock::now() >= deadline)
-      throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) +
-                            " could not connect to its peers within " + std::to_string(timeout.count()) +
-                            " ms: rank" + (missing.size() > 1 ? "s " : " ") + names + " never came");
+      throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) + " waited " +
+                    std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - deadline + timeout).count()) +
+                    " ms (limit " + std::to_string(timeout.count()) + " ms) to connect: " + name_ranks(missing) +
+                    " never came");
     std::this_thread::sleep_for(10ms);
   }
 }
@@ -87,6 +85,7 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
   auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
   context->setTimeout(timeout);
   auto dev = device;
+  const auto start = Clock::now();
   try {
     if (records) await_peers(rank, size, store, *records, timeout);
     context->connectFullMesh(store, dev);
@@ -98,7 +97,9 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
     throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) +
                           (stale ? " found the keys of an earlier run in the store; give every run its own "
                                    "CPSIM_JOB_ID or store directory"
-                                 : " could not connect to its peers within " + std::to_string(timeout.count()) + " ms") +
+                                 : " could not connect to its peers in " +
+                                       std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()) +
+                                       " ms (limit " + std::to_string(timeout.count()) + " ms)") +
                           " (gloo: " + what + ")" + (records ? launch_records(*records, size, rank) : ""));
   }
   return context;

@@ -59,6 +59,13 @@ inline constexpr const char* kLaunchRecordTag = "(seen by cpsim launch)";
 // Whether a Gloo exception reports a timeout (rather than a lost connection).
 inline bool is_gloo_timeout(const std::string& what) { return what.find("imed out") != std::string::npos; }
 
+// Sets `key` of `store` (opened from `spec`) to `value` unless a value is there:
+// atomically, across processes and hosts (Redis SETNX, an exclusive create in a
+// file store's directory, the in-memory store's lock). Returns the value that was
+// there first when this claim lost.
+std::optional<std::string> claim_key(const std::string& spec, Store& store, const std::string& key,
+                                     const std::string& value);
+
 // Whether `key` is in the store now (no waiting).
 bool store_has(Store& store, const std::string& key);
 

@@ -3,6 +3,7 @@
 #include <gloo/transport/tcp/device.h>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <mutex>
@@ -83,6 +84,8 @@ std::size_t descriptor_budget() { return descriptor_limit() / 4; }
 
 // Descriptors kept free for everything else the process opens (files, stores, pipes).
 constexpr std::size_t kSpareDescriptors = 64;
+// From this many ranks, connecting an in-process group takes seconds: said first.
+constexpr int kLargeGroup = 24;
 
 }  // namespace
 
@@ -123,6 +126,16 @@ std::shared_ptr<GlooThreadsGroup> acquire_gloo_group(int n, std::chrono::millise
     }
   }
   closing.clear();
+  // Connecting is quadratic in the ranks (about 3 ms a rank pair here, on two
+  // cores): a large group says so before the wait instead of going quiet.
+  if (n >= kLargeGroup) {
+    const double seconds = 3.3e-3 * n * n;
+    const std::string line = "cpsim: gloo: connecting an in-process group of " + std::to_string(n) + " ranks (" +
+                             std::to_string(n * (n - 1) / 2) + " loopback connections, about " +
+                             std::to_string(static_cast<int>(seconds + 0.5)) +
+                             " s); --backend threads runs the same checks without sockets\n";
+    (void)!write(STDERR_FILENO, line.data(), line.size());
+  }
   return std::make_shared<GlooThreadsGroup>(n, timeout);
 }
 

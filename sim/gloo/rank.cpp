@@ -4,6 +4,8 @@
 #include <gloo/transport/unbound_buffer.h>
 
 #include <algorithm>
+#include <unistd.h>
+#include <fstream>
 #include <cstring>
 #include <sstream>
 #include <utility>
@@ -49,6 +51,41 @@ CallRecord from_wire(const Wire& w) {
   c.root = w.root, c.dst = w.dst, c.src = w.src;
   c.seq = w.seq, c.count = w.count, c.recv_count = w.recv_count;
   return c;
+}
+
+// What this host can tell of a quiet rank from its claim ("host H pid P tag T"):
+// whether its process is stopped, alive or gone. A rank on another host is only
+// named with it.
+std::string liveness(Store& records, int rank) {
+  std::string claim;
+  try {
+    if (store_has(records, "holder/" + std::to_string(rank))) {
+      const auto v = records.get("holder/" + std::to_string(rank));
+      claim.assign(v.begin(), v.end());
+    }
+  } catch (const std::exception&) {
+  }
+  std::istringstream in(claim);
+  std::string word, host;
+  long pid = -1;
+  while (in >> word) {
+    if (word == "host") in >> host;
+    else if (word == "pid") in >> pid;
+  }
+  if (host.empty() || pid <= 0) return "nothing known of its process (killed or crashed outside cpsim launch, or hung)";
+  char here[256] = {};
+  gethostname(here, sizeof here - 1);
+  if (host != here)
+    return "its process (pid " + std::to_string(pid) + " on " + host +
+           ") is on another host: hung, stopped, killed or crashed outside cpsim launch";
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return "its process (pid " + std::to_string(pid) + ") is gone: killed or crashed outside cpsim launch";
+  const auto close = line.rfind(')');
+  const char state = close != std::string::npos && close + 2 < line.size() ? line[close + 2] : '?';
+  if (state == 'T' || state == 't') return "its process (pid " + std::to_string(pid) + ") is stopped (SIGSTOP or a debugger)";
+  if (state == 'Z' || state == 'X') return "its process (pid " + std::to_string(pid) + ") has exited";
+  return "its process (pid " + std::to_string(pid) + ") is alive but did not answer in time (busy or hung)";
 }
 
 std::chrono::milliseconds remaining(Clock::time_point deadline) {
@@ -115,9 +152,8 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
       if (is_launch_record(*record)) died += "\n  " + *record;
       else if (suspect) lost += "\n  " + *record;
     }
-    const std::string quiet = silent.empty() ? ""
-                                             : "\n  no failure record from " + name_ranks(silent) +
-                                                   " (stopped answering, or killed or crashed outside cpsim launch)";
+    std::string quiet;
+    for (int q : silent) quiet += "\n  no failure record from rank " + std::to_string(q) + ": " + liveness(*records_, q);
     // Peers' records only say they lost someone too; the root cause is worth the wait.
     if (!died.empty() || (!lost.empty() && (!processes_ || Clock::now() >= deadline))) return died + lost + quiet;
     if (Clock::now() >= deadline) return quiet;

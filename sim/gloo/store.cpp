@@ -1,7 +1,20 @@
 // Rendezvous stores (memory, file:DIR, redis://HOST:PORT) and the failure records in them.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/hash_store.h>
 #include <gloo/rendezvous/redis_store.h>
+
+#include <thread>
+
+#include <fstream>
+
+#include <cstring>
+
+#include <cerrno>
+
+#include <cctype>
 
 #include <filesystem>
 #include <optional>
@@ -50,6 +63,45 @@ std::shared_ptr<Store> open_store(const std::string& spec) {
     }
   }
   CPSIM_INVALID("store '", spec, "': expected file:DIR or redis://HOST:PORT");
+}
+
+std::optional<std::string> claim_key(const std::string& spec, Store& store, const std::string& key,
+                                     const std::string& value) {
+  if (spec.rfind("file:", 0) == 0) {
+    // Gloo's FileStore checks, then renames: two processes can both win. An
+    // exclusive create cannot (also on NFS v3+). The name is the key, made a file name.
+    std::string name = "cpsim-claim-";
+    for (unsigned char c : key) name += std::isalnum(c) || c == '-' || c == '.' ? static_cast<char>(c) : '_';
+    const std::string path = spec.substr(5) + "/" + name;
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      const bool written = ::write(fd, value.data(), value.size()) == static_cast<ssize_t>(value.size());
+      ::close(fd);
+      if (!written) throw Aborted("store '" + spec + "': cannot write " + path + " (" + std::strerror(errno) + ")");
+      return std::nullopt;
+    }
+    if (errno != EEXIST) throw Aborted("store '" + spec + "': cannot create " + path + " (" + std::strerror(errno) + ")");
+    std::string holder;
+    for (int attempt = 0; attempt < 100 && holder.empty(); ++attempt) {  // the winner may be writing it now
+      std::ifstream in(path);
+      std::getline(in, holder, '\0');
+      if (holder.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return holder.empty() ? std::string("another process") : holder;
+  }
+  // Redis (SETNX) and the in-memory store refuse a key that is set.
+  try {
+    store.set(key, std::vector<char>(value.begin(), value.end()));
+    return std::nullopt;
+  } catch (const std::exception& e) {
+    if (std::string(e.what()).find("already set") == std::string::npos) throw Aborted("store '" + spec + "': " + e.what());
+  }
+  try {
+    const auto v = store.get(key);
+    return std::string(v.begin(), v.end());
+  } catch (const std::exception&) {
+    return std::string("another process");
+  }
 }
 
 bool store_has(Store& store, const std::string& key) {
