@@ -8,7 +8,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps configure build test test-asan test-tsan fuzz run bench bench-compare gpu-bundle gpu-check clean
+.PHONY: all deps configure build test test-asan test-tsan fuzz run bench bench-quick bench-compare gpu-bundle gpu-check clean
 
 all: build
 
@@ -67,8 +67,12 @@ run: build
 # The benchmarks: the nccl-tests table of every backend (with its SVG) and the
 # property throughput, then the Google Benchmark suites.
 bench: build
+	@echo "make bench: about 15 minutes on two cores (make bench-quick: under a minute)"
 	$(BUILD)/cpsim bench --properties 3 --svg $(BUILD)/bench.svg
 	$(BUILD)/cpsim_bench
+
+bench-quick: build
+	$(BUILD)/cpsim bench --quick --svg $(BUILD)/bench.svg
 
 # The same sizes through torch.distributed's Gloo, side by side. Installs nothing:
 # it needs Debian's python3-torch (apt-get install python3-torch).

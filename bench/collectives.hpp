@@ -8,9 +8,12 @@
 // larger buffer (n * bytes for all_gather and reduce_scatter), algbw = size / time,
 // busbw = algbw * (n-1)/n for all_gather and reduce_scatter and = algbw for send_recv.
 //
-// The limit: the same number of threads, each copying (memcpy) the bytes its rank's
-// call moves (n * bytes, or bytes for send_recv) and then meeting at a
-// std::barrier, the same number of times. For small messages that is a barrier round.
+// The reference ("ref"), measured in the same run: as many threads as ranks, each
+// copying (memcpy) the bytes its rank's call moves (n * bytes, or bytes for
+// send_recv) and then meeting at a std::barrier, the same number of times. For
+// small messages that is a barrier round. "vs ref" = ref / time: above 1, the call
+// was faster than the reference (a barrier round costs more than a staged copy;
+// memcpy through caches may be beaten by a copy that skips them).
 #pragma once
 
 #include <cstddef>
@@ -35,28 +38,31 @@ struct Point {
   double time_us = 0;     // one call
   double algbw = 0, busbw = 0;  // GB/s
   std::int64_t wrong = 0;
-  double limit_us = 0;    // the same-run limit of one call
-  double vs_limit() const { return time_us > 0 ? limit_us / time_us : 0; }
+  double ref_us = 0;      // the same-run reference of one call
+  double vs_ref() const { return time_us > 0 ? ref_us / time_us : 0; }
 };
 
 // Iterations that keep a point near `budget_bytes` of traffic (at least 5, at most 2000).
 int iterations_for(Op op, int ranks, std::size_t bytes);
 
 // Times `iterations` calls of `op` on `backend` after warm-up and checks the last
-// result; measures the limit right after, with `limit_threads` threads (default:
-// one per rank; 1 in a multi-process job, where every process measures its own).
-Point measure(const std::string& backend, Op op, int ranks, std::size_t bytes, int iterations, int limit_threads = 0);
+// result, and the reference right after (one thread per rank, also in a
+// multi-process job, where every process measures it in itself). Points that move
+// under 1 MiB a call repeat both 5 times and keep each one's median (small calls
+// are at the mercy of the scheduler); larger ones alternate them 3 times and keep
+// the best of each.
+Point measure(const std::string& backend, Op op, int ranks, std::size_t bytes, int iterations);
 
-// Microseconds of one round of the limit: `threads` threads each memcpy `bytes`
+// Microseconds of one round of the reference: `threads` threads each memcpy `bytes`
 // and meet at a std::barrier.
-double limit_us(int threads, std::size_t bytes, int iterations);
+double ref_us(int threads, std::size_t bytes, int iterations);
 
 // The nccl-tests table of points (one header per backend, op and rank count).
 std::string table(const std::vector<Point>& points);
 // The points as JSON (an array of objects).
 std::string json(const std::vector<Point>& points);
 // Bus bandwidth against size, one panel per op and rank count, one line per
-// backend and the limit dashed.
+// backend and its reference dashed.
 std::string svg(const std::vector<Point>& points);
 
 // "8", "64K", "16M", "1G" (binary units) to bytes; throws InvalidInput.

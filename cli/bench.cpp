@@ -16,6 +16,12 @@
 namespace cpsim::cli {
 
 int run_bench(BenchArgs a) {
+  if (a.quick) {
+    if (a.backends.empty()) a.backends = {"threads"};
+    a.ranks = {2, 4};
+    a.sizes = {"8", "64K", "1M"};
+    if (a.properties == 0) a.properties = 0.5;
+  }
   std::vector<std::string> backends = a.backends.empty() ? available_backends() : a.backends;
   for (const auto& name : backends)
     if (auto why = find_backend(name).unavailable()) throw UsageError("--backend " + name + ": " + *why);
@@ -42,7 +48,7 @@ int run_bench(BenchArgs a) {
         for (std::size_t bytes : sizes) {
           const bench::Op op = bench::op_from_name(op_text);
           const int iters = a.iterations > 0 ? a.iterations : bench::iterations_for(op, n, bytes);
-          points.push_back(bench::measure(backend, op, n, bytes, iters, a.job.multi ? 1 : 0));
+          points.push_back(bench::measure(backend, op, n, bytes, iters));
           wrong = wrong || points.back().wrong != 0;
           if (!a.json) std::cerr << "." << std::flush;
         }

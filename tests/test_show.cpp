@@ -66,6 +66,15 @@ TEST(Show, RowsWiderThanTheTerminalAreBucketed) {
       EXPECT_NE(line.find('#'), std::string::npos) << "the bucket holding documents 1, 2 and 3: " << line;
       EXPECT_EQ(std::count(line.begin(), line.end(), '|'), 3) << line;
     }
+  // The legend is printed also when a row is bucketed, with what '#' means.
+  EXPECT_THAT(text, HasSubstr("| shard cut, # several documents in one character\n"));
+}
+
+// A batch of position_ids alone: its documents are the resets, drawn as such.
+TEST(Show, DocumentsFromPositionResetsAreDrawn) {
+  const Batch b{{"input_ids", Tensor::from<std::int64_t>({1, 7}, {1, 2, 3, 4, 5, 6, 7})},
+                {"position_ids", Tensor::from<std::int64_t>({1, 7}, {0, 1, 2, 0, 1, 0, 1})}};
+  EXPECT_THAT(show_text(b, at(1)), HasSubstr("row 0  AAABBCC\n"));
 }
 
 TEST(Show, SvgIsXmlWithOneRectanglePerDocument) {
@@ -88,6 +97,12 @@ TEST(Show, SvgIsXmlWithOneRectanglePerDocument) {
   std::string counts;
   std::getline(in, counts);
   EXPECT_EQ(counts, "5 6 3 0");
+  // The halo has a colour of its own, no document's.
+  std::ifstream picture(svg);
+  const std::string text((std::istreambuf_iterator<char>(picture)), std::istreambuf_iterator<char>());
+  const auto style = text.substr(text.find(".halo{"), text.find('}', text.find(".halo{")) - text.find(".halo{"));
+  for (const char* doc_colour : {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f"})
+    EXPECT_EQ(style.find(doc_colour), std::string::npos) << style;
   std::filesystem::remove_all(dir);
 }
 

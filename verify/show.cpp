@@ -129,8 +129,8 @@ std::string show_text(const Batch& batch, const ShowOptions& o) {
     if (o.cp > shown) os << "; ...";
     os << "\n";
   }
-  if (exact)
-    os << "A-Z document (lower case: its padding), . row padding, : padding to P, | shard cut\n";
+  os << "A-Z document (lower case: its padding), . row padding, : padding to P, | shard cut"
+     << (exact ? "" : ", # several documents in one character") << "\n";
   return os.str();
 }
 
@@ -149,7 +149,7 @@ std::string show_svg(const Batch& batch, const ShowOptions& o) {
      << "<title>" << (o.title.empty() ? "batch" : o.title) << ": " << v.B << " rows, S = " << v.S << ", cp = " << o.cp
      << ", P = " << P << ", L = " << L << "</title>\n"
      << "<style>.doc{stroke:#fff;stroke-width:0.5}.doc-padding{fill:#fff;fill-opacity:0.55}.pad{fill:#ddd}"
-        ".fill{fill:#eee;stroke:#ccc;stroke-dasharray:2,2}.docs{fill:#888}.halo{fill:#f90;fill-opacity:0.6}"
+        ".fill{fill:#eee;stroke:#ccc;stroke-dasharray:2,2}.docs{fill:#888}.halo{fill:#111;fill-opacity:0.75}"
         ".cut{stroke:#000;stroke-width:1.5}</style>\n";
   const char* palette[] = {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f"};
   for (int q = 0; q < o.cp && o.cp <= 64; ++q)
@@ -199,7 +199,7 @@ std::string show_svg(const Batch& batch, const ShowOptions& o) {
     os << "<line class=\"cut\" x1=\"" << x(q * L) << "\" y1=\"" << top - 8 << "\" x2=\"" << x(q * L) << "\" y2=\""
        << height - 24 << "\"/>\n";
   os << "<text x=\"" << left << "\" y=\"" << height - 8
-     << "\">coloured: documents (pale: their padding); grey: row padding; dashed: padding to P; orange: halo; lines: "
+     << "\">coloured: documents (pale: their padding); grey: row padding; dashed: padding to P; black bars: halo; lines: "
         "shard cuts</text>\n</svg>\n";
   return os.str();
 }
