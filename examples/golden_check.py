@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Check a context-parallel implementation against cpsim's golden vectors.
 
-    cpsim golden examples/spec_example.json --cp 3 --out golden/
-    python3 examples/golden_check.py golden/             # the numpy implementation below
-    python3 examples/golden_check.py golden/ --torch     # the PyTorch one (needs torch)
+    build/cpsim golden examples/spec_example.json --cp 3 --out golden/
+    /usr/bin/python3 examples/golden_check.py golden/             # the numpy implementation below
+    /usr/bin/python3 examples/golden_check.py golden/ --torch     # the PyTorch one (needs torch)
 
-Needs the standard library and numpy (torch optional). Load the folder with
+Needs the standard library and numpy (torch optional): Debian's /usr/bin/python3
+has numpy once `make` installed python3-numpy; another interpreter needs its own. Load the folder with
 load_golden(), then hand your functions to check(): each receives what one
 training step gives it (the batch, a rank's shard, ...) and returns numpy arrays
 or torch tensors; check() compares them with every rank's expected values and
@@ -121,7 +122,7 @@ _FILL = {"input_ids": None, "labels": -100, "padding_mask": True, "loss_mask": 0
 
 
 def numpy_shard(golden):
-    """shard_batch of SPEC §2, from the reference layout the folder carries."""
+    """shard_batch (docs/sharding.md), from the reference layout the folder carries."""
     m = golden.manifest
     S, P, L = m["S"], m["P"], m["L"]
     ref = golden.reference

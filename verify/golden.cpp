@@ -19,9 +19,11 @@ using nlohmann::json;
 struct GoldenFile {
   std::map<std::string, Tensor> tensors;
   json keys = json::object();
-  void add(const std::string& key, const Tensor& t, const std::string& meaning, const std::string& spec) {
+  // `section`: where the user's guide defines it (§1 the layout, §2 sharding, §3 the operators).
+  void add(const std::string& key, const Tensor& t, const std::string& meaning, const std::string& section) {
     tensors[key] = t;
-    keys[key] = {{"shape", t.shape()}, {"dtype", dtype_name(t.dtype())}, {"meaning", meaning}, {"spec", spec}};
+    const std::string page = section == "§1" ? "docs/layout.md" : section == "§2" ? "docs/sharding.md" : "docs/operators.md";
+    keys[key] = {{"shape", t.shape()}, {"dtype", dtype_name(t.dtype())}, {"meaning", meaning}, {"see", page}};
   }
 };
 

@@ -803,7 +803,7 @@ const std::vector<PropertyRow>& property_table() {
   static const std::vector<PropertyRow> rows = [] {
     const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
     std::vector<PropertyRow> t;
-    t.push_back({"layout", "doc ids, padding and positions of SPEC §1; round trips; unpack_row_layout",
+    t.push_back({"layout", "doc ids, padding and positions of the layout (docs/layout.md); round trips; unpack_row_layout",
                  Comparison::bitwise, 0, false, none,
                  [](Prepared& p, const CheckOptions&) { return check_layout(p.c); }});
     t.push_back({"shard", "shards concatenate to the padded global tensors; contexts tile each shard",

@@ -5,6 +5,7 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/hash_store.h>
 #include <gloo/rendezvous/redis_store.h>
+#include <hiredis/hiredis.h>
 
 #include <thread>
 
@@ -56,6 +57,13 @@ std::shared_ptr<Store> open_store(const std::string& spec) {
       }
     }
     if (host.empty()) CPSIM_INVALID("store '", spec, "': redis:// needs a host, as in redis://10.0.0.1:6379");
+    // Gloo's RedisStore leaks its connection when it cannot connect: see first.
+    const timeval connect_timeout{5, 0};
+    redisContext* probe = redisConnectWithTimeout(host.c_str(), port, connect_timeout);
+    const std::string why = !probe ? "out of memory" : probe->err ? probe->errstr : "";
+    if (probe) redisFree(probe);
+    if (!why.empty())
+      throw Aborted("cannot reach the Redis store at " + host + ":" + std::to_string(port) + ": " + why);
     try {
       return std::make_shared<gloo::rendezvous::RedisStore>(host, port);
     } catch (const std::exception& e) {
