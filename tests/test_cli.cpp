@@ -263,6 +263,15 @@ TEST(Cli, MemoryIsEstimatedFirstAndRunningOutAborts) {
   std::filesystem::remove(path);
 }
 
+// An in-process gloo group large enough to take seconds to connect says so first.
+TEST(Cli, ALargeInProcessGlooGroupSaysHowLongConnectingTakes) {
+  const auto r = run_process({kCpsim, "check", (kExamples / "spec_example.json").string(), "--backend", "gloo", "--cp",
+                              "24", "--timeout", "60"},
+                             120s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("cpsim: gloo: connecting an in-process group of 24 ranks (276 loopback connections, about"));
+}
+
 // Too few descriptors for an in-process gloo group: a resource error naming the
 // limit (exit 2, one line), never a hang or a property failure.
 TEST(Cli, TooFewDescriptorsForAGlooGroupIsAResourceErrorNamingTheLimit) {

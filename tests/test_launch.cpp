@@ -244,6 +244,8 @@ TEST(Launch, AKilledRankFailsTheOthersWithinTheTimeout) {
   std::cout << "[ measured ] SIGKILL mid-run, timeout 5 s: the job ended "
             << std::chrono::duration_cast<std::chrono::milliseconds>(after_kill).count() << " ms after the kill\n";
   EXPECT_EQ(r.status, 128 + SIGKILL) << r.err;
+  // The survivors could not complete the run: exit 3, not a property failure.
+  EXPECT_THAT(r.err, AllOf(HasSubstr("cpsim launch: rank 0 (pid"), HasSubstr(") exited with status 3")));
   const std::string named = "rank 1 (pid " + std::to_string(victim) + ") was killed by signal 9";
   EXPECT_THAT(r.err, AllOf(HasSubstr("cpsim: rank 0: aborted:"), HasSubstr("cpsim: rank 2: aborted:"), HasSubstr(named),
                            Not(HasSubstr("did not exit in time"))));
