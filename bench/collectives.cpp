@@ -19,18 +19,9 @@ namespace cpsim::bench {
 
 using Clock = std::chrono::steady_clock;
 
-const char* op_name(Op op) {
-  switch (op) {
-    case Op::all_gather: return "all_gather";
-    case Op::reduce_scatter: return "reduce_scatter";
-    case Op::send_recv: return "send_recv";
-  }
-  return "?";
-}
-
 Op op_from_name(const std::string& name) {
-  for (Op op : {Op::all_gather, Op::reduce_scatter, Op::send_recv})
-    if (name == op_name(op)) return op;
+  for (Op op : kTimedOps)
+    if (name == collective_name(op)) return op;
   CPSIM_INVALID("unknown collective '", name, "' (all_gather, reduce_scatter, send_recv)");
 }
 
@@ -97,6 +88,7 @@ Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int i
           case Op::send_recv:
             comm.send_recv(SendRecv{send.raw(), count, n > 1 ? to : -1, recv.raw(), count, n > 1 ? from : -1}, DType::f32);
             break;
+          default: CPSIM_ENFORCE(false, "bench times ", collective_name(op), " only as one of kTimedOps");
         }
       };
       call();  // warm-up: connections, pages, caches
@@ -117,6 +109,7 @@ Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int i
             for (int q = 0; q < n; ++q) want += value(q, r * count + i);
             break;
           case Op::send_recv: want = n > 1 ? value(from, i) : 0; break;
+          default: break;
         }
         bad += got[i] != want;
       }
@@ -195,7 +188,7 @@ std::string table(const std::vector<Point>& points) {
   std::ostringstream os;
   std::string header;
   for (const Point& p : points) {
-    const std::string h = std::string("# ") + op_name(p.op) + " on " + p.backend + ", " + std::to_string(p.ranks) +
+    const std::string h = std::string("# ") + collective_name(p.op) + " on " + p.backend + ", " + std::to_string(p.ranks) +
                           " ranks, float32; size = " + (p.op == Op::send_recv ? "bytes sent" : "ranks x bytes per rank") +
                           "\n# ref = a same-run memcpy of the bytes + std::barrier by as many threads; vs ref = ref / "
                           "time (above 1: faster than the reference)";
@@ -217,7 +210,7 @@ std::string table(const std::vector<Point>& points) {
 std::string json(const std::vector<Point>& points) {
   nlohmann::json out = nlohmann::json::array();
   for (const Point& p : points)
-    out.push_back({{"backend", p.backend}, {"op", op_name(p.op)}, {"ranks", p.ranks}, {"bytes", p.bytes},
+    out.push_back({{"backend", p.backend}, {"op", collective_name(p.op)}, {"ranks", p.ranks}, {"bytes", p.bytes},
                    {"size", p.size}, {"count", p.count}, {"type", "float"}, {"iterations", p.iterations},
                    {"time_us", p.time_us}, {"algbw_gbps", p.algbw}, {"busbw_gbps", p.busbw}, {"wrong", p.wrong},
                    {"ref_us", p.ref_us}, {"vs_ref", p.vs_ref()}});
@@ -261,7 +254,7 @@ std::string svg(const std::vector<Point>& points) {
       };
       os << "<rect x=\"" << x0 << "\" y=\"" << y0 << "\" width=\"" << W << "\" height=\"" << H
          << "\" fill=\"none\" stroke=\"#888\"/>\n";
-      os << "<text x=\"" << x0 << "\" y=\"" << y0 - 8 << "\" font-weight=\"bold\">" << op_name(ops[oi]) << ", "
+      os << "<text x=\"" << x0 << "\" y=\"" << y0 - 8 << "\" font-weight=\"bold\">" << collective_name(ops[oi]) << ", "
          << ranks[ri] << " ranks: bus bandwidth (GB/s) against bytes per rank</text>\n";
       for (double v = lo_y; v <= hi_y * 1.001; v *= 10)
         os << "<line x1=\"" << x0 << "\" x2=\"" << x0 + W << "\" y1=\"" << Y(v) << "\" y2=\"" << Y(v)

@@ -21,11 +21,14 @@
 #include <string>
 #include <vector>
 
+#include "core/comm/communicator.hpp"
+
 namespace cpsim::bench {
 
-enum class Op { all_gather, reduce_scatter, send_recv };
-const char* op_name(Op op);
-Op op_from_name(const std::string& name);  // throws InvalidInput
+// The collectives the table times: CollectiveKind's all_gather, reduce_scatter, send_recv.
+using Op = CollectiveKind;
+inline constexpr Op kTimedOps[] = {Op::all_gather, Op::reduce_scatter, Op::send_recv};
+Op op_from_name(const std::string& name);  // one of kTimedOps; throws InvalidInput
 
 struct Point {
   std::string backend;

@@ -221,12 +221,12 @@ int main(int argc, char** argv) {
             : std::vector<std::size_t>{8, 4096, 256 << 10, 16 << 20, 256 << 20};
   const std::vector<int> rank_counts = smoke ? std::vector<int>{2} : std::vector<int>{2, 4, 8, 16};
   for (const std::string& backend : available_backends()) {
-    for (bench::Op op : {bench::Op::all_gather, bench::Op::reduce_scatter, bench::Op::send_recv})
+    for (bench::Op op : bench::kTimedOps)
       for (int r : rank_counts)
         for (std::size_t bytes : sizes) {
           // Every rank's buffers and the limit's: leave out points over 4 GiB in all.
           if (static_cast<double>(bytes) * r * r * 3 > 4.0 * (1ull << 30)) continue;
-          const std::string name = std::string(bench::op_name(op)) + "/" + backend + "/ranks:" + std::to_string(r) +
+          const std::string name = std::string(collective_name(op)) + "/" + backend + "/ranks:" + std::to_string(r) +
                                    "/bytes:" + bench::size_text(bytes);
           benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& s) { collective(s, backend, op, r, bytes); })
               ->UseManualTime()

@@ -423,7 +423,10 @@ Layout derive_layout(const Batch& batch) {
 
 void unpack_row_layout(Batch& batch) {
   normalize_batch_axis(batch);
-  Layout layout = derive_layout(batch);
+  unpack_row_layout(batch, derive_layout(batch));
+}
+
+void unpack_row_layout(Batch& batch, const Layout& layout) {
   for (const char* key : {"seq_lens", "seq_lens_padded", "cu_seqlens", "cu_seqlens_padded"}) batch.erase(key);
   batch["padding_mask"] = layout.padding;
   batch["position_ids"] = layout.positions;

@@ -70,6 +70,8 @@ Layout derive_layout(const Batch& batch);
 // Replaces seq_lens / seq_lens_padded / cu_seqlens* with padding_mask and
 // position_ids (given position ids are kept), in place. Ids and labels untouched.
 void unpack_row_layout(Batch& batch);
+// The same with the batch's layout already derived (derive_layout of this batch).
+void unpack_row_layout(Batch& batch, const Layout& layout);
 
 // SPEC §1 position rule over kept tokens, per row; throws InvalidInput.
 void validate_document_positions(const Tensor& keep, const Tensor& positions);

@@ -73,9 +73,11 @@ ShardedBatch shard_batch_at(int rank, int cp_size, Batch batch, std::optional<Te
   const std::int64_t S = sequence_length(batch);
   const ShardGeometry g = shard_geometry(S, cp_size, pad_multiple);
   if (rank < 0 || rank >= cp_size) CPSIM_INVALID("rank: ", rank, " outside a CP group of ", cp_size);
-  // The document map must be resolved before packing metadata is removed.
-  Tensor doc_ids = slice_sequence(global_doc_ids(batch), 0, g.padded_len, kPadDocId);
-  unpack_row_layout(batch);
+  // The layout, derived once: the document map, then the packing metadata replaced
+  // by the padding and positions it gives.
+  const Layout layout = derive_layout(batch);
+  Tensor doc_ids = slice_sequence(layout.doc_ids, 0, g.padded_len, kPadDocId);
+  unpack_row_layout(batch, layout);
   if (loss_mask) batch["loss_mask"] = *loss_mask;
   sequence_length(batch);  // loss_mask shape check
 

@@ -42,6 +42,7 @@ std::string describe_call(const CallRecord& c) {
 }
 
 std::string name_ranks(const std::vector<int>& ranks) {
+  if (ranks.empty()) return "no rank";
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
   return out;

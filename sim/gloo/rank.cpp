@@ -237,15 +237,27 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
       }
       const std::string what = e.what();
       const bool timed_out = is_gloo_timeout(what) || Clock::now() >= deadline;
+      const std::string waited =
+          std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()) +
+          " ms (limit " + std::to_string(timeout.count()) + " ms)";
+      // Every record arrived but this rank's own did not get out: a peer died or
+      // stopped after it sent. Which one, the send does not say: every peer is a suspect.
+      const bool sending = missing.empty();
+      std::vector<int> suspects = missing;
+      if (sending)
+        for (int q = 0; q < size_; ++q)
+          if (q != rank_) suspects.push_back(q);
       std::string why;
-      if (timed_out)
-        why = "timeout: rank " + std::to_string(rank_) + " waited " +
-              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()) +
-              " ms (limit " + std::to_string(timeout.count()) + " ms) in " + describe_call(me) + " for " +
+      if (timed_out && !sending)
+        why = "timeout: rank " + std::to_string(rank_) + " waited " + waited + " in " + describe_call(me) + " for " +
               name_ranks(missing) + ", which never arrived";
+      else if (timed_out)
+        why = "timeout: rank " + std::to_string(rank_) + " waited " + waited + " in " + describe_call(me) +
+              " to deliver its call to " + name_ranks(suspects) + " after every peer's had arrived";
       else
-        why = "rank " + std::to_string(rank_) + " lost its connection to " + name_ranks(missing) + " in " + describe_call(me) + " (gloo: " + what + ")";
-      break_group(why + states.str(), missing, timeout);
+        why = "rank " + std::to_string(rank_) + " lost its connection to " + name_ranks(suspects) + " in " +
+              describe_call(me) + " (gloo: " + what + ")";
+      break_group(why + states.str(), suspects, timeout);
     }
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
@@ -273,7 +285,9 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
     const CallRecord& w = calls[waiting];
     const std::string joining = std::string(collective_name(w.kind)) + " #" + std::to_string(w.seq) +
                                 " that rank " + std::to_string(waiting) + " waits in";
-    why = threw >= 0 ? "rank " + std::to_string(threw) + " threw: " + texts[threw] + " (instead of joining " + joining + ")"
+    // The first line as every backend words it (core/comm/rendezvous.cpp); which
+    // call each rank is in follows in the states.
+    why = threw >= 0 ? "rank " + std::to_string(threw) + " threw: " + texts[threw]
                      : "rank " + std::to_string(returned) + " returned without joining " + joining;
   } else {
     return calls;  // the mismatch check is the checked communicator's (core/comm/checked.hpp)
