@@ -45,7 +45,8 @@ int main(int argc, char** argv) {
     const FailureReport report = classify_failure(std::current_exception());
     switch (report.kind) {
       case FailureKind::invalid_input: report_error("invalid input: " + report.what); return kExitUsage;
-      case FailureKind::unsupported: report_error(report.what); return kExitUsage;
+      case FailureKind::unsupported:
+      case FailureKind::unavailable: report_error(report.what); return kExitUsage;
       case FailureKind::collective: report_error("error: " + report.what); return kExitFailed;
       case FailureKind::aborted: report_error("aborted: " + report.what); return kExitAborted;
       case FailureKind::internal: report_error(report.what); return kExitAborted;

@@ -38,7 +38,7 @@ std::atomic<DeviceRuntime*> cuda_runtime{nullptr};
 DeviceRuntime& device_runtime(DeviceKind kind) {
   if (kind == DeviceKind::cpu) return host_runtime;
   DeviceRuntime* r = cuda_runtime.load();
-  if (!r) throw Unsupported("no CUDA runtime in this process (a build without CUDA, or no usable device)");
+  if (!r) throw Unavailable("no CUDA runtime in this process (a build without CUDA, or no usable device)");
   return *r;
 }
 

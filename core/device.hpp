@@ -34,7 +34,7 @@ class DeviceRuntime {
   virtual void copy(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes) = 0;
 };
 
-// The runtime for `kind`; throws Unsupported when none is registered (a build
+// The runtime for `kind`; throws Unavailable when none is registered (a build
 // without CUDA, or no usable device).
 DeviceRuntime& device_runtime(DeviceKind kind);
 // Registers (or, with nullptr, removes) the runtime of a non-host kind.

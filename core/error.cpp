@@ -32,6 +32,8 @@ FailureReport classify_failure(const std::exception_ptr& failure) {
     return {FailureKind::aborted, e.what()};
   } catch (const Unsupported& e) {
     return {FailureKind::unsupported, e.what()};
+  } catch (const Unavailable& e) {
+    return {FailureKind::unavailable, e.what()};
   } catch (const Error& e) {
     return {FailureKind::internal, std::string("internal error: ") + e.what() + " (please report it with the command)"};
   } catch (const std::bad_alloc&) {

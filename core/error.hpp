@@ -7,7 +7,10 @@
 //   Aborted          the run could not complete, whatever the code under test does:
 //                    a rank timed out, died or lost its peers, memory ran out, a
 //                    store or another resource failed (the command line's exit 3)
-//   Unsupported      a backend that does not implement an operation
+//   Unsupported      a backend that does not implement an operation ("backend X
+//                    does not support Y")
+//   Unavailable      what cannot run here: a backend not built in or without its
+//                    device, more ranks than this machine can hold
 #pragma once
 
 #include <exception>
@@ -42,10 +45,15 @@ class Unsupported : public Error {
   explicit Unsupported(const std::string& what) : Error(what) {}
 };
 
+class Unavailable : public Error {
+ public:
+  explicit Unavailable(const std::string& what) : Error(what) {}
+};
+
 // How a failure is reported and what the command line exits with: the classes
 // above, and the standard library's own exceptions in cpsim's words (running out
 // of memory aborts a run; anything else escaping cpsim is an internal error).
-enum class FailureKind : unsigned char { invalid_input, collective, aborted, unsupported, internal };
+enum class FailureKind : unsigned char { invalid_input, collective, aborted, unsupported, unavailable, internal };
 struct FailureReport {
   FailureKind kind = FailureKind::internal;
   std::string what;

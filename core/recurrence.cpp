@@ -92,10 +92,10 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
   a.plan = plan->on(device);
   a.work = f64(work), a.mine = f64(mine), a.S0 = f64(S0), a.M_first = f64(M_first), a.o = f64(o);
   const auto& run = kernels::kernels_for(device);
-  run.recurrence_pass(a, 0, kernels::current_stream());  // (M, S_ext) of the published segment
+  run.recurrence_pass(a, kernels::RecurrenceStep::publish, kernels::current_stream());  // (M, S_ext) of the published segment
   const Tensor all = exchange(comm, mine);
   a.all = f64(all);
-  run.recurrence_pass(a, 1, kernels::current_stream());  // fold, then every segment
+  run.recurrence_pass(a, kernels::RecurrenceStep::forward, kernels::current_stream());  // fold, then every segment
 
   return record(o, "gated_delta_rule", {q, k, v, beta, g},
                 [=, plan = plan, keep = std::vector<Tensor>{work, S0, M_first}](const Tensor& d_o) {  // a points into plan and keep
@@ -109,13 +109,13 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
                   const auto& k2 = kernels::kernels_for(device);
                   // Every segment with d_o alone; publish [M_first^T | dS] of first segments
                   // that began on earlier ranks.
-                  k2.recurrence_pass(ab, 2, kernels::current_stream());
+                  k2.recurrence_pass(ab, kernels::RecurrenceStep::backward_local, kernels::current_stream());
                   const Tensor all_b = exchange(comm, mine_b);
                   // Fold the successors' state gradients into the published segment's end and
                   // add that segment's response to them (backward is linear in its gradients).
                   ab.all = f64(all_b);
                   ab.d_o = nullptr;
-                  k2.recurrence_pass(ab, 3, kernels::current_stream());
+                  k2.recurrence_pass(ab, kernels::RecurrenceStep::backward_fold, kernels::current_stream());
                   return std::vector<Tensor>{gq, gk, gv, gb, gg};
                 });
 }

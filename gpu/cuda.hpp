@@ -26,7 +26,7 @@ namespace cpsim::gpu {
 std::optional<std::string> cuda_unavailable();
 // Visible CUDA devices (0 when there is no usable one).
 int cuda_device_count();
-// Registers the CUDA device runtime and kernel table once; throws Unsupported
+// Registers the CUDA device runtime and kernel table once; throws Unavailable
 // (with cuda_unavailable()'s reason) when there is no device.
 void activate_cuda();
 

@@ -61,7 +61,7 @@ const kernels::KernelTable table{
     },
     [](const kernels::Conv& a, DType dtype, void* s) { kernels::conv_forward(on(s), a, dtype); },
     [](const kernels::Conv& a, DType dtype, void* s) { kernels::conv_backward(on(s), a, dtype); },
-    [](const kernels::RecurrenceArgs& a, int pass, void* s) { kernels::recurrence_pass(on(s), a, pass); },
+    [](const kernels::RecurrenceArgs& a, kernels::RecurrenceStep pass, void* s) { kernels::recurrence_pass(on(s), a, pass); },
     [](const kernels::Sum& a, DType dtype, void* s) { kernels::sum_in_order(on(s), a, dtype); },
 };
 

@@ -198,7 +198,7 @@ class NcclGroup final : public Group {
  public:
   NcclGroup(int n, std::chrono::milliseconds timeout) : timeout_(timeout) {
     activate_cuda();
-    if (n > cuda_device_count()) throw Unsupported(too_many_ranks(n, cuda_device_count()));
+    if (n > cuda_device_count()) throw Unavailable(too_many_ranks(n, cuda_device_count()));
     ranks_ = clique(n);
     rendezvous_ = std::make_shared<Rendezvous>(n, timeout);
   }

@@ -93,7 +93,7 @@ std::optional<std::string> cuda_unavailable() {
 int cuda_device_count() { return probe().count; }
 
 void activate_cuda() {
-  if (auto why = cuda_unavailable()) throw Unsupported(*why);
+  if (auto why = cuda_unavailable()) throw Unavailable(*why);
   static const bool once = [] {
     for (int d = 0; d < probe().count; ++d) {
       cudaMemPool_t pool;

@@ -238,7 +238,7 @@ std::vector<Tensor> deserialize_tensors(const std::uint8_t* data, std::size_t si
 namespace {
 
 // A rank's failure as it travels: none, or a FailureKind + 1.
-enum class Failure : std::uint8_t { none, invalid_input, collective, aborted, unsupported, internal };
+enum class Failure : std::uint8_t { none, invalid_input, collective, aborted, unsupported, unavailable, internal };
 static_assert(static_cast<int>(Failure::internal) == static_cast<int>(FailureKind::internal) + 1);
 
 [[noreturn]] void rethrow_as(Failure kind, const std::string& what) {
@@ -247,6 +247,7 @@ static_assert(static_cast<int>(Failure::internal) == static_cast<int>(FailureKin
     case Failure::aborted: throw Aborted(what);
     case Failure::invalid_input: throw InvalidInput(what);
     case Failure::unsupported: throw Unsupported(what);
+    case Failure::unavailable: throw Unavailable(what);
     default: throw Error(what);
   }
 }

@@ -68,7 +68,7 @@ TEST(GpuBackends, SayWhyTheyCannotRunOrRunWhereTheyCan) {
       EXPECT_NE(b.unavailable()->find("no CUDA device"), std::string::npos) << *b.unavailable();
       RunOptions o;
       o.backend = name;
-      EXPECT_THROW(run_ranks(2, [](Communicator&) {}, o), Unsupported) << name;
+      EXPECT_THROW(run_ranks(2, [](Communicator&) {}, o), Unavailable) << name;
     } else {
       EXPECT_FALSE(b.unavailable().has_value()) << name;
     }
@@ -274,7 +274,7 @@ TEST(Nccl, MoreRanksThanGpusIsRefusedPointingToCudaSim) {
   try {
     run_ranks(gpu::cuda_device_count() + 1, [](Communicator&) {}, o);
     FAIL() << "no error";
-  } catch (const Unsupported& e) {
+  } catch (const Unavailable& e) {
     EXPECT_NE(std::string(e.what()).find("cuda-sim"), std::string::npos) << e.what();
   }
 }

@@ -39,7 +39,7 @@ LayoutCase build_case(const LayoutSpec& spec) {
   const std::int64_t S = std::max(1, spec.seq_len);
   const bool unpacked = spec.form == LayoutForm::unpacked;
   const bool resets = spec.form == LayoutForm::position_resets;
-  const bool unmasked_resets = resets && spec.mask_kind == 2;  // no mask: every token is real
+  const bool unmasked_resets = resets && spec.mask_kind == MaskKind::none;  // no mask: every token is real
   const bool thd = spec.form == LayoutForm::cu_seqlens || spec.form == LayoutForm::cu_seqlens_only ||
                    spec.form == LayoutForm::cu_seqlens_padded_only;
   // One lengths key alone gives real = occupied: documents carry no padding of their own.
@@ -57,7 +57,7 @@ LayoutCase build_case(const LayoutSpec& spec) {
   for (std::int64_t r = 0; r < B; ++r) {
     if (unpacked) {
       auto [left, right] = r < static_cast<std::int64_t>(spec.row_pads.size()) ? spec.row_pads[r] : std::pair{0, 0};
-      if (spec.mask_kind == 2) left = right = 0;
+      if (spec.mask_kind == MaskKind::none) left = right = 0;
       const std::int64_t l = std::min<std::int64_t>(left, S), rp = std::min<std::int64_t>(right, S - l);
       for (std::int64_t s = l; s < S - rp; ++s) {
         id[r * S + s] = 1;
@@ -155,9 +155,9 @@ LayoutCase build_case(const LayoutSpec& spec) {
       }
     b["seq_lens"] = lens;
     if (spec.form == LayoutForm::seq_lens_padded) b["seq_lens_padded"] = padded;
-  } else if (spec.mask_kind == 0) {
+  } else if (spec.mask_kind == MaskKind::padding_mask) {
     b["padding_mask"] = truth.padding.clone();
-  } else if (spec.mask_kind == 1) {
+  } else if (spec.mask_kind == MaskKind::attention_mask) {
     Tensor am({B, S}, DType::i64);
     for (std::int64_t i = 0; i < B * S; ++i) am.data<std::int64_t>()[i] = pad[i] ? 0 : 1;
     b["attention_mask"] = am;

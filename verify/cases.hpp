@@ -48,13 +48,16 @@ enum class LayoutForm {
   position_resets = 6
 };
 inline constexpr int kLayoutForms = 7;
+// Which mask marks an unpacked (or position_resets) row's padding.
+enum class MaskKind { padding_mask = 0, attention_mask = 1, none = 2 };
+inline constexpr int kMaskKinds = 3;
 struct LayoutSpec {
   int cp = 1;
   LayoutForm form = LayoutForm::seq_lens_padded;
   int seq_len = 1;
   std::vector<std::vector<DocSpec>> rows;      // packed forms
   std::vector<std::pair<int, int>> row_pads;   // unpacked: (left, right) padding per row
-  int mask_kind = 0;          // unpacked, position_resets: 0 padding_mask, 1 attention_mask, 2 none
+  MaskKind mask_kind = MaskKind::padding_mask;  // unpacked, position_resets
   bool absorb_tail = false;   // last document's padded length absorbs the row's tail
   bool give_positions = false;
   bool give_loss_mask = false;

@@ -30,7 +30,8 @@ rc::Gen<LayoutSpec> gen_layout_spec(int max_cp) {
                      gen::container<std::vector<std::pair<int, int>>>(
                          B, gen::pair(gen::weightedOneOf<int>({{2, gen::just(0)}, {1, gen::inRange(0, S + 1)}}),
                                       gen::weightedOneOf<int>({{2, gen::just(0)}, {1, gen::inRange(0, S + 1)}})))),
-            gen::set(&LayoutSpec::mask_kind, gen::inRange(0, 3)), gen::set(&LayoutSpec::absorb_tail, gen::arbitrary<bool>()),
+            gen::set(&LayoutSpec::mask_kind,
+                     gen::map(gen::inRange(0, kMaskKinds), [](int k) { return static_cast<MaskKind>(k); })), gen::set(&LayoutSpec::absorb_tail, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::give_positions, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::give_loss_mask, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::pad_token_id, gen::inRange(0, 6)), gen::set(&LayoutSpec::cu_sentinels, gen::inRange(0, 3)),

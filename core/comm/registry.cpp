@@ -35,7 +35,7 @@ const Backend& find_backend(const std::string& name) {
     if (b->name == name) return *b;
     have += (have.empty() ? "" : ", ") + b->name;
   }
-  throw Unsupported("backend '" + name + "' is not registered in this build (have: " + have + ")");
+  throw Unavailable("backend '" + name + "' is not registered in this build (have: " + have + ")");
 }
 
 std::vector<std::string> backend_names() {

@@ -51,7 +51,7 @@ struct Backend {
 };
 
 void register_backend(Backend backend);
-// The backend of that name; throws Unsupported naming the registered ones.
+// The backend of that name; throws Unavailable naming the registered ones.
 const Backend& find_backend(const std::string& name);
 // Registered backends, in registration order (threads first).
 std::vector<std::string> backend_names();

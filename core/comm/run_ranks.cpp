@@ -114,7 +114,7 @@ RankThreads& rank_threads() {
 void run_ranks(int n, const RankFn& fn, const RunOptions& options, const RankOutputs& outputs) {
   CPSIM_ENFORCE(n >= 1, "run_ranks needs at least one rank");
   const Backend& backend = find_backend(options.backend);
-  if (auto why = backend.unavailable()) throw Unsupported("backend '" + backend.name + "': " + *why);
+  if (auto why = backend.unavailable()) throw Unavailable("backend '" + backend.name + "': " + *why);
   if (backend.run_in_job(n, fn, options.timeout, outputs)) return;
   const std::shared_ptr<Group> group = backend.make_group(n, options.timeout);
   std::mutex mutex;

@@ -18,7 +18,7 @@ struct RunOptions {
 };
 
 // Runs fn on n ranks. Throws the first rank failure (the root cause: later
-// CollectiveErrors on the peers are consequences of it), or Unsupported when the
+// CollectiveErrors on the peers are consequences of it), or Unavailable when the
 // backend is unknown or cannot run here.
 void run_ranks(int n, const RankFn& fn, const RunOptions& options = {}, const RankOutputs& outputs = {});
 

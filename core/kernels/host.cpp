@@ -32,7 +32,7 @@ const KernelTable host_table{
     },
     [](const Conv& a, DType dtype, void*) { conv_forward(thrust::host, a, dtype); },
     [](const Conv& a, DType dtype, void*) { conv_backward(thrust::host, a, dtype); },
-    [](const RecurrenceArgs& a, int pass, void*) { recurrence_pass(thrust::host, a, pass); },
+    [](const RecurrenceArgs& a, RecurrenceStep pass, void*) { recurrence_pass(thrust::host, a, pass); },
     [](const Sum& a, DType dtype, void*) { sum_in_order(thrust::host, a, dtype); },
 };
 
@@ -43,7 +43,7 @@ std::atomic<const KernelTable*> cuda_table{nullptr};
 const KernelTable& kernels_for(Device device) {
   if (device.is_cpu()) return host_table;
   const KernelTable* t = cuda_table.load();
-  if (!t) throw Unsupported("no CUDA kernels in this process (a build without CUDA, or no usable device)");
+  if (!t) throw Unavailable("no CUDA kernels in this process (a build without CUDA, or no usable device)");
   return *t;
 }
 

@@ -163,7 +163,7 @@ struct Workspace {
 
 struct RecurrencePass {
   RecurrenceArgs a;
-  int pass;  // 0 publish, 1 forward, 2 backward_local, 3 backward_fold
+  RecurrenceStep pass;
   CPSIM_HD void operator()(index_t i) const {
     const index_t b = i / a.H, h = i - b * a.H, K = a.K, V = a.V, KV = K * (K + V);
     const HeadView hv{&a, b, h};
@@ -174,7 +174,7 @@ struct RecurrencePass {
     const bool publishes_transition = p.publishes[b] & 1, publishes_gradient = p.publishes[b] & 2;
     const index_t ts = p.transition_segment[b];
     double* block = a.mine + (b * a.H + h) * KV;
-    if (pass == 0) {
+    if (pass == RecurrenceStep::publish) {
       if (!publishes_transition) return;
       double* S_ext = w.S();
       hv.transition(seg[ts], seg[ts + 1], w.M(), S_ext, w.u());
@@ -182,7 +182,7 @@ struct RecurrencePass {
         for (index_t m = 0; m < K; ++m) block[r * (K + V) + m] = w.M()[r * K + m];
         for (index_t j = 0; j < V; ++j) block[r * (K + V) + K + j] = S_ext[r * V + j];
       }
-    } else if (pass == 1) {
+    } else if (pass == RecurrenceStep::forward) {
       double* S0 = a.S0 + i * K * V;
       for (index_t x = 0; x < K * V; ++x) S0[x] = 0;
       for (index_t f = p.fwd_at[b]; f < p.fwd_at[b + 1]; ++f)
@@ -192,7 +192,7 @@ struct RecurrencePass {
         for (index_t x = 0; x < K * V; ++x) w.S()[x] = s == 0 ? S0[x] : 0.0;  // reset at every segment start
         hv.run_forward(seg[s], seg[s + 1], w.S(), true, nullptr, w.u());
       }
-    } else if (pass == 2) {
+    } else if (pass == RecurrenceStep::backward_local) {
       for (index_t s = 0; s < nseg; ++s) {  // dS lives in tmp, which run_backward leaves alone
         for (index_t x = 0; x < K * V; ++x) w.tmp()[x] = 0;
         hv.run_backward(seg[s], seg[s + 1], s == 0 ? a.S0 + i * K * V : zero_state(w), w.tmp(), w.base);
@@ -203,7 +203,7 @@ struct RecurrencePass {
           for (index_t j = 0; j < V; ++j) block[r * (K + V) + K + j] = w.tmp()[r * V + j];
         }
       }
-    } else {
+    } else {  // backward_fold
       if (!publishes_transition) return;
       double* dS = w.tmp();
       for (index_t x = 0; x < K * V; ++x) dS[x] = 0;
@@ -222,7 +222,7 @@ struct RecurrencePass {
 };
 
 template <class Policy>
-void recurrence_pass(Policy&& policy, const RecurrenceArgs& a, int pass) {
+void recurrence_pass(Policy&& policy, const RecurrenceArgs& a, RecurrenceStep pass) {
   for_each_index(policy, a.B * a.H, RecurrencePass{a, pass});
 }
 

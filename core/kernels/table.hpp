@@ -89,6 +89,12 @@ struct RecurrencePlanView {
   const std::uint8_t* publishes;           // [B]: bit 0 transition, bit 1 state gradient
 };
 
+// The four passes of the CP gated delta rule: each rank's transition (M, S_ext) of
+// the segment it publishes; forward (fold the earlier ranks' transitions, then run
+// every segment); backward inside the shard (and the gradient it publishes); the
+// backward fold of the later ranks' gradients into the published segment.
+enum class RecurrenceStep : int { publish = 0, forward = 1, backward_local = 2, backward_fold = 3 };
+
 struct RecurrenceArgs {
   std::int64_t B, L, H, K, V;
   const double *q, *k, *v, *beta, *g;  // [B,L,H,K], [B,L,H,K], [B,L,H,V], [B,L,H], [B,L,H,K]
@@ -136,15 +142,14 @@ struct KernelTable {
   void (*conv_forward)(const Conv&, DType dtype, void* stream);
   void (*conv_backward)(const Conv&, DType dtype, void* stream);
 
-  // One pass of the CP gated delta rule over every (row, head): 0 publish,
-  // 1 forward, 2 backward_local, 3 backward_fold (see recurrence.hpp).
-  void (*recurrence_pass)(const RecurrenceArgs&, int pass, void* stream);
+  // One pass of the CP gated delta rule over every (row, head) (see recurrence.hpp).
+  void (*recurrence_pass)(const RecurrenceArgs&, RecurrenceStep pass, void* stream);
 
   // The rank-order sum of reduce_scatter and all_reduce (and add_inplace: n = 2).
   void (*sum_in_order)(const Sum&, DType dtype, void* stream);
 };
 
-// The table of a device kind; throws Unsupported when none is registered.
+// The table of a device kind; throws Unavailable when none is registered.
 const KernelTable& kernels_for(Device device);
 void register_kernels(DeviceKind kind, const KernelTable* table);
 

@@ -105,7 +105,7 @@ static std::string gloo_threads_limit_reason() {
 
 std::shared_ptr<GlooThreadsGroup> acquire_gloo_group(int n, std::chrono::milliseconds timeout) {
   // Too many ranks for the descriptors: a resource error now, not a hang in connect.
-  if (n > max_gloo_threads_ranks()) throw Unsupported("gloo with " + std::to_string(n) + " ranks: " + gloo_threads_limit_reason());
+  if (n > max_gloo_threads_ranks()) throw Unavailable("gloo with " + std::to_string(n) + " ranks: " + gloo_threads_limit_reason());
   std::vector<std::shared_ptr<GlooThreadsGroup>> closing;  // closed outside the lock
   {
     std::lock_guard<std::mutex> lock(pool_mutex);
