@@ -128,7 +128,7 @@ class CudaSimCommunicator final : public Communicator {
            const std::function<void()>& after = {}) {
     CPSIM_CUDA(cudaEventRecord(s_->ready[rank_], stream()));
     s_->rendezvous->run(
-        rank_, c, o.timeout.count() > 0 ? o.timeout : timeout(),
+        rank_, c, o.timeout_or(timeout()),
         [&](const std::vector<CallRecord>& all) {
           reads(all);
           CPSIM_CUDA(cudaStreamSynchronize(stream()));

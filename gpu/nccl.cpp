@@ -104,7 +104,7 @@ class NcclTransport final : public Communicator {
     const ncclResult_t r = enqueue();
     if (r != ncclSuccess && r != ncclInProgress)
       abort(std::string("rank ") + std::to_string(rank_) + ": " + what + " failed to start: " + ncclGetErrorString(r));
-    watch(what, o.timeout.count() > 0 ? o.timeout : timeout_);
+    watch(what, o.timeout_or(timeout_));
   }
 
   // The watchdog: the call completes, or its communicator is aborted and the call fails.

@@ -143,7 +143,7 @@ class ThreadsCommunicator final : public Communicator {
     c.staged = true;
   }
 
-  std::chrono::milliseconds pick(CallOptions o) const { return o.timeout.count() > 0 ? o.timeout : group_->timeout(); }
+  std::chrono::milliseconds pick(CallOptions o) const { return o.timeout_or(group_->timeout()); }
   std::shared_ptr<Rendezvous> group_;
   std::shared_ptr<Staging> staging_;
   int rank_;

@@ -136,7 +136,7 @@ class Stalling final : public ForwardingCommunicator {
 
  private:
   void before(const CallRecord&, CallOptions o) override {
-    if (rank() == size() - 1) std::this_thread::sleep_for((o.timeout.count() > 0 ? o.timeout : timeout()) + 100ms);
+    if (rank() == size() - 1) std::this_thread::sleep_for(o.timeout_or(timeout()) + 100ms);
   }
 };
 }  // namespace

@@ -21,7 +21,7 @@ class CheckedCommunicator final : public ForwardingCommunicator {
 
  private:
   void before(const CallRecord& mine, CallOptions o) override {
-    const auto calls = channel_->exchange(mine, o.timeout.count() > 0 ? o.timeout : timeout());
+    const auto calls = channel_->exchange(mine, o.timeout_or(timeout()));
     if (auto why = find_mismatch(calls)) channel_->stop("collective mismatch: " + *why + describe_calls(calls));
   }
   std::shared_ptr<CallChannel> channel_;

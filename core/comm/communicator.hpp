@@ -19,6 +19,11 @@ const char* collective_name(CollectiveKind kind);
 // Per-call options; a zero timeout means the communicator's default.
 struct CallOptions {
   std::chrono::milliseconds timeout{0};
+  // This call's timeout, given the communicator's default: the one place the
+  // zero-means-default rule lives.
+  std::chrono::milliseconds timeout_or(std::chrono::milliseconds fallback) const {
+    return timeout.count() > 0 ? timeout : fallback;
+  }
 };
 
 // What a backend promises, so callers choose how to compare and where buffers live.

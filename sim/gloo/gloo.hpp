@@ -141,7 +141,7 @@ class GlooRank : public CallChannel, public std::enable_shared_from_this<GlooRan
   void transport(const CallRecord& call, F&& f);
   std::vector<int>& awaiting() { return awaiting_; }
 
-  std::chrono::milliseconds pick(CallOptions o) const { return o.timeout.count() > 0 ? o.timeout : timeout_; }
+  std::chrono::milliseconds pick(CallOptions o) const { return o.timeout_or(timeout_); }
   gloo::Context& context() { return *context_; }
   const std::shared_ptr<gloo::Context>& context_ptr() const { return context_; }
 
