@@ -87,14 +87,14 @@ int run_check(CheckArgs a) {
   const MemoryLimit limit = a.max_memory.empty()
                                 ? default_memory_limit()
                                 : MemoryLimit{static_cast<std::int64_t>(bench::parse_size(a.max_memory)), "--max-memory"};
+  CheckOptions on_backend = o;
+  on_backend.backend = a.job.backend;
   for (std::size_t i = 0; i < files.size(); ++i) {
     const std::int64_t S = sequence_length(files[i].batch), B = batch_rows(files[i].batch);
     int keys = 0;
     for (const auto& [key, t] : files[i].batch) keys += !is_length_key(key);
     for (int cp : a.cp_sizes) {
-      CheckOptions with = o;
-      with.backend = a.job.backend;
-      const MemoryEstimate e = estimate_check_memory(B, S, keys, cp, with);
+      const MemoryEstimate e = estimate_check_memory(B, S, keys, cp, on_backend);
       if (e.bytes > limit.bytes)
         throw InvalidInput(paths[i] + ": needs about " + format_bytes(e.bytes) + " at cp " + std::to_string(cp) + " (" +
                            std::to_string(B) + " x " + std::to_string(reference_geometry(S, cp).padded_len) +
@@ -118,7 +118,7 @@ int run_check(CheckArgs a) {
     for (int cp : a.cp_sizes)
       if (most > 0 && cp > most) throw UsageError("--cp " + std::to_string(cp) + " on --backend " + o.backend + ": " + why);
   }
-  nlohmann::json out = {{"ok", true}, {"results", nlohmann::json::array()}};
+  nlohmann::json out = {{"ok", true}, {"results", nlohmann::json::array()}}, notes = nlohmann::json::object();
   bool failed = false, aborted = false;
   for (std::size_t i = 0; i < files.size(); ++i) {
     std::vector<PropertyResult> all;
@@ -135,16 +135,16 @@ int run_check(CheckArgs a) {
       if (!r.ok) j["detail"] = r.detail;
       out["results"].push_back(j);
     }
+    const std::vector<std::string> said = notes_of(files[i]);
+    notes[paths[i]] = said;
     if (!a.json) {
-      for (const auto& note : notes_of(files[i])) std::cout << paths[i] << ": " << note << "\n";
+      for (const auto& note : said) std::cout << paths[i] << ": " << note << "\n";
       print_table(paths[i], all, a.cp_sizes);
     }
   }
   out["ok"] = !failed && !aborted && invalid.empty();
   out["aborted"] = aborted;
   out["invalid"] = invalid;
-  nlohmann::json notes = nlohmann::json::object();
-  for (std::size_t i = 0; i < files.size(); ++i) notes[paths[i]] = notes_of(files[i]);
   out["notes"] = notes;
   if (a.json) std::cout << out.dump(1) << "\n";
   else if (failed) std::cout << "some properties FAILED\n";

@@ -49,7 +49,9 @@ int main(int argc, char** argv) {
       case FailureKind::unavailable: report_error(report.what); return kExitUsage;
       case FailureKind::collective: report_error("error: " + report.what); return kExitFailed;
       case FailureKind::aborted: report_error("aborted: " + report.what); return kExitAborted;
-      case FailureKind::internal: report_error(report.what); return kExitAborted;
+      case FailureKind::internal:
+        report_error("internal error (" + report.what + "); please report it with the command");
+        return kExitAborted;
     }
   }
   return kExitUsage;

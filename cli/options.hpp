@@ -82,7 +82,7 @@ struct BenchArgs {
   double properties = 0;     // seconds of property throughput per row (0: none)
   bool json = false;
   std::string svg;
-  bool quick = false;  // a first look in under a minute: threads, 2 and 4 ranks, four sizes
+  bool quick = false;  // a first look in under a minute: threads, 2 and 4 ranks, three sizes
   JobArgs job;  // in a multi-process job: gloo or nccl, one rank per process
 };
 

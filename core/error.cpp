@@ -35,16 +35,28 @@ FailureReport classify_failure(const std::exception_ptr& failure) {
   } catch (const Unavailable& e) {
     return {FailureKind::unavailable, e.what()};
   } catch (const Error& e) {
-    return {FailureKind::internal, std::string("internal error: ") + e.what() + " (please report it with the command)"};
+    return {FailureKind::internal, e.what()};
   } catch (const std::bad_alloc&) {
     return {FailureKind::aborted,
             "out of memory: an allocation failed (a larger batch or CP size than this machine's memory, or an "
             "address-space limit, ulimit -v, holds)"};
   } catch (const std::exception& e) {
-    return {FailureKind::internal, std::string("internal error (") + e.what() + "); please report it with the command"};
+    return {FailureKind::internal, e.what()};
   } catch (...) {
-    return {FailureKind::internal, "internal error (an exception that is not a std::exception); please report it"};
+    return {FailureKind::internal, "an exception that is not a std::exception"};
   }
+}
+
+void rethrow_failure(const FailureReport& failure) {
+  switch (failure.kind) {
+    case FailureKind::invalid_input: throw InvalidInput(failure.what);
+    case FailureKind::collective: throw CollectiveError(failure.what);
+    case FailureKind::aborted: throw Aborted(failure.what);
+    case FailureKind::unsupported: throw Unsupported(failure.what);
+    case FailureKind::unavailable: throw Unavailable(failure.what);
+    case FailureKind::internal: break;
+  }
+  throw Error(failure.what);
 }
 
 }  // namespace cpsim

@@ -52,13 +52,17 @@ class Unavailable : public Error {
 
 // How a failure is reported and what the command line exits with: the classes
 // above, and the standard library's own exceptions in cpsim's words (running out
-// of memory aborts a run; anything else escaping cpsim is an internal error).
+// of memory aborts a run; anything else escaping cpsim is an internal error,
+// `what` being its own text).
 enum class FailureKind : unsigned char { invalid_input, collective, aborted, unsupported, unavailable, internal };
 struct FailureReport {
   FailureKind kind = FailureKind::internal;
   std::string what;
 };
 FailureReport classify_failure(const std::exception_ptr& failure);
+// The inverse: throws the class of `failure` (a failure that travelled from
+// another process, say).
+[[noreturn]] void rethrow_failure(const FailureReport& failure);
 
 // `text` as a message may quote it: control characters escaped (\x00), at most
 // `most` characters, then "..." and the full length.

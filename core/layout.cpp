@@ -355,15 +355,17 @@ Tensor global_doc_ids(const Batch& batch) {
   // document, unless position_ids reset to 0 inside it (a flattening collator's
   // packing): each reset starts the next document.
   Tensor ids({B, S}, DType::i64);
-  const bool positions = has(batch, "position_ids");
+  const Tensor* padding_mask = has(batch, "padding_mask") ? &batch.at("padding_mask") : nullptr;
+  const Tensor* attention_mask = has(batch, "attention_mask") ? &batch.at("attention_mask") : nullptr;
+  const Tensor* positions = has(batch, "position_ids") ? &batch.at("position_ids") : nullptr;
   for (std::int64_t r = 0; r < B; ++r) {
     std::int64_t doc = 0;
     for (std::int64_t s = 0; s < S; ++s) {
       const std::int64_t i = r * S + s;
-      bool is_pad = false;
-      if (has(batch, "padding_mask")) is_pad = batch.at("padding_mask").get_int(i) != 0;
-      else if (has(batch, "attention_mask")) is_pad = batch.at("attention_mask").get_int(i) == 0;
-      if (!is_pad && (doc == 0 || (positions && batch.at("position_ids").get_int(i) == 0))) ++doc;
+      const bool is_pad = padding_mask ? padding_mask->get_int(i) != 0
+                          : attention_mask ? attention_mask->get_int(i) == 0
+                                           : false;
+      if (!is_pad && (doc == 0 || (positions && positions->get_int(i) == 0))) ++doc;
       ids.data<std::int64_t>()[i] = is_pad ? kPadDocId : (positions ? doc : 1);
     }
   }

@@ -237,21 +237,6 @@ std::vector<Tensor> deserialize_tensors(const std::uint8_t* data, std::size_t si
 
 namespace {
 
-// A rank's failure as it travels: none, or a FailureKind + 1.
-enum class Failure : std::uint8_t { none, invalid_input, collective, aborted, unsupported, unavailable, internal };
-static_assert(static_cast<int>(Failure::internal) == static_cast<int>(FailureKind::internal) + 1);
-
-[[noreturn]] void rethrow_as(Failure kind, const std::string& what) {
-  switch (kind) {
-    case Failure::collective: throw CollectiveError(what);
-    case Failure::aborted: throw Aborted(what);
-    case Failure::invalid_input: throw InvalidInput(what);
-    case Failure::unsupported: throw Unsupported(what);
-    case Failure::unavailable: throw Unavailable(what);
-    default: throw Error(what);
-  }
-}
-
 [[noreturn]] void fail_job(const std::string& why) {
   world->failure = why;
   // Peers that wait on this process (ranks sitting a run out) learn at once.
@@ -275,8 +260,7 @@ void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chro
   if (n > w.config.size)
     CPSIM_INVALID("a group of ", n, " ranks needs ", n, " processes; this job has ", w.config.size,
                   " (start it with cpsim launch -n ", n, ")");
-  Failure kind = Failure::none;
-  std::string what;
+  std::optional<FailureReport> failure;  // this rank's, if it failed
   if (w.config.rank < n) {
     std::shared_ptr<GlooRank> g;
     try {
@@ -286,13 +270,11 @@ void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chro
       fn(*comm);
       g->finish();
     } catch (...) {
-      const FailureReport report = classify_failure(std::current_exception());
-      kind = static_cast<Failure>(static_cast<int>(report.kind) + 1);
-      what = report.what;
+      failure = classify_failure(std::current_exception());
     }
-    if (kind != Failure::none && g) g->fail(what);
+    if (failure && g) g->fail(failure->what);
     if (g && g->broken()) fail_job(g->broken_reason());
-    if (!g && kind != Failure::none) fail_job(what);  // could not even connect
+    if (!g && failure) fail_job(failure->what);  // could not even connect
   }
 
   // Every process gets every rank's outputs and failure.
@@ -302,8 +284,10 @@ void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chro
                   " ranks");
     mine.push_back(w.config.rank < n ? (*slots)[w.config.rank] : Tensor());
   }
+  // The failure travels as one byte (0 none, else its FailureKind + 1) and its text.
   std::vector<std::uint8_t> payload;
-  put<std::uint8_t>(payload, static_cast<std::uint8_t>(kind));
+  const std::string what = failure ? failure->what : "";
+  put<std::uint8_t>(payload, failure ? static_cast<std::uint8_t>(static_cast<int>(failure->kind) + 1) : 0);
   put<std::uint32_t>(payload, static_cast<std::uint32_t>(what.size()));
   payload.insert(payload.end(), what.begin(), what.end());
   const auto tensors = serialize_tensors(mine);
@@ -331,23 +315,22 @@ void run_in_world(int n, const std::function<void(Communicator&)>& fn, std::chro
     fail_job(w.all->broken() ? w.all->broken_reason() : e.what());
   }
   int root = -1;
-  std::vector<Failure> kinds(size);
-  std::vector<std::string> whats(size);
+  std::vector<std::optional<FailureReport>> failures(size);
   for (int q = 0; q < size; ++q) {
     Reader r{all.data() + q * longest, all.data() + q * longest + lengths[q]};
-    kinds[q] = static_cast<Failure>(r.get<std::uint8_t>());
+    const auto kind = r.get<std::uint8_t>();
     const auto len = r.get<std::uint32_t>();
     const auto* text = r.bytes(len);
-    whats[q] = std::string(text, text + len);
+    if (kind != 0) failures[q] = FailureReport{static_cast<FailureKind>(kind - 1), std::string(text, text + len)};
     const auto got = deserialize_tensors(r.p, static_cast<std::size_t>(r.end - r.p));
     if (q < n)
       for (std::size_t i = 0; i < outputs.size(); ++i) (*outputs[i])[q] = got.at(i);
     // The root cause: a rank's own failure before the CollectiveErrors it caused.
-    if (kinds[q] != Failure::none &&
-        (root < 0 || (kinds[root] == Failure::collective && kinds[q] != Failure::collective)))
+    if (failures[q] && (root < 0 || (failures[root]->kind == FailureKind::collective &&
+                                     failures[q]->kind != FailureKind::collective)))
       root = q;
   }
-  if (root >= 0) rethrow_as(kinds[root], whats[root]);
+  if (root >= 0) rethrow_failure(*failures[root]);
 }
 
 }  // namespace cpsim::sim

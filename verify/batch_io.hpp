@@ -25,11 +25,12 @@ struct BatchFile {
 };
 
 // InvalidInput unless `key` is a name: 1 to 128 characters, no control characters.
+// Every reader checks each key as it reads it, before any message quotes it.
 void check_key_name(const std::string& key, const std::string& source);
 
-// What every reader does last: key names checked, 1-D tensors normalised, stand-in
-// input_ids when the file has none.
-void finish_batch(BatchFile& out, const std::string& source);
+// What every reader does last: 1-D tensors normalised, stand-in input_ids when the
+// file has none.
+void finish_batch(BatchFile& out);
 
 // A batch file mapped read-only into memory; InvalidInput when it cannot be opened.
 class MappedFile {

@@ -50,11 +50,13 @@ PropertyResult failed(const std::string& name, int cp, const std::string& why) {
   return {name, cp, false, 1.0, why};
 }
 
-// The property's run ended in the exception being handled: the code under test
-// failed (its exception is the property's failure), or the run could not
-// complete (a timeout, a lost rank, memory: aborted, no verdict on the code).
-PropertyResult threw(const std::string& name, int cp, const std::string& doing = "threw: ") {
-  const FailureReport report = classify_failure(std::current_exception());
+// The property's run ended in `failure` (by default the exception being handled):
+// the code under test failed (its exception is the property's failure), or the
+// run could not complete (a timeout, a lost rank, memory: aborted, no verdict on
+// the code).
+PropertyResult threw(const std::string& name, int cp, const std::string& doing = "threw: ",
+                     const std::exception_ptr& failure = std::current_exception()) {
+  const FailureReport report = classify_failure(failure);
   if (report.kind == FailureKind::aborted) return {name, cp, false, 0.0, report.what, true};
   return failed(name, cp, doing + report.what);
 }
@@ -867,17 +869,8 @@ std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o
   } catch (...) {
     why = std::current_exception();
   }
-  for (const PropertyRow& row : property_table()) {
-    if (p) {
-      out.push_back(row.check(*p, o));
-      continue;
-    }
-    try {
-      std::rethrow_exception(why);
-    } catch (...) {
-      out.push_back(threw(row.name, c.cp, "could not prepare the case: "));
-    }
-  }
+  for (const PropertyRow& row : property_table())
+    out.push_back(p ? row.check(*p, o) : threw(row.name, c.cp, "could not prepare the case: ", why));
   return out;
 }
 

@@ -190,7 +190,7 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
     if (used == 0 || used != v.size())
       CPSIM_INVALID("__metadata__ pad_token_id: expected an integer as a string, as safetensors stores metadata");
   }
-  finish_batch(out, source);
+  finish_batch(out);
   return out;
 }
 

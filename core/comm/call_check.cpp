@@ -48,6 +48,16 @@ std::string name_ranks(const std::vector<int>& ranks) {
   return out;
 }
 
+std::string waited_since(std::chrono::steady_clock::time_point start, std::chrono::milliseconds limit) {
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+  return "waited " + std::to_string(waited.count()) + " ms (limit " + std::to_string(limit.count()) + " ms)";
+}
+
+std::string call_timeout(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
+                         std::chrono::milliseconds limit) {
+  return "timeout: rank " + std::to_string(rank) + " " + waited_since(start, limit) + " in " + describe_call(call);
+}
+
 std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls) {
   const CallRecord& a = calls.at(0);
   const int n = static_cast<int>(calls.size());

@@ -5,6 +5,7 @@
 // exchanges them over the wire, and nccl over a Gloo side channel.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -41,6 +42,14 @@ std::string describe_call(const CallRecord& call);
 
 // "rank 2", or "ranks 0, 3": how every error names a set of ranks.
 std::string name_ranks(const std::vector<int>& ranks);
+
+// "waited 1003 ms (limit 1000 ms)": how every timeout says the real wait (since
+// `start`) beside the limit.
+std::string waited_since(std::chrono::steady_clock::time_point start, std::chrono::milliseconds limit);
+// "timeout: rank 0 waited 1003 ms (limit 1000 ms) in all_gather #1 (...)": how
+// every timeout in a call begins, on every backend.
+std::string call_timeout(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
+                         std::chrono::milliseconds limit);
 
 // Why the calls of one sequence number (index = rank) cannot run together, or nothing.
 std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls);

@@ -29,11 +29,6 @@ void futex_wait(std::atomic<std::uint32_t>& word, std::uint32_t expected, std::c
   timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
   syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, &ts, nullptr, 0);
 }
-// Milliseconds since `start`, as a message says them: the real wait, not the limit.
-std::string elapsed_ms(std::chrono::steady_clock::time_point start) {
-  return std::to_string(
-      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count());
-}
 void futex_wake_all(std::atomic<std::uint32_t>& word) {
   syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
 }
@@ -92,9 +87,7 @@ std::vector<int> Rendezvous::behind_locked(std::uint64_t RankState::*field, std:
 
 void Rendezvous::timeout_locked(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
                                 std::chrono::milliseconds timeout, const std::vector<int>& who, const char* what) {
-  poison_locked("timeout: rank " + std::to_string(rank) + " waited " + elapsed_ms(start) + " ms (limit " +
-                    std::to_string(timeout.count()) + " ms) in " + describe_call(call) + " for " + name_ranks(who) + what,
-                true);
+  poison_locked(call_timeout(rank, call, start, timeout) + " for " + name_ranks(who) + what, true);
 }
 
 template <class Stop>

@@ -50,7 +50,7 @@ namespace {
 void await_peers(int rank, int size, Store& store, Store& records, std::chrono::milliseconds timeout) {
   const std::string me = "present/" + std::to_string(rank);
   store.set(me, std::vector<char>{'1'});
-  const auto deadline = Clock::now() + timeout;
+  const auto start = Clock::now(), deadline = start + timeout;
   std::vector<bool> here(size, false);
   here[rank] = true;
   for (;;) {
@@ -63,10 +63,8 @@ void await_peers(int rank, int size, Store& store, Store& records, std::chrono::
       throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) + " could not connect: " +
                     name_ranks(missing) + " never came" + died);
     if (Clock::now() >= deadline)
-      throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) + " waited " +
-                    std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - deadline + timeout).count()) +
-                    " ms (limit " + std::to_string(timeout.count()) + " ms) to connect: " + name_ranks(missing) +
-                    " never came");
+      throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) + " " + waited_since(start, timeout) +
+                    " to connect: " + name_ranks(missing) + " never came");
     std::this_thread::sleep_for(10ms);
   }
 }
@@ -97,9 +95,7 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
     throw Aborted("rank " + std::to_string(rank) + " of " + std::to_string(size) +
                           (stale ? " found the keys of an earlier run in the store; give every run its own "
                                    "CPSIM_JOB_ID or store directory"
-                                 : " could not connect to its peers in " +
-                                       std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()) +
-                                       " ms (limit " + std::to_string(timeout.count()) + " ms)") +
+                                 : " could not connect to its peers: " + waited_since(start, timeout)) +
                           " (gloo: " + what + ")" + (records ? launch_records(*records, size, rank) : ""));
   }
   return context;

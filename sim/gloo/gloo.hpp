@@ -178,15 +178,9 @@ void GlooRank::transport(const CallRecord& call, F&& f) {
     throw;
   } catch (const std::exception& e) {
     const std::string what = e.what();
-    std::string peers;
-    for (int q : awaiting_) peers += (peers.empty() ? "" : ", ") + std::to_string(q);
-    const std::string ranks = std::string(awaiting_.size() == 1 ? "rank " : "ranks ") + peers;
-    const auto waited =
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+    const std::string ranks = name_ranks(awaiting_);
     break_group(is_gloo_timeout(what)
-                    ? "timeout: rank " + std::to_string(rank_) + " waited " + std::to_string(waited) + " ms (limit " +
-                          std::to_string(pick({}).count()) + " ms) in " + describe_call(call) + " for data from " +
-                          ranks + " (gloo: " + what + ")"
+                    ? call_timeout(rank_, call, start, pick({})) + " for data from " + ranks + " (gloo: " + what + ")"
                     : "rank " + std::to_string(rank_) + " lost " + ranks + " during " + describe_call(call) +
                           " (gloo: " + what + ")",
                 std::vector<int>(awaiting_), timeout_);

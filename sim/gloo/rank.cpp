@@ -237,9 +237,6 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
       }
       const std::string what = e.what();
       const bool timed_out = is_gloo_timeout(what) || Clock::now() >= deadline;
-      const std::string waited =
-          std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()) +
-          " ms (limit " + std::to_string(timeout.count()) + " ms)";
       // Every record arrived but this rank's own did not get out: a peer died or
       // stopped after it sent. Which one, the send does not say: every peer is a suspect.
       const bool sending = missing.empty();
@@ -249,11 +246,10 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
           if (q != rank_) suspects.push_back(q);
       std::string why;
       if (timed_out && !sending)
-        why = "timeout: rank " + std::to_string(rank_) + " waited " + waited + " in " + describe_call(me) + " for " +
-              name_ranks(missing) + ", which never arrived";
+        why = call_timeout(rank_, me, start, timeout) + " for " + name_ranks(missing) + ", which never arrived";
       else if (timed_out)
-        why = "timeout: rank " + std::to_string(rank_) + " waited " + waited + " in " + describe_call(me) +
-              " to deliver its call to " + name_ranks(suspects) + " after every peer's had arrived";
+        why = call_timeout(rank_, me, start, timeout) + " to deliver its call to " + name_ranks(suspects) +
+              " after every peer's had arrived";
       else
         why = "rank " + std::to_string(rank_) + " lost its connection to " + name_ranks(suspects) + " in " +
               describe_call(me) + " (gloo: " + what + ")";
