@@ -7,18 +7,13 @@
 #include <gloo/rendezvous/redis_store.h>
 #include <hiredis/hiredis.h>
 
-#include <thread>
-
-#include <fstream>
-
-#include <cstring>
-
-#include <cerrno>
-
 #include <cctype>
-
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
+#include <thread>
 
 #include "sim/gloo/gloo.hpp"
 
@@ -30,6 +25,25 @@ using Clock = std::chrono::steady_clock;
 // ---------------------------------------------------------------------------
 // Stores and devices.
 
+namespace {
+// Gloo's FileStore waits in whole seconds: a wait of 1 ms for a key that is not
+// there took a second, so every probe of a missing key (a peer not yet present,
+// a failure record not written) overran its deadline. Waits under a second look
+// at the files themselves, every millisecond, until their own deadline.
+class FileStore final : public gloo::rendezvous::FileStore {
+ public:
+  using gloo::rendezvous::FileStore::FileStore;
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    if (timeout >= 1s) return gloo::rendezvous::FileStore::wait(keys, timeout);
+    const auto deadline = Clock::now() + timeout;
+    while (!check(keys)) {
+      if (Clock::now() >= deadline) throw std::runtime_error("Wait timeout for key(s) in the file store");
+      std::this_thread::sleep_for(1ms);
+    }
+  }
+};
+}  // namespace
+
 std::shared_ptr<Store> open_store(const std::string& spec) {
   if (spec == "memory") return std::make_shared<gloo::rendezvous::HashStore>();
   if (spec.rfind("file:", 0) == 0) {
@@ -39,7 +53,7 @@ std::shared_ptr<Store> open_store(const std::string& spec) {
     std::filesystem::create_directories(dir, ec);
     if (!std::filesystem::is_directory(dir))
       throw Aborted("store '" + spec + "': cannot create the directory " + dir + (ec ? " (" + ec.message() + ")" : ""));
-    return std::make_shared<gloo::rendezvous::FileStore>(dir);
+    return std::make_shared<FileStore>(dir);
   }
   if (spec.rfind("redis://", 0) == 0) {
     const std::string rest = spec.substr(8);
