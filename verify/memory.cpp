@@ -26,26 +26,30 @@ struct Shapes {
 // row at a time, cp 1 and 8, channels 8 and 64, heads 2 and 8 with K = V = 4 and 16)
 // lies within 0.9-1.0 of these.
 const std::map<std::string, std::function<double(const Shapes&)>>& row_models() {
+  // Per dtype (float64 the larger): every rank's upstream gradient, gathered
+  // tensor and reduce-scatter input are whole [B, P, C] tensors.
+  const auto gather_backward = [](const Shapes& s) { return 8 * s.C * (1 + 4.5 * s.cp); };
+  // x, the upstream gradient, the reference's y and dx, and both exchanges'
+  // results: one run serves both conv rows.
+  const auto conv = [](const Shapes& s) { return 8 * s.C * 14.5 + 60; };
+  // Every token's state (for backward), inputs and gradients twice (global and the
+  // reference's), the reference's states of one head: one run serves both rows.
+  const auto recurrence = [](const Shapes& s) {
+    return s.states() + 2 * (s.in() + s.out()) + 8 * s.K * s.V + 800 + 40 * s.cp;
+  };
   static const std::map<std::string, std::function<double(const Shapes&)>> models = {
       {"layout", [](const Shapes&) { return 120.0; }},
       {"shard", [](const Shapes&) { return 150.0; }},
       // Six dtypes of [B, P, ...] (6C + 40 bytes a token), each rank's gathered copy.
       {"gather_forward", [](const Shapes& s) { return (6 * s.C + 40) * (1.2 + 1.3 * s.cp); }},
-      // Per dtype (float64 the larger): every rank's upstream gradient, gathered
-      // tensor and reduce-scatter input are whole [B, P, C] tensors.
-      {"gather_backward", [](const Shapes& s) { return 8 * s.C * (1 + 4.5 * s.cp); }},
-      {"anchor", [](const Shapes& s) { return 8 * s.C * (1 + 4.5 * s.cp) + 30 * s.cp; }},
+      {"gather_backward", gather_backward},
+      {"anchor", [=](const Shapes& s) { return gather_backward(s) + 30 * s.cp; }},
       {"halo_forward", [](const Shapes& s) { return 8 * s.C * 4.2 + 40; }},
       {"halo_backward", [](const Shapes& s) { return 8 * s.C * 9.3 + 80; }},
-      // x, the upstream gradient, the reference's y and dx, and both exchanges' results.
-      {"conv_forward", [](const Shapes& s) { return 8 * s.C * 14.5 + 60; }},
-      {"conv_backward", [](const Shapes& s) { return 8 * s.C * 14.5 + 60; }},
-      // Every token's state (for backward), inputs and gradients twice (global and
-      // the reference's), the reference's states of one head.
-      {"recurrence_forward",
-       [](const Shapes& s) { return s.states() + 2 * (s.in() + s.out()) + 8 * s.K * s.V + 800 + 40 * s.cp; }},
-      {"recurrence_backward",
-       [](const Shapes& s) { return s.states() + 2 * (s.in() + s.out()) + 8 * s.K * s.V + 800 + 40 * s.cp; }},
+      {"conv_forward", conv},
+      {"conv_backward", conv},
+      {"recurrence_forward", recurrence},
+      {"recurrence_backward", recurrence},
   };
   return models;
 }
