@@ -52,7 +52,7 @@ int iterations_for(Op op, int ranks, std::size_t bytes) {
   return static_cast<int>(std::clamp(budget / per_call, 5.0, 2000.0));
 }
 
-Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int iterations) {
+Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int iterations, std::shared_ptr<Job> job) {
   Point p;
   p.backend = backend;
   p.op = op;
@@ -70,6 +70,7 @@ Point measure(const std::string& backend, Op op, int n, std::size_t bytes, int i
   RunOptions o;
   o.backend = backend;
   o.timeout = std::chrono::milliseconds(120000);
+  o.job = std::move(job);
   // One timed run of the call; rank 0's seconds.
   auto timed = [&] {
     run_ranks(n, [&](Communicator& comm) {

@@ -18,10 +18,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "core/comm/communicator.hpp"
+#include "core/comm/job.hpp"
 
 namespace cpsim::bench {
 
@@ -54,7 +55,9 @@ int iterations_for(Op op, int ranks, std::size_t bytes);
 // under 1 MiB a call repeat both 5 times and keep each one's median (small calls
 // are at the mercy of the scheduler); larger ones alternate them 3 times and keep
 // the best of each.
-Point measure(const std::string& backend, Op op, int ranks, std::size_t bytes, int iterations);
+// With `job`, the ranks are the processes of that job.
+Point measure(const std::string& backend, Op op, int ranks, std::size_t bytes, int iterations,
+              std::shared_ptr<Job> job = nullptr);
 
 // Microseconds of one round of the reference: `threads` threads each memcpy `bytes`
 // and meet at a std::barrier.

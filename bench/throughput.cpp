@@ -7,11 +7,13 @@
 
 namespace cpsim::bench {
 
-Throughput property_throughput(const std::string& backend, int cp, bool gather_halo_only, double seconds) {
+Throughput property_throughput(const std::string& backend, int cp, bool gather_halo_only, double seconds,
+                               std::shared_ptr<Job> job) {
   using Clock = std::chrono::steady_clock;
   verify::CheckOptions o;
   o.backend = backend;
   o.channels = 8;
+  o.job = std::move(job);
   const auto gen = verify::gen_layout_case(cp);
   const auto& table = verify::property_table();
   Throughput t;

@@ -4,7 +4,10 @@
 // that all-gathers shards and halos with autograd), and for every row.
 #pragma once
 
+#include <memory>
 #include <string>
+
+#include "core/comm/job.hpp"
 
 namespace cpsim::bench {
 
@@ -19,6 +22,8 @@ struct Throughput {
 };
 
 // Checks random cases for about `seconds` (at least 3 cases).
-Throughput property_throughput(const std::string& backend, int cp, bool gather_halo_only, double seconds);
+// With `job`, the ranks are the processes of that job.
+Throughput property_throughput(const std::string& backend, int cp, bool gather_halo_only, double seconds,
+                               std::shared_ptr<Job> job = nullptr);
 
 }  // namespace cpsim::bench

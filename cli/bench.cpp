@@ -11,7 +11,6 @@
 #include "cli/options.hpp"
 #include "core/comm/registry.hpp"
 #include "core/error.hpp"
-#include "sim/world.hpp"
 
 namespace cpsim::cli {
 
@@ -26,7 +25,7 @@ int run_bench(BenchArgs a) {
   for (const auto& name : backends)
     if (auto why = find_backend(name).unavailable()) throw UsageError("--backend " + name + ": " + *why);
   // In a multi-process job (cpsim launch): one backend (gloo or nccl), one rank a process.
-  if (auto world = sim::world_from_environment()) {
+  if (sim::job_from_environment()) {
     if (backends.size() != 1 || a.backends.empty()) backends = {a.backends.empty() ? "gloo" : a.backends[0]};
     a.job.backend = backends[0];
     a.job.backend_given = true;
@@ -48,7 +47,7 @@ int run_bench(BenchArgs a) {
         for (std::size_t bytes : sizes) {
           const bench::Op op = bench::op_from_name(op_text);
           const int iters = a.iterations > 0 ? a.iterations : bench::iterations_for(op, n, bytes);
-          points.push_back(bench::measure(backend, op, n, bytes, iters));
+          points.push_back(bench::measure(backend, op, n, bytes, iters, a.job.joined));
           wrong = wrong || points.back().wrong != 0;
           if (!a.json) std::cerr << "." << std::flush;
         }
@@ -61,7 +60,7 @@ int run_bench(BenchArgs a) {
         for (bool gh : {true, false}) {
           const auto [most, why] = find_backend(backend).max_ranks();
           if (most > 0 && n > most) continue;
-          throughput.push_back(bench::property_throughput(backend, n, gh, a.properties));
+          throughput.push_back(bench::property_throughput(backend, n, gh, a.properties, a.job.joined));
           wrong = wrong || throughput.back().failures != 0;
         }
   if (a.json) {

@@ -106,6 +106,7 @@ int run_check(CheckArgs a) {
   join_job(a.job);
   o.backend = a.job.backend;
   o.timeout = milliseconds_of(a.job.timeout);
+  o.job = a.job.joined;
   if (a.job.multi) {
     if (!a.cp_given) a.cp_sizes = {a.job.size};
     for (int cp : a.cp_sizes)
@@ -123,7 +124,7 @@ int run_check(CheckArgs a) {
   for (std::size_t i = 0; i < files.size(); ++i) {
     std::vector<PropertyResult> all;
     for (int cp : a.cp_sizes) {
-      if (job_broken()) break;  // every later property would fail the same way
+      if (job_broken(a.job)) break;  // every later property would fail the same way
       LayoutCase c{files[i].batch, files[i].pad_token_id, cp, a.model.seed, std::nullopt};
       for (auto& r : check_all(c, o)) all.push_back(r);
     }

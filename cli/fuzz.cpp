@@ -46,6 +46,7 @@ int run_fuzz(FuzzArgs a) {
   CheckOptions o;
   o.backend = a.job.backend;
   o.timeout = milliseconds_of(a.job.timeout);
+  o.job = a.job.joined;
   o.conv_width = a.conv_width;
   if (a.job.multi) a.max_cp = std::min(a.max_cp, a.job.size);
   else if (const auto [most, why] = find_backend(a.job.backend).max_ranks(); most > 0 && a.max_cp > most) {
@@ -59,7 +60,7 @@ int run_fuzz(FuzzArgs a) {
   // stops (its shrinking of an instant failure is quick); no case is blamed.
   std::string aborted;
   auto property = [&](const LayoutCase& c) {
-    if (aborted.empty() && job_broken()) aborted = "the job stopped";
+    if (aborted.empty() && job_broken(a.job)) aborted = "the job stopped";
     if (!aborted.empty()) RC_FAIL("aborted: " + aborted);
     for (const auto& r : check_all(c, o)) {
       if (r.aborted) {
@@ -83,7 +84,7 @@ int run_fuzz(FuzzArgs a) {
   const PropertyOutcome result = run_property(settings, [&] { property(*gen); }, &progress);
   if (!aborted.empty() && !smallest) {
     // A job that broke says why itself (finish_job), once.
-    if (!job_broken()) report_error("aborted: the run could not complete, no verdict: " + aborted);
+    if (!job_broken(a.job)) report_error("aborted: the run could not complete, no verdict: " + aborted);
     return finish_job(a.job, kExitAborted);
   }
   if (result.ok) {

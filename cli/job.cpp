@@ -5,7 +5,6 @@
 #include <iostream>
 
 #include "core/comm/registry.hpp"
-#include "sim/world.hpp"
 
 namespace cpsim::cli {
 
@@ -34,34 +33,39 @@ void report_error(const std::string& what) {
 // Joins the multi-process job the environment describes (cpsim launch, RANK/WORLD_SIZE,
 // Slurm, Open MPI), if any. Only rank 0 writes the report; every process computes it.
 void join_job(JobArgs& a) {
-  auto world = sim::world_from_environment();
-  if (world && !a.backend_given) a.backend = "gloo";
+  auto config = sim::job_from_environment();
+  if (config && !a.backend_given) a.backend = "gloo";
   // A backend that cannot run here (cuda-sim or nccl without a GPU) is a usage error, said once.
   if (auto why = find_backend(a.backend).unavailable()) throw UsageError("--backend " + a.backend + ": " + *why);
-  if (!world) return;
-  if (a.backend != "gloo" && a.backend != "nccl")
-    throw UsageError("this process is rank " + std::to_string(world->rank) + " of " + std::to_string(world->size) +
-                     " (from " + world->source + "); a multi-process job runs on --backend gloo or nccl, not " +
+  if (!config) return;
+  if (!find_backend(a.backend).job_transport) {
+    std::string across;  // the registry says which backends run in a job
+    for (const auto& name : backend_names())
+      if (find_backend(name).job_transport) across += (across.empty() ? "" : " or ") + name;
+    throw UsageError("this process is rank " + std::to_string(config->rank) + " of " + std::to_string(config->size) +
+                     " (from " + config->source + "); a multi-process job runs on --backend " + across + ", not " +
                      a.backend);
-  if (!a.store.empty()) world->store = a.store;
-  world->timeout = milliseconds_of(a.timeout);
-  error_prefix = "cpsim: rank " + std::to_string(world->rank) + ": ";
-  sim::join_world(*world);
-  sim::expect_same_job(fingerprint);
+  }
+  if (!a.store.empty()) config->store = a.store;
+  config->timeout = milliseconds_of(a.timeout);
+  error_prefix = "cpsim: rank " + std::to_string(config->rank) + ": ";
+  a.joined = std::make_shared<sim::ProcessJob>(*config);
+  a.joined->expect_same(fingerprint);
   a.multi = true;
-  a.rank = world->rank;
-  a.size = world->size;
+  a.rank = config->rank;
+  a.size = config->size;
   if (a.rank != 0) std::cout.setstate(std::ios::badbit);  // rank 0 reports
 }
 
 // The exit status of a job: a broken job (timeout, lost peer) is an error on every rank.
-int finish_job(const JobArgs& a, int status) {
+int finish_job(JobArgs& a, int status) {
   if (!a.multi) return status;
-  const auto world = sim::current_world();
-  sim::leave_world();
+  const std::string failure = a.joined ? a.joined->failure() : "";
+  if (a.joined) a.joined->leave();
+  a.joined.reset();
   std::cout.clear();
-  if (world && !world->failure.empty()) {
-    report_error("aborted: " + world->failure);
+  if (!failure.empty()) {
+    report_error("aborted: " + failure);
     return status == kExitFailed ? kExitFailed : kExitAborted;
   }
   return status;
@@ -77,9 +81,6 @@ verify::CheckOptions check_options(const ModelArgs& m) {
   return o;
 }
 
-bool job_broken() {
-  const auto world = sim::current_world();
-  return world && !world->failure.empty();
-}
+bool job_broken(const JobArgs& a) { return a.joined && !a.joined->failure().empty(); }
 
 }  // namespace cpsim::cli

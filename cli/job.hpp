@@ -24,8 +24,9 @@ void report_error(const std::string& what);
 // Joins the job the environment describes, if any (only rank 0 then writes).
 void join_job(JobArgs& a);
 // The exit status of a job: a broken job is an error on every rank.
-int finish_job(const JobArgs& a, int status);
-bool job_broken();
+// Leaves the job.
+int finish_job(JobArgs& a, int status);
+bool job_broken(const JobArgs& a);
 
 // The property options of the model arguments (backend and timeout left as defaults).
 verify::CheckOptions check_options(const ModelArgs& m);

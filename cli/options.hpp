@@ -8,7 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "sim/process_launch.hpp"
+#include "sim/job/job.hpp"
+#include "sim/job/launch.hpp"
 
 namespace cpsim::cli {
 
@@ -26,6 +27,7 @@ struct JobArgs {
   double timeout = 20;   // seconds a rank waits for its peers
   int rank = 0, size = 1;  // this process in a multi-process job
   bool multi = false;
+  std::shared_ptr<sim::ProcessJob> joined;  // that job, once joined
 };
 
 // The shapes and seed of the seeded inputs the properties draw (check, golden).

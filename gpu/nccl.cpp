@@ -2,8 +2,9 @@
 //   in one process   ranks are threads, rank r on cuda:r (ncclCommInitAll); their
 //                    calls are checked in the backend-neutral rendezvous first;
 //   in a job         (cpsim launch, RANK/WORLD_SIZE, Slurm) each process is one
-//                    rank on cuda:LOCAL_RANK; the job's Gloo rank is the side
-//                    channel: it shares the unique id and checks every call first.
+//                    rank on cuda:LOCAL_RANK; the job's side channel
+//                    (core/comm/job.hpp) shares the unique id and checks every
+//                    call first.
 // Every call is checked before NCCL sees it (a mismatch is a CollectiveError naming
 // each rank's call, and NCCL never runs it). A watchdog then waits for the call:
 // an asynchronous NCCL error, or no completion within the timeout, aborts the
@@ -21,8 +22,6 @@
 #include "core/comm/registry.hpp"
 #include "core/comm/rendezvous.hpp"
 #include "gpu/cuda.hpp"
-#include "sim/gloo/gloo.hpp"
-#include "sim/world.hpp"
 
 namespace cpsim::gpu {
 
@@ -239,7 +238,7 @@ int local_device(int rank) {
 std::mutex job_mutex;
 std::map<int, std::shared_ptr<NcclRank>> job_ranks;  // by group size
 
-std::unique_ptr<Communicator> job_transport(const std::shared_ptr<sim::GlooRank>& side, int n) {
+std::unique_ptr<Communicator> job_transport(const std::shared_ptr<SideChannel>& side, int n) {
   activate_cuda();
   std::shared_ptr<NcclRank> r;
   {
@@ -253,7 +252,7 @@ std::unique_ptr<Communicator> job_transport(const std::shared_ptr<sim::GlooRank>
     bind_rank_thread(r->device, r->stream);
     ncclUniqueId id{};
     if (side->rank() == 0) CPSIM_NCCL(ncclGetUniqueId(&id));
-    side->communicator()->broadcast(&id, sizeof id, DType::b8, 0);  // over Gloo
+    side->broadcast_bytes(&id, sizeof id, 0);
     const ncclResult_t init = ncclCommInitRank(&r->comm, n, id, side->rank());
     if (init != ncclSuccess)
       throw Aborted(std::string("ncclCommInitRank on cuda:") + std::to_string(r->device) + ": " + ncclGetErrorString(init) +
@@ -270,11 +269,7 @@ const BackendRegistrar registrar{Backend{
     kNcclCapabilities,
     [](int n, std::chrono::milliseconds timeout) { return std::make_shared<NcclGroup>(n, timeout); },
     [] { return cuda_unavailable(); },
-    [](int n, const RankFn& fn, std::chrono::milliseconds timeout, const RankOutputs& outputs) {
-      if (!sim::current_world()) return false;
-      sim::run_in_world(n, fn, timeout, outputs, job_transport);
-      return true;
-    },
+    job_transport,
     [] {
       const int devices = cuda_device_count();
       return std::pair<int, std::string>{devices, too_many_ranks(devices)};

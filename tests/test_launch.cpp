@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "core/error.hpp"
-#include "sim/world.hpp"
+#include "sim/job/job.hpp"
 #include "tests/subprocess.hpp"
 
 using namespace cpsim;
@@ -302,12 +302,12 @@ void clear_rank_variables() {
 }
 }  // namespace
 
-TEST(WorldEnvironment, NoLauncherMeansOneProcess) {
+TEST(JobEnvironment, NoLauncherMeansOneProcess) {
   clear_rank_variables();
-  EXPECT_FALSE(sim::world_from_environment());
+  EXPECT_FALSE(sim::job_from_environment());
 }
 
-TEST(WorldEnvironment, TorchrunStyleVariablesWinOverSlurmAndOpenMpi) {
+TEST(JobEnvironment, TorchrunStyleVariablesWinOverSlurmAndOpenMpi) {
   clear_rank_variables();
   Env e;
   e.set("SLURM_PROCID", "5");
@@ -315,44 +315,44 @@ TEST(WorldEnvironment, TorchrunStyleVariablesWinOverSlurmAndOpenMpi) {
   e.set("SLURM_JOB_ID", "123");
   e.set("OMPI_COMM_WORLD_RANK", "1");
   e.set("OMPI_COMM_WORLD_SIZE", "2");
-  auto w = sim::world_from_environment();
+  auto w = sim::job_from_environment();
   ASSERT_TRUE(w);
   EXPECT_EQ(w->rank, 5);
   EXPECT_EQ(w->size, 8);
   EXPECT_EQ(w->source, "Slurm");
-  EXPECT_EQ(w->job, "slurm-123.0");
+  EXPECT_EQ(w->id, "slurm-123.0");
   e.set("RANK", "3");
   e.set("WORLD_SIZE", "4");
   e.set("CPSIM_STORE", "redis://10.0.0.1:6379");
   e.set("CPSIM_JOB_ID", "run-42");
-  w = sim::world_from_environment();
+  w = sim::job_from_environment();
   ASSERT_TRUE(w);
   EXPECT_EQ(w->rank, 3);
   EXPECT_EQ(w->size, 4);
   EXPECT_EQ(w->store, "redis://10.0.0.1:6379");
-  EXPECT_EQ(w->job, "run-42");
+  EXPECT_EQ(w->id, "run-42");
 }
 
-TEST(WorldEnvironment, OpenMpiVariables) {
+TEST(JobEnvironment, OpenMpiVariables) {
   clear_rank_variables();
   Env e;
   e.set("OMPI_COMM_WORLD_RANK", "1");
   e.set("OMPI_COMM_WORLD_SIZE", "2");
-  const auto w = sim::world_from_environment();
+  const auto w = sim::job_from_environment();
   ASSERT_TRUE(w);
   EXPECT_EQ(w->rank, 1);
   EXPECT_EQ(w->size, 2);
   EXPECT_EQ(w->source, "Open MPI");
 }
 
-TEST(WorldEnvironment, ARankOutsideTheJobIsInvalid) {
+TEST(JobEnvironment, ARankOutsideTheJobIsInvalid) {
   clear_rank_variables();
   Env e;
   e.set("RANK", "4");
   e.set("WORLD_SIZE", "4");
-  EXPECT_THROW(sim::world_from_environment(), InvalidInput);
+  EXPECT_THROW(sim::job_from_environment(), InvalidInput);
   e.set("RANK", "x");
-  EXPECT_THROW(sim::world_from_environment(), InvalidInput);
+  EXPECT_THROW(sim::job_from_environment(), InvalidInput);
 }
 
 // A job id is used once per store: a second job under the same id is refused

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "core/comm/run_ranks.hpp"
-#include "sim/world.hpp"
+#include "sim/job/job.hpp"
 
 using namespace cpsim;
 
@@ -37,15 +37,15 @@ std::string caught(F f) {
 }  // namespace
 
 int main() {
-  auto config = sim::world_from_environment();
+  auto config = sim::job_from_environment();
   if (!config) {
     std::cerr << "probe: run me under cpsim launch\n";
     return 2;
   }
   config->timeout = std::chrono::milliseconds(10000);
-  sim::join_world(*config);
+  auto job = std::make_shared<sim::ProcessJob>(*config);
   rank = config->rank;
-  const RunOptions gloo{"gloo", std::chrono::milliseconds(10000)};
+  const RunOptions gloo{"gloo", std::chrono::milliseconds(10000), job};
 
   // Outputs: a group of 2 (ranks 0, 1); every process, rank 2 included, gets both slots.
   std::vector<Tensor> slots(2), grads(2);
@@ -86,9 +86,8 @@ int main() {
   }, gloo, {&sums});
   for (const auto& s : sums) expect(s.defined() && s.get_int(0) == 6, "all_reduce after the mismatch");
 
-  const auto world = sim::current_world();
-  expect(world && world->failure.empty(), "the job broke");
-  sim::leave_world();
+  expect(job->failure().empty(), "the job broke");
+  job->leave();
   if (failures) return 1;
   std::cout << "probe ok rank " << rank << std::endl;
   return 0;

@@ -74,7 +74,7 @@ Batch normalized(const Batch& b) {
   return out;
 }
 
-RunOptions run_options(const CheckOptions& o) { return {o.backend, o.timeout}; }
+RunOptions run_options(const CheckOptions& o) { return {o.backend, o.timeout, o.job}; }
 // How results of this backend compare: bitwise, or within a tolerance for sums.
 Capabilities capabilities_of(const CheckOptions& o) { return find_backend(o.backend).capabilities; }
 

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/comm/job.hpp"
 #include "core/autograd.hpp"
 #include "core/halo.hpp"
 #include "core/shard.hpp"
@@ -31,6 +32,7 @@ struct CheckOptions {
   int channels = 8;
   int heads = 2, key_dim = 4, value_dim = 4;  // recurrence
   std::chrono::milliseconds timeout{20000};
+  std::shared_ptr<Job> job = nullptr;  // the multi-process job the runs go to (sim/job/), or none
 };
 
 struct PropertyResult {

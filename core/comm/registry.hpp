@@ -1,4 +1,4 @@
-// Backends by name. A backend is one folder that registers itself here with a
+// Backends by name. Each backend registers itself here with a
 // static BackendRegistrar; everything above it (verify/, the command line, tests,
 // bench) runs "every registered backend" through run_ranks and never includes one.
 #pragma once
@@ -11,8 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/comm/communicator.hpp"
-#include "core/tensor.hpp"
+#include "core/comm/job.hpp"
 
 namespace cpsim {
 
@@ -28,11 +27,6 @@ class Group {
   virtual void done() {}                                      // every rank has stopped
 };
 
-using RankFn = std::function<void(Communicator&)>;
-// Per-rank outputs of a run: lists of n slots, slot[r] written by rank r. A backend
-// whose ranks live in other processes hands every slot to every process.
-using RankOutputs = std::vector<std::vector<Tensor>*>;
-
 struct Backend {
   std::string name;
   std::string description;  // one line, for --help and errors
@@ -41,10 +35,9 @@ struct Backend {
   std::function<std::shared_ptr<Group>(int n, std::chrono::milliseconds timeout)> make_group;
   // Why this backend cannot run here (no device, say), or nothing.
   std::function<std::optional<std::string>()> unavailable = [] { return std::nullopt; };
-  // When this process is one rank of a multi-process job of this backend, runs
-  // this process's rank of the run and returns true; otherwise returns false.
-  std::function<bool(int n, const RankFn& fn, std::chrono::milliseconds timeout, const RankOutputs& outputs)>
-      run_in_job = [](int, const RankFn&, std::chrono::milliseconds, const RankOutputs&) { return false; };
+  // This backend's rank in a multi-process job (core/comm/job.hpp); empty: its
+  // ranks run only as threads of one process.
+  JobTransport job_transport = nullptr;
   // The most ranks one group may have in this process (outside a multi-process job) (nccl: one per visible GPU),
   // with the reason; 0 means no limit.
   std::function<std::pair<int, std::string>()> max_ranks = [] { return std::pair<int, std::string>{0, ""}; };

@@ -115,7 +115,13 @@ void run_ranks(int n, const RankFn& fn, const RunOptions& options, const RankOut
   CPSIM_ENFORCE(n >= 1, "run_ranks needs at least one rank");
   const Backend& backend = find_backend(options.backend);
   if (auto why = backend.unavailable()) throw Unavailable("backend '" + backend.name + "': " + *why);
-  if (backend.run_in_job(n, fn, options.timeout, outputs)) return;
+  if (options.job) {
+    if (!backend.job_transport)
+      throw Unavailable("backend '" + backend.name + "' runs its ranks as threads of one process, not in a job of " +
+                        std::to_string(options.job->size()) + " processes");
+    options.job->run(n, fn, options.timeout, outputs, backend.job_transport);
+    return;
+  }
   const std::shared_ptr<Group> group = backend.make_group(n, options.timeout);
   std::mutex mutex;
   std::exception_ptr first;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <string>
 
 #include "core/comm/registry.hpp"
@@ -15,11 +16,14 @@ namespace cpsim {
 struct RunOptions {
   std::string backend = "threads";
   std::chrono::milliseconds timeout{20000};
+  // The multi-process job this process is one rank of (sim/job/), or none: the
+  // ranks are threads of this process.
+  std::shared_ptr<Job> job = nullptr;
 };
 
 // Runs fn on n ranks. Throws the first rank failure (the root cause: later
 // CollectiveErrors on the peers are consequences of it), or Unavailable when the
-// backend is unknown or cannot run here.
+// backend is unknown, cannot run here or cannot run in the job.
 void run_ranks(int n, const RankFn& fn, const RunOptions& options = {}, const RankOutputs& outputs = {});
 
 }  // namespace cpsim

@@ -171,4 +171,12 @@ std::unique_ptr<Communicator> GlooRank::communicator() {
   return checked_communicator(std::make_unique<GlooCommunicator>(shared_from_this()), shared_from_this());
 }
 
+void GlooRank::broadcast_bytes(void* data, std::size_t bytes, int root) {
+  communicator()->broadcast(data, bytes, DType::b8, root);
+}
+
+void GlooRank::all_gather_bytes(const void* in, void* out, std::size_t bytes) {
+  communicator()->all_gather(in, out, bytes, DType::b8);
+}
+
 }  // namespace cpsim::sim

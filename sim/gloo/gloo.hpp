@@ -3,7 +3,7 @@
 // collectives, pool.cpp in-process groups and the registration). Every
 // collective runs over Gloo's TCP transport, between
 // threads of one process (in-process mode) or between processes on one or many
-// hosts (process mode, sim/world.hpp). Both modes share GlooRank.
+// hosts (the side channel of a multi-process job, sim/job/). Both share GlooRank.
 //
 // Before any byte moves, each call is checked: the ranks exchange a small record
 // of the call (kind, sequence number, count, dtype, root, peers) all-to-all, so
@@ -32,6 +32,7 @@
 
 #include "core/comm/communicator.hpp"
 #include "core/comm/checked.hpp"
+#include "core/comm/job.hpp"
 
 namespace gloo {
 class Context;
@@ -91,7 +92,7 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
                                             const std::shared_ptr<gloo::transport::Device>& device,
                                             std::chrono::milliseconds timeout, Store* records = nullptr);
 
-class GlooRank : public CallChannel, public std::enable_shared_from_this<GlooRank> {
+class GlooRank : public SideChannel, public std::enable_shared_from_this<GlooRank> {
  public:
   // `records` holds the failure records of the job (keys failed/<rank>); it may
   // be shared with other groups of the same job. With `processes`, peers are
@@ -100,9 +101,12 @@ class GlooRank : public CallChannel, public std::enable_shared_from_this<GlooRan
            std::chrono::milliseconds timeout, bool processes);
   ~GlooRank();
 
-  int rank() const { return rank_; }
-  int size() const { return size_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+  // The side channel's bytes, as checked calls of this rank.
+  void broadcast_bytes(void* data, std::size_t bytes, int root) override;
+  void all_gather_bytes(const void* in, void* out, std::size_t bytes) override;
 
   // A run starts: sequence numbers restart at 1 and a stopped group runs again.
   void begin(std::chrono::milliseconds timeout);

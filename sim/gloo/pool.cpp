@@ -11,7 +11,6 @@
 #include "core/comm/registry.hpp"
 #include "sim/gloo/gloo.hpp"
 #include "sim/gloo/protocol.hpp"
-#include "sim/world.hpp"
 
 namespace cpsim::sim {
 
@@ -174,10 +173,11 @@ const BackendRegistrar registrar{Backend{
     kGlooCapabilities,
     [](int n, std::chrono::milliseconds timeout) { return std::make_shared<PooledGlooGroup>(n, timeout); },
     [] { return std::optional<std::string>(); },
-    [](int n, const RankFn& fn, std::chrono::milliseconds timeout, const RankOutputs& outputs) {
-      if (!current_world()) return false;
-      run_in_world(n, fn, timeout, outputs);
-      return true;
+    // In a job, gloo's ranks are the job's own Gloo side channel (sim/job/).
+    [](const std::shared_ptr<SideChannel>& side, int) {
+      const auto rank = std::dynamic_pointer_cast<GlooRank>(side);
+      CPSIM_ENFORCE(rank, "a job's side channel that is not a Gloo rank");
+      return rank->communicator();
     },
     [] { return std::pair<int, std::string>{max_gloo_threads_ranks(), gloo_threads_limit_reason()}; }}};
 

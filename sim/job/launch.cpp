@@ -1,4 +1,4 @@
-#include "sim/process_launch.hpp"
+#include "sim/job/launch.hpp"
 
 #include <gloo/rendezvous/prefix_store.h>
 #include <signal.h>
