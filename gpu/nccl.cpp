@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/comm/checked.hpp"
+#include "core/comm/call_check.hpp"
 #include "core/comm/registry.hpp"
 #include "core/comm/rendezvous.hpp"
 #include "gpu/cuda.hpp"
@@ -150,22 +150,6 @@ std::string too_many_ranks(int devices) {
 // ---------------------------------------------------------------------------
 // One process over its visible GPUs.
 
-// The ranks' call check: the in-memory rendezvous, as a side channel.
-class RendezvousChannel final : public CallChannel {
- public:
-  RendezvousChannel(std::shared_ptr<Rendezvous> rendezvous, int rank) : rv_(std::move(rendezvous)), rank_(rank) {}
-  std::vector<CallRecord> exchange(const CallRecord& mine, std::chrono::milliseconds timeout) override {
-    std::vector<CallRecord> all;
-    rv_->run(rank_, mine, timeout, [&](const std::vector<CallRecord>& calls) { all = calls; });
-    return all;
-  }
-  [[noreturn]] void stop(const std::string& why) override { throw CollectiveError(why); }
-
- private:
-  std::shared_ptr<Rendezvous> rv_;
-  int rank_;
-};
-
 // Communicators are expensive to make: one clique per group size, kept until aborted.
 std::mutex cliques_mutex;
 std::map<int, std::vector<std::shared_ptr<NcclRank>>> cliques;
@@ -205,7 +189,7 @@ class NcclGroup final : public Group {
     const auto& r = ranks_.at(rank);
     bind_rank_thread(r->device, r->stream);
     return checked_communicator(std::make_unique<NcclTransport>(r, rank, static_cast<int>(ranks_.size()), timeout_),
-                                std::make_shared<RendezvousChannel>(rendezvous_, rank));
+                                rendezvous_channel(rendezvous_, rank));
   }
   void finish(int rank) override {
     const cudaError_t e = cudaStreamSynchronize(ranks_[rank]->stream);

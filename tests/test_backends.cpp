@@ -4,10 +4,11 @@
 #include <gmock/gmock.h>
 
 #include <atomic>
+#include <barrier>
 #include <thread>
 
 #include "core/gather.hpp"
-#include "core/comm/checked.hpp"
+#include "core/comm/call_check.hpp"
 #include "core/comm/rendezvous.hpp"
 #include "core/comm/run_ranks.hpp"
 
@@ -258,21 +259,24 @@ struct CountingStub final : Communicator {
   void broadcast(void*, std::size_t, DType, int, CallOptions) override { ++*calls; }
   void barrier(CallOptions) override { ++*calls; }
 };
-struct RendezvousChannel final : CallChannel {
-  std::shared_ptr<Rendezvous> rv;
+// A channel that only exchanges the records (it applies no rule): every rank
+// writes its slot, all meet, all read every slot, all meet again.
+struct Slots {
+  explicit Slots(int n) : records(n), meet(n) {}
+  std::vector<CallRecord> records;
+  std::barrier<> meet;
+};
+struct ExchangeOnly final : CallChannel {
+  std::shared_ptr<Slots> slots;
   int rank;
   std::uint64_t seq = 0;
-  RendezvousChannel(std::shared_ptr<Rendezvous> r, int q) : rv(std::move(r)), rank(q) {}
-  std::vector<CallRecord> exchange(const CallRecord& call, std::chrono::milliseconds timeout) override {
-    std::vector<CallRecord> out;
-    CallRecord mine = call;
-    mine.seq = ++seq;  // the channel numbers the calls
-    // The rendezvous checks too; give it one kind so that only the wrapper compares.
-    CallRecord barrier = call_record(CollectiveKind::barrier);
-    barrier.send = &mine;
-    rv->run(rank, barrier, timeout, [&](const std::vector<CallRecord>& all) {
-      for (const auto& a : all) out.push_back(*static_cast<const CallRecord*>(a.send));
-    });
+  ExchangeOnly(std::shared_ptr<Slots> s, int q) : slots(std::move(s)), rank(q) {}
+  std::vector<CallRecord> exchange(const CallRecord& call, std::chrono::milliseconds) override {
+    slots->records[rank] = call;
+    slots->records[rank].seq = ++seq;  // the channel numbers the calls
+    slots->meet.arrive_and_wait();
+    std::vector<CallRecord> out = slots->records;
+    slots->meet.arrive_and_wait();
     return out;
   }
   [[noreturn]] void stop(const std::string& why) override { throw CollectiveError(why); }
@@ -280,14 +284,14 @@ struct RendezvousChannel final : CallChannel {
 }  // namespace
 
 TEST(CheckedCommunicator, ChecksEveryCallOverItsChannelBeforeTheInnerCall) {
-  auto rv = std::make_shared<Rendezvous>(2, 2000ms);
+  auto slots = std::make_shared<Slots>(2);
   std::atomic<int> inner_calls{0};
   std::vector<std::string> errors(2);
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r)
     ranks.emplace_back([&, r] {
       auto comm = checked_communicator(std::make_unique<CountingStub>(r, 2, &inner_calls),
-                                       std::make_shared<RendezvousChannel>(rv, r));
+                                       std::make_shared<ExchangeOnly>(slots, r));
       double x = 0;
       comm->all_reduce(&x, 1, DType::f64);  // matching: reaches the stub
       try {

@@ -128,6 +128,25 @@ std::vector<Fault> faults(std::size_t scale) {
   };
 }
 
+// Runs `f` on `backend` under the matrix's timeout; `seen(rank, what)` (on the
+// rank's thread) for every rank that threw. Returns what run_ranks rethrew.
+std::string run_fault(const Fault& f, const std::string& backend,
+                      const std::function<void(int, const std::string&)>& seen) {
+  try {
+    run_ranks(f.ranks, [&](Communicator& comm) {
+      try {
+        f.body(comm);
+      } catch (const std::exception& e) {
+        seen(comm.rank(), e.what());
+        throw;
+      }
+    }, {backend, kTimeout});
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // A first line with its numbers made N: times, ports and which surviving rank
 // timed out first vary from run to run; the words do not.
 std::string shape_of(const std::string& line) {
@@ -195,21 +214,11 @@ TEST_P(FaultMatrix, EveryFaultEndsOnEveryRankWithItsErrorWithinTheTimeout) {
       std::vector<std::string> seen(f.ranks);
       std::vector<double> at(f.ranks, 0);
       const auto start = std::chrono::steady_clock::now();
-      std::string rethrown;
-      try {
-        run_ranks(f.ranks, [&](Communicator& comm) {
-          try {
-            f.body(comm);
-          } catch (const std::exception& e) {
-            std::lock_guard<std::mutex> lock(mutex);
-            seen[comm.rank()] = e.what();
-            at[comm.rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            throw;
-          }
-        }, {backend, kTimeout});
-      } catch (const std::exception& e) {
-        rethrown = e.what();
-      }
+      const std::string rethrown = run_fault(f, backend, [&](int rank, const std::string& what) {
+        std::lock_guard<std::mutex> lock(mutex);
+        seen[rank] = what;
+        at[rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      });
       const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       SCOPED_TRACE(f.name + " at " + std::to_string(scale) + "x");
       EXPECT_LT(total, std::chrono::duration<double>(kTimeout).count() + 2.0) << "took " << total << " s";
@@ -264,5 +273,36 @@ TEST_P(FaultMatrix, EveryFaultEndsOnEveryRankWithItsErrorWithinTheTimeout) {
     } else {
       EXPECT_LE(threads_of_this_process(), threads_after_first) << "threads were left behind";
     }
+  }
+}
+
+// One fault reads the same on every in-process backend: not only the first line
+// (the matrix above checks it against docs/errors.md) but the report of the rank
+// at fault, the line that says what it did ("returned (last completed: ...)",
+// "threw: ...", "not in a collective ..."). Numbers (times, ports) aside.
+TEST(FaultReports, TheRankAtFaultReadsTheSameOnEveryInProcessBackend) {
+  std::map<std::string, std::map<std::string, std::string>> reports;  // fault -> backend -> report
+  for (const std::string& backend : backend_names()) {
+    if (find_backend(backend).unavailable()) continue;
+    for (const Fault& f : faults(1)) {
+      std::string what;  // rank 0's, else what run_ranks rethrew
+      const std::string rethrown = run_fault(f, backend, [&](int rank, const std::string& e) {
+        if (rank == 0) what = e;
+      });
+      reports[f.name][backend] = what.empty() ? rethrown : what;
+    }
+  }
+  for (const auto& [fault, by_backend] : reports) {
+    SCOPED_TRACE(fault);
+    auto at_fault = [](const std::string& report) {
+      std::string first = report.substr(0, report.find('\n')), faulty;
+      const auto at = report.find("\n  rank 1: ");
+      if (at != std::string::npos) faulty = report.substr(at + 1, report.find('\n', at + 1) - at - 1);
+      return shape_of(first) + "\n" + shape_of(faulty);
+    };
+    const std::string& on_threads = by_backend.at("threads");
+    for (const auto& [backend, report] : by_backend)
+      EXPECT_EQ(at_fault(report), at_fault(on_threads)) << "on " << backend << ":\n" << report << "\non threads:\n"
+                                                        << on_threads;
   }
 }

@@ -1,5 +1,7 @@
 #include "core/comm/call_check.hpp"
 
+#include "core/comm/forwarding.hpp"
+
 #include <sstream>
 
 namespace cpsim {
@@ -20,6 +22,28 @@ CallRecord send_recv_record(const SendRecv& step, DType dtype) {
   c.send = step.send;
   c.recv = step.recv;
   return c;
+}
+
+std::string describe_ranks(const std::vector<RankActivity>& ranks) {
+  std::string out;
+  for (std::size_t q = 0; q < ranks.size(); ++q) {
+    const RankActivity& a = ranks[q];
+    const std::string last = "(last completed: " + (a.call.seq > 0 ? describe_call(a.call) : "nothing") + ")";
+    out += "\n  rank " + std::to_string(q) + ": ";
+    switch (a.phase) {
+      case RankActivity::Phase::calling: out += "in " + describe_call(a.call); break;
+      case RankActivity::Phase::idle: out += "not in a collective " + last; break;
+      case RankActivity::Phase::returned: out += "returned " + last; break;
+      case RankActivity::Phase::threw: out += "threw: " + a.failure + " " + last; break;
+    }
+  }
+  return out;
+}
+
+std::string describe_calls(const std::vector<CallRecord>& calls) {
+  std::vector<RankActivity> ranks(calls.size());
+  for (std::size_t q = 0; q < calls.size(); ++q) ranks[q] = {RankActivity::Phase::calling, calls[q], ""};
+  return describe_ranks(ranks);
 }
 
 std::string describe_call(const CallRecord& c) {
@@ -87,6 +111,34 @@ std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls) {
     }
   }
   return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------
+// The wrapper.
+
+namespace {
+
+class CheckedCommunicator final : public ForwardingCommunicator {
+ public:
+  CheckedCommunicator(std::unique_ptr<Communicator> inner, std::shared_ptr<CallChannel> channel)
+      : ForwardingCommunicator(std::move(inner)), channel_(std::move(channel)) {}
+  // The exchange is an all-to-all barrier: the inner call is not needed.
+  void barrier(CallOptions o) override { before(call_record(CollectiveKind::barrier), o); }
+
+ private:
+  void before(const CallRecord& mine, CallOptions o) override {
+    const auto calls = channel_->exchange(mine, o.timeout_or(timeout()));
+    if (channel_->checks()) return;
+    if (auto why = find_mismatch(calls)) channel_->stop("collective mismatch: " + *why + describe_calls(calls));
+  }
+  std::shared_ptr<CallChannel> channel_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> checked_communicator(std::unique_ptr<Communicator> inner,
+                                                   std::shared_ptr<CallChannel> channel) {
+  return std::make_unique<CheckedCommunicator>(std::move(inner), std::move(channel));
 }
 
 }  // namespace cpsim

@@ -1,12 +1,26 @@
-// What every backend checks before it moves a byte: the calls all ranks made at
-// one sequence number must be the same collective with the same sizes, dtypes
-// and roots, and send_recv peers must pair up. Backends in one process compare
-// the records in shared memory (core/comm/rendezvous.hpp); the gloo backend
-// exchanges them over the wire, and nccl over a Gloo side channel.
+// The call check, in one place: what every backend checks before it moves a byte
+// (the rule), how a failed call is reported (the report), and the check as a
+// wrapper around any communicator (the wrapper).
+//
+// The rule: the calls all ranks made at one sequence number must be the same
+// collective with the same sizes, dtypes and roots, and send_recv peers must pair
+// up (find_mismatch).
+//
+// The wrapper (checked_communicator), the way PyTorch's ProcessGroupWrapper
+// compares collective fingerprints over a side channel before the real
+// collective runs: before each call, every rank's record is exchanged over a
+// CallChannel and compared; a mismatch is a CollectiveError naming every rank's
+// call, on every rank, and the inner call never runs. gloo runs its calls this
+// way over its own exchange, nccl over the in-memory rendezvous (one process) or
+// the job's side channel. The in-memory rendezvous (core/comm/rendezvous.hpp)
+// compares the records as the ranks meet: a channel over it says so (checks()),
+// and the wrapper does not compare again; threads and cuda-sim, which move their
+// data in that same rendezvous, need no wrapper at all.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -51,7 +65,41 @@ std::string waited_since(std::chrono::steady_clock::time_point start, std::chron
 std::string call_timeout(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
                          std::chrono::milliseconds limit);
 
+// What a rank was doing when its group stopped. Every backend's report of a call
+// that cannot complete ends with one line per rank (describe_ranks), so one fault
+// reads the same on threads, gloo, cuda-sim and nccl.
+struct RankActivity {
+  enum class Phase { calling, idle, returned, threw };
+  Phase phase = Phase::idle;
+  // calling: the call it is in; otherwise the last call it completed (seq 0: none).
+  CallRecord call;
+  std::string failure;  // threw: what
+};
+// "\n  rank q: in all_gather #3 (...)", "not in a collective (last completed:
+// ...)", "returned (last completed: ...)" or "threw: ... (last completed: ...)",
+// one line per rank (index = rank).
+std::string describe_ranks(const std::vector<RankActivity>& ranks);
+// The same for ranks that are all in a call: "\n  rank q: in all_gather #3 (...)".
+std::string describe_calls(const std::vector<CallRecord>& calls);
+
 // Why the calls of one sequence number (index = rank) cannot run together, or nothing.
 std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls);
+
+class CallChannel {
+ public:
+  virtual ~CallChannel() = default;
+  // Exchanges this rank's record (numbered here) with every peer and returns all
+  // of them, index = rank. Throws CollectiveError when a peer never arrives, or
+  // threw or returned instead of calling.
+  virtual std::vector<CallRecord> exchange(const CallRecord& mine, std::chrono::milliseconds timeout) = 0;
+  // The calls cannot run together: every later call fails with `why`.
+  [[noreturn]] virtual void stop(const std::string& why) = 0;
+  // Whether exchange() already applied the rule (and threw a mismatch itself).
+  virtual bool checks() const { return false; }
+};
+
+// `inner` with every call checked over `channel` first.
+std::unique_ptr<Communicator> checked_communicator(std::unique_ptr<Communicator> inner,
+                                                   std::shared_ptr<CallChannel> channel);
 
 }  // namespace cpsim

@@ -1,6 +1,6 @@
 // One base for every communicator that wraps another (as c10d's
 // ProcessGroupWrapper forwards to its inner backend): the call check
-// (core/comm/checked.hpp), and the tests' decorators. Every call is forwarded to
+// (core/comm/call_check.hpp), and the tests' decorators. Every call is forwarded to
 // the inner communicator after `before` has seen its record; a wrapper overrides
 // `before` (and whatever else it changes), not the six operations.
 #pragma once

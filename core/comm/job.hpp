@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "core/comm/checked.hpp"
+#include "core/comm/call_check.hpp"
 #include "core/tensor.hpp"
 
 namespace cpsim {

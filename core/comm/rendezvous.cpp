@@ -6,7 +6,6 @@
 
 #include <climits>
 #include <ctime>
-#include <sstream>
 #include <thread>
 
 namespace cpsim {
@@ -48,19 +47,17 @@ Rendezvous::Rendezvous(int size, std::chrono::milliseconds timeout)
 }
 
 std::string Rendezvous::states_locked() const {
-  std::ostringstream os;
+  std::vector<RankActivity> activities(ranks_.size());
   for (std::size_t q = 0; q < ranks_.size(); ++q) {
     const RankState& s = ranks_[q];
-    const std::string last = s.last ? describe_call(*s.last) : "nothing";
-    os << "\n  rank " << q << ": ";
-    switch (s.phase) {
-      case Phase::waiting: os << "in " << describe_call(s.call); break;
-      case Phase::idle: os << "not in a collective (last completed: " << last << ")"; break;
-      case Phase::exited: os << "returned (last completed: " << last << ")"; break;
-      case Phase::failed: os << "threw: " << s.failure << " (last completed: " << last << ")"; break;
-    }
+    using P = RankActivity::Phase;
+    const P phase = s.phase == Phase::waiting ? P::calling
+                    : s.phase == Phase::idle  ? P::idle
+                    : s.phase == Phase::exited ? P::returned
+                                               : P::threw;
+    activities[q] = {phase, s.phase == Phase::waiting ? s.call : s.last.value_or(CallRecord{}), s.failure};
   }
-  return os.str();
+  return describe_ranks(activities);
 }
 
 void Rendezvous::poison_locked(const std::string& why, bool aborted) {
@@ -221,6 +218,30 @@ void Rendezvous::fail(int rank, const std::string& what) {
   if (!poison_) poison_ = "rank " + std::to_string(rank) + " threw: " + what + states_locked();
   poisoned_ = true;
   wake_all();
+}
+
+namespace {
+
+class RendezvousChannel final : public CallChannel {
+ public:
+  RendezvousChannel(std::shared_ptr<Rendezvous> rendezvous, int rank) : rv_(std::move(rendezvous)), rank_(rank) {}
+  std::vector<CallRecord> exchange(const CallRecord& mine, std::chrono::milliseconds timeout) override {
+    std::vector<CallRecord> all;
+    rv_->run(rank_, mine, timeout, [&](const std::vector<CallRecord>& calls) { all = calls; });
+    return all;
+  }
+  [[noreturn]] void stop(const std::string& why) override { throw CollectiveError(why); }
+  bool checks() const override { return true; }
+
+ private:
+  std::shared_ptr<Rendezvous> rv_;
+  int rank_;
+};
+
+}  // namespace
+
+std::shared_ptr<CallChannel> rendezvous_channel(std::shared_ptr<Rendezvous> rendezvous, int rank) {
+  return std::make_shared<RendezvousChannel>(std::move(rendezvous), rank);
 }
 
 }  // namespace cpsim

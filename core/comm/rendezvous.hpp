@@ -89,4 +89,8 @@ class Rendezvous {
   std::vector<CallRecord> calls_;
 };
 
+// The rendezvous as the call channel of rank `rank` (nccl's ranks in one process):
+// it exchanges the records and applies the rule as the ranks meet (checks()).
+std::shared_ptr<CallChannel> rendezvous_channel(std::shared_ptr<Rendezvous> rendezvous, int rank);
+
 }  // namespace cpsim

@@ -1,5 +1,7 @@
 // The gloo transport: Gloo's own collectives, run after the checked communicator
-// (core/comm/checked.hpp) has compared every rank's call over the exchange.
+// (core/comm/call_check.hpp) has compared every rank's call over the exchange. The
+// transport reads nothing the check left: each call's record comes from its own
+// arguments (only its number, for messages, is the one the exchange gave it).
 #include <gloo/allgather.h>
 #include <gloo/alltoall.h>
 #include <gloo/broadcast.h>
@@ -33,7 +35,7 @@ class GlooCommunicator final : public Communicator {
 
   void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord& c = g_->current();
+    const CallRecord c = g_->numbered(call_record(CollectiveKind::all_gather, count, dt));
     const std::size_t bytes = count * dtype_size(dt);
     if (without_peers(send, recv, bytes)) return;
     g_->transport(c, [&] { gather_bytes(send, recv, bytes, t); });
@@ -41,7 +43,7 @@ class GlooCommunicator final : public Communicator {
 
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord& c = g_->current();
+    const CallRecord c = g_->numbered(call_record(CollectiveKind::reduce_scatter, count, dt));
     const std::size_t bytes = count * dtype_size(dt);
     if (without_peers(send, recv, bytes)) return;
     // Every rank's slice for this rank arrives (alltoall), then adds up in rank order.
@@ -58,7 +60,7 @@ class GlooCommunicator final : public Communicator {
 
   void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord& c = g_->current();
+    const CallRecord c = g_->numbered(call_record(CollectiveKind::all_reduce, count, dt));
     const std::size_t bytes = count * dtype_size(dt);
     if (bytes == 0 || size() == 1) return;
     std::vector<std::uint8_t> parts(bytes * size());
@@ -68,7 +70,7 @@ class GlooCommunicator final : public Communicator {
 
   void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord& c = g_->current();
+    const CallRecord c = g_->numbered(send_recv_record(step, dt));
     const void* send = step.send;
     void* recv = step.recv;
     const int dst = step.dst, src = step.src;
@@ -96,7 +98,9 @@ class GlooCommunicator final : public Communicator {
 
   void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord& c = g_->current();
+    CallRecord c = call_record(CollectiveKind::broadcast, count, dt);
+    c.root = root;
+    c = g_->numbered(c);
     const std::size_t bytes = count * dtype_size(dt);
     if (bytes == 0 || size() == 1) return;
     g_->transport(c, [&] {
@@ -108,8 +112,9 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  // The checked communicator's exchange is the barrier.
-  void barrier(CallOptions) override {}
+  // The exchange is an all-to-all barrier (under the checked communicator, its
+  // own exchange is, and this is not called).
+  void barrier(CallOptions o) override { g_->exchange(call_record(CollectiveKind::barrier), g_->pick(o)); }
 
  private:
   // Nothing to move, or a group of one (where each rank's result is its own

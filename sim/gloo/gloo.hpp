@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "core/comm/communicator.hpp"
-#include "core/comm/checked.hpp"
+#include "core/comm/call_check.hpp"
 #include "core/comm/job.hpp"
 
 namespace gloo {
@@ -136,8 +136,11 @@ class GlooRank : public SideChannel, public std::enable_shared_from_this<GlooRan
     patience_first_ = first;
     patience_ = then;
   }
-  // The call the last exchange agreed on (its sequence number), for transport errors.
-  const CallRecord& current() const { return current_; }
+  // `call` with the number of this rank's latest call, for transport errors.
+  CallRecord numbered(CallRecord call) const {
+    call.seq = seq_;
+    return call;
+  }
   // Moves data after a successful exchange; a transport failure breaks the group.
   // `f` may narrow down the peers it still waits for (awaiting()), so that a
   // timeout names them; by default every peer is.

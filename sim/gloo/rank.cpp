@@ -92,14 +92,15 @@ std::chrono::milliseconds remaining(Clock::time_point deadline) {
   return std::max(1ms, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
 }
 
-// "in all_gather #3 (...)", "returned (after 2 calls)" or "threw: ...".
-std::string state_of(const CallRecord& c, GlooRank::Status status, const std::string& text) {
+// A rank's part of the report (core/comm/call_check.hpp). A rank that returned or
+// threw sends the last call it completed as its record.
+RankActivity activity_of(const CallRecord& c, GlooRank::Status status, const std::string& text) {
   switch (status) {
-    case GlooRank::Status::call: return "in " + describe_call(c);
-    case GlooRank::Status::returned: return "returned (after " + std::to_string(c.seq - 1) + " calls)";
-    case GlooRank::Status::threw: return "threw: " + text;
+    case GlooRank::Status::call: return {RankActivity::Phase::calling, c, ""};
+    case GlooRank::Status::returned: return {RankActivity::Phase::returned, c, ""};
+    case GlooRank::Status::threw: return {RankActivity::Phase::threw, c, text};
   }
-  return "?";
+  return {};
 }
 
 }  // namespace
@@ -120,6 +121,7 @@ GlooRank::~GlooRank() = default;
 void GlooRank::begin(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
   seq_ = 0;
+  current_ = CallRecord{};
   stopped_.clear();
 }
 
@@ -152,8 +154,9 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
       if (is_launch_record(*record)) died += "\n  " + *record;
       else if (suspect) lost += "\n  " + *record;
     }
-    std::string quiet;
-    for (int q : silent) quiet += "\n  no failure record from rank " + std::to_string(q) + ": " + liveness(*records_, q);
+    std::string quiet;  // a process's liveness; in-process ranks are threads that just did not call
+    if (processes_)
+      for (int q : silent) quiet += "\n  no failure record from rank " + std::to_string(q) + ": " + liveness(*records_, q);
     // Peers' records only say they lost someone too; the root cause is worth the wait.
     if (!died.empty() || (!lost.empty() && (!processes_ || Clock::now() >= deadline))) return died + lost + quiet;
     if (Clock::now() >= deadline) return quiet;
@@ -186,7 +189,7 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
   if (!broken_.empty()) throw Aborted("group broken by an earlier failure: " + broken_);
   if (!stopped_.empty()) throw CollectiveError(stopped_);
   CallRecord me = mine;
-  me.seq = ++seq_;
+  if (status == Status::call) me.seq = ++seq_;
   std::vector<CallRecord> calls(size_);
   std::vector<Status> statuses(size_, Status::call);
   std::vector<std::string> texts(size_);
@@ -223,16 +226,17 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
       for (int i = 1; i < size_; ++i) send->waitSend(remaining(deadline));
     } catch (const std::exception& e) {
       std::vector<int> missing;
-      std::ostringstream states;
+      std::vector<RankActivity> activities(size_);
       for (int q = 0; q < size_; ++q) {
-        states << "\n  rank " << q << ": ";
-        if (q == rank_) states << state_of(me, status, text);
+        if (q == rank_) activities[q] = activity_of(me, status, text);
         else if (arrived[q])
-          states << state_of(from_wire(in[q]), static_cast<Status>(in[q].status),
-                             std::string(in[q].text, strnlen(in[q].text, sizeof(in[q].text))));
+          activities[q] = activity_of(from_wire(in[q]), static_cast<Status>(in[q].status),
+                                      std::string(in[q].text, strnlen(in[q].text, sizeof(in[q].text))));
         else {
+          // Every rank completed the calls before this one (the group agreed on
+          // them): a rank that has not arrived is between calls.
           missing.push_back(q);
-          states << "not in a collective (never arrived at " << collective_name(me.kind) << " #" << me.seq << ")";
+          activities[q] = {RankActivity::Phase::idle, current_, ""};
         }
       }
       const std::string what = e.what();
@@ -253,7 +257,7 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
       else
         why = "rank " + std::to_string(rank_) + " lost its connection to " + name_ranks(suspects) + " in " +
               describe_call(me) + " (gloo: " + what + ")";
-      break_group(why + states.str(), suspects, timeout);
+      break_group(why + describe_ranks(activities), suspects, timeout);
     }
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
@@ -269,11 +273,9 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
     if (statuses[q] == Status::call && waiting < 0) waiting = q;
   }
   auto states = [&] {
-    std::ostringstream os;
-    for (int q = 0; q < size_; ++q) {
-      os << "\n  rank " << q << ": " << state_of(calls[q], statuses[q], texts[q]);
-    }
-    return os.str();
+    std::vector<RankActivity> activities(size_);
+    for (int q = 0; q < size_; ++q) activities[q] = activity_of(calls[q], statuses[q], texts[q]);
+    return describe_ranks(activities);
   };
   std::string why;
   if (threw >= 0 || returned >= 0) {
@@ -286,7 +288,7 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
     why = threw >= 0 ? "rank " + std::to_string(threw) + " threw: " + texts[threw]
                      : "rank " + std::to_string(returned) + " returned without joining " + joining;
   } else {
-    return calls;  // the mismatch check is the checked communicator's (core/comm/checked.hpp)
+    return calls;  // the mismatch check is the checked communicator's (core/comm/call_check.hpp)
   }
   stopped_ = why + states();
   throw CollectiveError(stopped_);
@@ -305,13 +307,13 @@ void GlooRank::stop(const std::string& why) {
 
 void GlooRank::finish() {
   if (!broken_.empty() || !stopped_.empty()) return;
-  exchange(CallRecord{}, Status::returned, "", timeout_);
+  exchange(current_, Status::returned, "", timeout_);
 }
 
 void GlooRank::fail(const std::string& what) noexcept {
   if (!broken_.empty() || !stopped_.empty()) return;
   try {
-    exchange(CallRecord{}, Status::threw, what, timeout_);
+    exchange(current_, Status::threw, what, timeout_);
   } catch (...) {
   }
 }
