@@ -16,7 +16,7 @@ void add_job_options(CLI::App* cmd, JobArgs& job) {
   cmd->add_option("--backend", job.backend, names + " (default: threads; gloo in a multi-process job)")
       ->check(CLI::IsMember(backend_names()))
       ->each([&job](const std::string&) { job.backend_given = true; });
-  cmd->add_option("--store", job.store, "rendezvous of a multi-process job: file:DIR or redis://HOST:PORT "
+  cmd->add_option("--store", job.store, "the store the processes of a multi-process job meet in: file:DIR or redis://HOST:PORT "
                                         "(default: $CPSIM_STORE, which cpsim launch sets)");
   cmd->add_option("--timeout", job.timeout, "seconds a rank waits for its peers before it reports them")
       ->check(CLI::Range(0.05, 86400.0));
@@ -91,7 +91,7 @@ Parsed parse_options(int argc, char** argv) {
   auto* l = app.add_subcommand("launch", "start N processes of one Gloo job on this host: launch -n N -- cpsim ...");
   l->add_option("-n,--nproc", launch.launch.processes, "processes (ranks)")->required()->check(CLI::Range(1, 1024));
   l->add_option("--store", launch.launch.store,
-                "rendezvous: file:DIR or redis://HOST:PORT (default: a fresh temporary directory)");
+                "the store the processes meet in: file:DIR or redis://HOST:PORT (default: a fresh temporary directory)");
   l->add_option("--grace", launch.grace, "seconds the others get to exit after one process fails, before they are killed")
       ->check(CLI::Range(0.0, 86400.0));
   l->add_option("command", launch.launch.command, "the command each process runs, after --")->required();
@@ -101,7 +101,7 @@ Parsed parse_options(int argc, char** argv) {
   b->add_option("--backend", bench.backends, "backends to time (default: every one that can run here)")
       ->delimiter(',')
       ->check(CLI::IsMember(backend_names()));
-  b->add_option("--store", bench.job.store, "rendezvous of a multi-process job (default: $CPSIM_STORE)");
+  b->add_option("--store", bench.job.store, "the store of a multi-process job (default: $CPSIM_STORE)");
   b->add_option("--timeout", bench.job.timeout, "seconds a rank waits for its peers")->check(CLI::Range(0.05, 86400.0));
   b->add_option("--ranks", bench.ranks, "rank counts")->delimiter(',')->check(CLI::Range(1, 64));
   b->add_option("--sizes", bench.sizes, "bytes per rank: 8,64K,16M,...")->delimiter(',');

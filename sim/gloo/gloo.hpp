@@ -48,7 +48,7 @@ namespace cpsim::sim {
 
 using Store = gloo::rendezvous::Store;
 
-// A rendezvous store from its spec: "memory" (this process only), "file:DIR"
+// A store (where the processes of a job meet and leave failure records) from its spec: "memory" (this process only), "file:DIR"
 // (a directory every process can reach) or "redis://HOST:PORT". Throws
 // InvalidInput on a malformed spec.
 std::shared_ptr<Store> open_store(const std::string& spec);

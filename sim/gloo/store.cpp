@@ -1,4 +1,4 @@
-// Rendezvous stores (memory, file:DIR, redis://HOST:PORT) and the failure records in them.
+// Stores (memory, file:DIR, redis://HOST:PORT) and the failure records in them.
 #include <fcntl.h>
 #include <unistd.h>
 

@@ -35,7 +35,7 @@ std::string claim_token() {
 ProcessJob::ProcessJob(const JobConfig& config) : config_(config) {
   if (config.store.empty())
     CPSIM_INVALID("rank ", config.rank, " of ", config.size, " (from ", config.source,
-                  ") needs a rendezvous store: --store file:DIR or --store redis://HOST:PORT, or CPSIM_STORE");
+                  ") needs a store to meet in: --store file:DIR or --store redis://HOST:PORT, or CPSIM_STORE");
   base_ = open_store(config.store);
   job_ = std::make_shared<gloo::rendezvous::PrefixStore>(config.id, *base_);
   // A job id is used once per store: each rank claims its key atomically before

@@ -76,7 +76,7 @@ class ProcessJob final : public Job {
 
   JobConfig config_;
   std::shared_ptr<gloo::rendezvous::Store> base_;
-  std::shared_ptr<gloo::rendezvous::Store> job_;  // base, under the job's prefix: rendezvous and failure records
+  std::shared_ptr<gloo::rendezvous::Store> job_;  // base, under the job id: where ranks meet, and failure records
   std::vector<std::shared_ptr<gloo::rendezvous::Store>> prefixes_;
   std::shared_ptr<GlooRank> all_;                    // every process
   std::map<int, std::shared_ptr<GlooRank>> groups_;  // ranks 0..n-1, for n < size
