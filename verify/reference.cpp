@@ -391,4 +391,41 @@ RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tenso
   return r;
 }
 
+namespace {
+
+// Plain rank-order sum of upstream slices in the element type: the reference reduce-scatter.
+template <class T>
+Tensor gather_backward_as(const std::vector<Tensor>& upstream, const std::vector<bool>& contributes,
+                             const ReferenceGeometry& g, int rank) {
+  const Tensor& u0 = upstream[0];
+  Shape shape = u0.shape();
+  shape[1] = g.local_len;
+  Tensor out(shape, u0.dtype());
+  const std::int64_t B = shape[0], inner = u0.numel() / (B * g.padded_len);
+  bool first = true;
+  for (std::size_t q = 0; q < upstream.size(); ++q) {
+    if (!contributes[q]) continue;
+    const T* u = upstream[q].data<T>();
+    T* o = out.data<T>();
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t s = 0; s < g.local_len; ++s)
+        for (std::int64_t k = 0; k < inner; ++k) {
+          const T v = u[(b * g.padded_len + g.start(rank) + s) * inner + k];
+          T& dst = o[(b * g.local_len + s) * inner + k];
+          dst = first ? v : static_cast<T>(dst + v);
+        }
+    first = false;
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor reference_gather_backward(DType dt, const std::vector<Tensor>& upstream, const std::vector<bool>& contributes,
+                      const ReferenceGeometry& g, int rank) {
+  return dt == DType::f64 ? gather_backward_as<double>(upstream, contributes, g, rank)
+                          : gather_backward_as<float>(upstream, contributes, g, rank);
+}
+
+
 }  // namespace cpsim::verify

@@ -85,4 +85,10 @@ struct RecurrenceReference {
 // [B, P]; backward for upstream d_o (undefined: forward only).
 RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tensor& doc_ids, const Tensor& d_o);
 
+// The gather's backward, unsharded: rank `rank`'s gradient is the rank-order sum,
+// over the ranks q with contributes[q], of upstream[q][:, start(rank) : +L]
+// (float32 or float64, added in that type).
+Tensor reference_gather_backward(DType dt, const std::vector<Tensor>& upstream, const std::vector<bool>& contributes,
+                                 const ReferenceGeometry& g, int rank);
+
 }  // namespace cpsim::verify

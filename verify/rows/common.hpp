@@ -1,0 +1,146 @@
+// What the property rows share (verify/rows/*.cpp): how a row tallies its
+// mismatches, how a failure or an aborted run becomes its result, where a
+// rank's slice of a global tensor lies. Each family of rows is one file there,
+// with its rows' descriptors; verify/properties.cpp is the driver that prepares a
+// case and runs the table.
+#pragma once
+
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/comm/run_ranks.hpp"
+#include "verify/properties.hpp"
+#include "verify/random.hpp"
+#include "verify/reference.hpp"
+
+namespace cpsim::verify::rows {
+
+
+// Accumulates mismatches for one property run.
+struct Tally {
+  Tally(std::string n, int c) : name(std::move(n)), cp(c) {}
+  std::string name;
+  int cp;
+  std::int64_t wrong = 0;
+  std::ostringstream why;
+  void expect(bool ok, const std::string& what) {
+    if (ok) return;
+    if (wrong == 0) why << what;
+    ++wrong;
+  }
+  void expect_equal(const Tensor& ref, const Tensor& got, const std::string& what) {
+    const std::int64_t w = count_wrong(ref, got);
+    if (w && wrong == 0) why << what << ": " << w << " wrong elements";
+    wrong += w;
+  }
+  // A sum over ranks: bitwise where the backend sums in rank order, else within
+  // a relative RMSE of a few units in the last place of the dtype.
+  void expect_sum(const Tensor& ref, const Tensor& got, const Capabilities& caps, const std::string& what) {
+    if (caps.rank_order_sums) return expect_equal(ref, got, what);
+    const double tol = ref.dtype() == DType::f64 ? 1e-12 : 1e-5;
+    const double e = relative_rmse(ref, got);
+    if (e <= tol) return;
+    if (wrong == 0) why << what << ": relative RMSE " << e << " (tolerance " << tol << ")";
+    wrong += std::max<std::int64_t>(1, count_wrong(ref, got));
+  }
+  PropertyResult result() const { return {name, cp, wrong == 0, static_cast<double>(wrong), why.str()}; }
+};
+
+inline PropertyResult failed(const std::string& name, int cp, const std::string& why) {
+  return {name, cp, false, 1.0, why};
+}
+
+// The property's run ended in `failure` (by default the exception being handled):
+// the code under test failed (its exception is the property's failure), or the
+// run could not complete (a timeout, a lost rank, memory: aborted, no verdict on
+// the code).
+inline PropertyResult threw(const std::string& name, int cp, const std::string& doing = "threw: ",
+                     const std::exception_ptr& failure = std::current_exception()) {
+  const FailureReport report = classify_failure(failure);
+  if (report.kind == FailureKind::aborted) return {name, cp, false, 0.0, report.what, true};
+  return failed(name, cp, doing + report.what);
+}
+
+inline std::vector<std::int64_t> row_of(const Tensor& t, std::int64_t row) {
+  const std::int64_t S = t.dim(1);
+  std::vector<std::int64_t> v(S);
+  for (std::int64_t s = 0; s < S; ++s) v[s] = t.get_int(row * S + s);
+  return v;
+}
+
+inline Batch normalized(const Batch& b) {
+  Batch out = b;
+  normalize_batch_axis(out);
+  return out;
+}
+
+inline RunOptions run_options(const CheckOptions& o) { return {o.backend, o.timeout, o.job}; }
+// How results of this backend compare: bitwise, or within a tolerance for sums.
+inline Capabilities capabilities_of(const CheckOptions& o) { return find_backend(o.backend).capabilities; }
+
+
+
+// Rank r's slice of a global [B, P, ...] tensor, where its packed context says its
+// shard lies (the model's path: a wrong context is a wrong result, not a crash).
+inline Tensor local(const Tensor& global, const PackedContext& ctx) {
+  return narrow(global, 1, ctx.seq_start(), ctx.local_seq_len());
+}
+
+// A rank's input where its backend keeps tensors (the host, or cuda:N), and a
+// result back on the host for the comparison.
+inline Tensor on(const Communicator& comm, const Tensor& t) {
+  const Device device = comm.device();
+  return device.is_cpu() || !t.defined() ? t : t.to(device);
+}
+inline Tensor host(const Tensor& t) { return !t.defined() || t.is_cpu() ? t : t.to(Device::host()); }
+
+
+// Relative RMSE against a tolerance; tracks the worst error of a property.
+struct ErrorTally {
+  ErrorTally(std::string n, int c) : name(std::move(n)), cp(c) {}
+  std::string name;
+  int cp;
+  double worst = 0;
+  std::string why;
+  void expect_close(const Tensor& ref, const Tensor& got, double tol, const std::string& what) {
+    const double e = got.defined() ? relative_rmse(ref, got) : std::numeric_limits<double>::infinity();
+    if (e > tol && why.empty()) why = what + ": relative RMSE " + std::to_string(e);
+    worst = std::max(worst, e);
+  }
+  PropertyResult result(double tol) const { return {name, cp, worst <= tol && why.empty(), worst, why}; }
+};
+
+// The rows of each family, in the table's order.
+std::vector<PropertyRow> layout_rows();
+std::vector<PropertyRow> gather_rows();
+std::vector<PropertyRow> conv_rows();
+std::vector<PropertyRow> recurrence_rows();
+
+}  // namespace cpsim::verify::rows
+
+namespace cpsim::verify {
+
+struct ConvRun;
+struct RecurrenceRun;
+
+// Simulations several rows share, run once per case (default implementations only).
+struct Prepared::Runs {
+  std::shared_ptr<const ConvRun> conv;
+  std::shared_ptr<const RecurrenceRun> recurrence;
+};
+
+// Each row's check on a prepared case, with the implementation under test (an
+// empty function: the model's own). Defined by family in verify/rows/.
+PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather);
+PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather);
+PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor);
+PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo);
+PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo);
+PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv);
+PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv);
+PropertyResult recurrence_forward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding);
+PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding);
+
+}  // namespace cpsim::verify

@@ -1,0 +1,232 @@
+// The halo and conv rows: convolution_history forward and backward, and the
+// packed causal conv that consumes it (both exchanges).
+#include "core/conv.hpp"
+#include "core/plan.hpp"
+
+#include "verify/rows/common.hpp"
+
+namespace cpsim::verify {
+
+using namespace rows;
+
+namespace {
+
+
+std::int64_t halo_bytes(const Prepared& p, const CheckOptions& o) {
+  // Both exchanges, one rank: the all_gather of its tail, and every send_recv hop.
+  const HaloPlan plan = halo_plan(p.g.local_len, o.conv_width, 0, p.c.cp);
+  std::int64_t positions = p.c.cp > 1 ? plan.tail : 0;
+  for (const HaloHop& hop : plan.hops) positions += hop.count;
+  return positions * p.shape.rows * o.channels * 8;
+}
+
+
+}  // namespace
+
+namespace {
+
+constexpr HaloExchange kExchanges[] = {HaloExchange::all_gather, HaloExchange::send_recv};
+
+std::string exchange_tag(HaloExchange e) { return std::string(" (") + halo_exchange_name(e) + " exchange)"; }
+
+
+}  // namespace
+
+PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
+  const LayoutCase& c = s.c;
+  Tally t{"halo_forward", c.cp};
+  try {
+    const Tensor x = masked_activation(s.truth, s.g.padded_len, o.channels, mix_seed(c.seed, 31));
+    std::vector<std::vector<Tensor>> got(std::size(kExchanges), std::vector<Tensor>(c.cp));
+    run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      for (std::size_t k = 0; k < std::size(kExchanges); ++k)
+        got[k][r] = host(halo(Var(on(comm, local(x, s.context(r))), true), &comm, o.conv_width, kExchanges[k]).value());
+    }, run_options(o), {&got[0], &got[1]});
+    for (std::size_t k = 0; k < std::size(kExchanges); ++k)
+      for (int r = 0; r < c.cp; ++r)
+        t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[k][r],
+                       "history of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
+  } catch (...) {
+    return threw("halo_forward", c.cp);
+  }
+  return t.result();
+}
+
+PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
+  const LayoutCase& c = s.c;
+  ErrorTally t{"halo_backward", c.cp};
+  try {
+    const std::int64_t L = s.g.local_len, H = o.conv_width - 1, P = s.g.padded_len, C = o.channels;
+    const Tensor x = masked_activation(s.truth, P, C, mix_seed(c.seed, 32));
+    std::vector<Tensor> upstream;
+    for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor({s.shape.rows, L + H, C}, DType::f64, mix_seed(c.seed, 300 + q)));
+    // Reference: every window slot's gradient lands on the global position it came from.
+    Tensor owner_grad({s.shape.rows, P, C}, DType::f64);
+    for (int q = 0; q < c.cp; ++q)
+      for (std::int64_t b = 0; b < s.shape.rows; ++b)
+        for (std::int64_t i = 0; i < L + H; ++i) {
+          const std::int64_t p = s.g.start(q) - H + i;
+          if (p < 0) continue;
+          for (std::int64_t k = 0; k < C; ++k) {
+            const std::int64_t at = (b * P + p) * C + k;
+            owner_grad.set(at, owner_grad.get(at) + upstream[q].get((b * (L + H) + i) * C + k));
+          }
+        }
+    std::vector<std::vector<Tensor>> grads(std::size(kExchanges), std::vector<Tensor>(c.cp));
+    run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      for (std::size_t k = 0; k < std::size(kExchanges); ++k) {
+        Var xr(on(comm, local(x, s.context(r))), true);
+        backward(dot(halo(xr, &comm, o.conv_width, kExchanges[k]), upstream[r]));
+        grads[k][r] = host(xr.grad());
+      }
+    }, run_options(o), {&grads[0], &grads[1]});
+    for (std::size_t k = 0; k < std::size(kExchanges); ++k)
+      for (int r = 0; r < c.cp; ++r)
+        t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[k][r], kConvTolerance,
+                       "input gradient of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
+  } catch (...) {
+    return threw("halo_backward", c.cp);
+  }
+  return t.result(kConvTolerance);
+}
+
+struct ConvRun {
+  ConvReference ref;
+  std::vector<std::vector<Tensor>> y, dx;  // [exchange][rank]
+  std::vector<Tensor> dw, dbias;           // [exchange], summed over ranks in rank order
+};
+
+namespace {
+
+// One conv layer per rank, forward and backward, both exchanges. With neither part
+// given, the model's own layer (sharded_packed_conv on the rank's packed context);
+// otherwise the same composition with the given halo and/or conv.
+ConvRun run_conv(const Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  const LayoutCase& c = s.c;
+  const std::int64_t P = s.g.padded_len, C = o.channels, W = o.conv_width;
+  const Tensor x = masked_activation(s.truth, P, C, mix_seed(c.seed, 41));
+  const Tensor w = random_tensor({C, W}, DType::f64, mix_seed(c.seed, 42));
+  const Tensor bias = random_tensor({C}, DType::f64, mix_seed(c.seed, 43));
+  const Tensor gy = random_tensor({s.shape.rows, P, C}, DType::f64, mix_seed(c.seed, 44));
+  const bool layer = !halo && !conv;
+  const HaloFn& halo_fn = halo ? halo : default_halo();
+  const ConvFn& conv_fn = conv ? conv : default_conv();
+  ConvRun run;
+  run.ref = reference_conv(x, s.padded_ids, w, bias, gy);
+  // Both exchanges in one run: [exchange][rank].
+  const std::size_t E = std::size(kExchanges);
+  std::vector<std::vector<Tensor>> y(E, std::vector<Tensor>(c.cp)), dx = y, dw = y, db = y;
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const PackedContext& ctx = s.context(r);
+    for (std::size_t k = 0; k < E; ++k) {
+      const HaloExchange e = kExchanges[k];
+      Var xr(on(comm, local(x, ctx)), true), wr(on(comm, w.clone()), true), br(on(comm, bias.clone()), true);
+      Var out;
+      if (layer) {
+        out = sharded_packed_conv(xr, ctx, &comm, wr, br, e);
+      } else {
+        const Var window = halo_fn(xr, &comm, static_cast<int>(W), e);
+        out = conv_fn(window,
+                      on(comm, window_doc_ids(ctx.doc_ids(), ctx.seq_start(), ctx.local_seq_len(), static_cast<int>(W))),
+                      wr, br);
+      }
+      backward(dot(out, local(gy, ctx)));
+      y[k][r] = host(out.value());
+      dx[k][r] = host(xr.grad());
+      dw[k][r] = host(wr.grad());
+      db[k][r] = host(br.grad());
+    }
+  }, run_options(o), {&y[0], &dx[0], &dw[0], &db[0], &y[1], &dx[1], &dw[1], &db[1]});
+  for (std::size_t k = 0; k < E; ++k) {
+    Tensor dw_sum = dw[k][0].defined() ? dw[k][0].clone() : Tensor();
+    Tensor db_sum = db[k][0].defined() ? db[k][0].clone() : Tensor();
+    for (int r = 1; r < c.cp; ++r) {
+      if (dw_sum.defined() && dw[k][r].defined()) add_inplace(dw_sum, dw[k][r]);
+      if (db_sum.defined() && db[k][r].defined()) add_inplace(db_sum, db[k][r]);
+    }
+    run.y.push_back(y[k]);
+    run.dx.push_back(dx[k]);
+    run.dw.push_back(dw_sum);
+    run.dbias.push_back(db_sum);
+  }
+  return run;
+}
+
+// The shared conv run of the model's layer (the table's rows), or a fresh one.
+std::shared_ptr<const ConvRun> conv_run(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  if (halo || conv) return std::make_shared<ConvRun>(run_conv(s, o, halo, conv));
+  if (!s.runs->conv) s.runs->conv = std::make_shared<ConvRun>(run_conv(s, o, halo, conv));
+  return s.runs->conv;
+}
+
+}  // namespace
+
+PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  const LayoutCase& c = s.c;
+  ErrorTally t{"conv_forward", c.cp};
+  try {
+    const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
+    const ConvRun& run = *held;
+    for (std::size_t e = 0; e < run.y.size(); ++e)
+      t.expect_close(run.ref.y, cat(run.y[e], 1), kConvTolerance, "conv output" + exchange_tag(kExchanges[e]));
+  } catch (...) {
+    return threw("conv_forward", c.cp);
+  }
+  return t.result(kConvTolerance);
+}
+
+PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  const LayoutCase& c = s.c;
+  ErrorTally t{"conv_backward", c.cp};
+  try {
+    const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
+    const ConvRun& run = *held;
+    for (std::size_t e = 0; e < run.dx.size(); ++e) {
+      bool all = true;
+      for (const auto& g : run.dx[e]) all = all && g.defined();
+      const std::string tag = exchange_tag(kExchanges[e]);
+      if (!all) {
+        t.expect_close(run.ref.dx, Tensor(), kConvTolerance, "dx undefined on a rank" + tag);
+        continue;
+      }
+      t.expect_close(run.ref.dx, cat(run.dx[e], 1), kConvTolerance, "dx" + tag);
+      t.expect_close(run.ref.dw, run.dw[e], kConvTolerance, "dw summed over ranks" + tag);
+      t.expect_close(run.ref.dbias, run.dbias[e], kConvTolerance, "dbias summed over ranks" + tag);
+    }
+    s.runs->conv.reset();  // the last row of the pair: its memory goes before the next row's
+  } catch (...) {
+    return threw("conv_backward", c.cp);
+  }
+  return t.result(kConvTolerance);
+}
+
+
+namespace rows {
+
+std::vector<PropertyRow> conv_rows() {
+  const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
+  (void)none;
+  std::vector<PropertyRow> t;
+    t.push_back({"halo_forward", "convolution_history is the zero-padded previous W-1 positions", Comparison::bitwise, 0,
+                 true, halo_bytes,
+                 [](Prepared& p, const CheckOptions& o) { return halo_forward_of(p, o, default_halo()); }});
+    t.push_back({"halo_backward", "history gradients return to the ranks that own the positions",
+                 Comparison::tolerance, kConvTolerance, true,
+                 [](const Prepared& p, const CheckOptions& o) { return 2 * halo_bytes(p, o); },
+                 [](Prepared& p, const CheckOptions& o) { return halo_backward_of(p, o, default_halo()); }});
+    t.push_back({"conv_forward", "the sharded packed causal conv matches the unsharded one", Comparison::tolerance,
+                 kConvTolerance, true, halo_bytes,
+                 [](Prepared& p, const CheckOptions& o) { return conv_forward_of(p, o, {}, {}); }});
+    t.push_back({"conv_backward", "dx, and dw, dbias summed over ranks, match the unsharded conv",
+                 Comparison::tolerance, kConvTolerance, true,
+                 [](const Prepared& p, const CheckOptions& o) { return 2 * halo_bytes(p, o); },
+                 [](Prepared& p, const CheckOptions& o) { return conv_backward_of(p, o, {}, {}); }});
+  return t;
+}
+
+}  // namespace rows
+
+}  // namespace cpsim::verify

@@ -1,0 +1,146 @@
+// The recurrence rows: the CP gated delta rule forward and backward.
+#include "core/recurrence.hpp"
+
+#include "verify/rows/common.hpp"
+
+namespace cpsim::verify {
+
+using namespace rows;
+
+struct RecurrenceRun {
+  RecurrenceReference ref;
+  Tensor o, dq, dk, dv, dbeta, dg;  // gathered, in global order
+  bool grads_defined = true;
+};
+
+namespace {
+
+// out[:, i] = t[:, perm[i]].
+Tensor permute_sequence(const Tensor& t, const std::vector<std::int64_t>& perm) {
+  std::vector<Tensor> cols;
+  for (std::int64_t p : perm) cols.push_back(narrow(t, 1, p, 1));
+  return cat(cols, 1);
+}
+
+// One recurrence layer per rank, forward and backward. Contiguous: on each rank's
+// packed context from shard_batch (the model's path). Zigzag (a negative control):
+// on the permuted sequence, with contexts built here.
+RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const RecurrenceFn& fn, Sharding sharding) {
+  const LayoutCase& c = s.c;
+  const std::int64_t B = s.shape.rows, S = s.shape.seq_len;
+  const ReferenceGeometry g = reference_geometry(S, c.cp, sharding == Sharding::zigzag ? 2 : 1);
+  const std::int64_t P = g.padded_len;
+  const Tensor ids = reference_padded_doc_ids(s.truth, P);
+  const RecurrenceInputs in = random_recurrence_inputs(B, P, opt.heads, opt.key_dim, opt.value_dim, mix_seed(c.seed, 51));
+  const Tensor d_o = random_tensor({B, P, opt.heads, opt.value_dim}, DType::f64, mix_seed(c.seed, 52));
+  RecurrenceRun run;
+  run.ref = reference_recurrence(in, ids, d_o);
+  // Sequence order the ranks see: identity, or zigzag chunks r and 2c-1-r.
+  std::vector<std::int64_t> perm(P), inverse(P);
+  for (std::int64_t i = 0; i < P; ++i) perm[i] = i;
+  if (sharding == Sharding::zigzag) {
+    const std::int64_t chunk = P / (2 * c.cp);
+    std::int64_t at = 0;
+    for (int r = 0; r < c.cp; ++r)
+      for (std::int64_t ch : {static_cast<std::int64_t>(r), static_cast<std::int64_t>(2 * c.cp - 1 - r)})
+        for (std::int64_t i = 0; i < chunk; ++i) perm[at++] = ch * chunk + i;
+  }
+  for (std::int64_t i = 0; i < P; ++i) inverse[perm[i]] = i;
+  // Contiguous: the identity, so the global tensors themselves (no copies).
+  const bool permuted = sharding == Sharding::zigzag;
+  auto order = [&](const Tensor& t) { return permuted ? permute_sequence(t, perm) : t; };
+  const Tensor ids_p = order(ids);
+  const Tensor q = order(in.q), k = order(in.k), v = order(in.v), beta = order(in.beta), gg = order(in.g),
+               up = order(d_o);
+  std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), db(c.cp), dg(c.cp);
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const PackedContext ctx =
+        sharding == Sharding::contiguous ? s.context(r) : PackedContext(ids_p, g.start(r), c.cp, S);
+    auto mine = [&](const Tensor& t) { return Var(on(comm, local(t, ctx)), true); };
+    Var vq = mine(q), vk = mine(k), vv = mine(v), vb = mine(beta), vg = mine(gg);
+    const Var out = fn(vq, vk, vv, vb, vg, ctx, &comm);
+    backward(dot(out, local(up, ctx)));
+    o[r] = host(out.value());
+    dq[r] = host(vq.grad()), dk[r] = host(vk.grad()), dv[r] = host(vv.grad()), db[r] = host(vb.grad()),
+    dg[r] = host(vg.grad());
+  }, run_options(opt), {&o, &dq, &dk, &dv, &db, &dg});
+  auto global = [&](const std::vector<Tensor>& parts) {
+    for (const auto& t : parts)
+      if (!t.defined()) {
+        run.grads_defined = false;
+        return Tensor();
+      }
+    return permuted ? permute_sequence(cat(parts, 1), inverse) : cat(parts, 1);
+  };
+  run.o = global(o);
+  run.dq = global(dq), run.dk = global(dk), run.dv = global(dv), run.dbeta = global(db), run.dg = global(dg);
+  return run;
+}
+
+std::shared_ptr<const RecurrenceRun> recurrence_run(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn,
+                                                    Sharding sharding) {
+  if (fn || sharding != Sharding::contiguous)
+    return std::make_shared<RecurrenceRun>(run_recurrence(s, o, fn ? fn : default_recurrence(), sharding));
+  if (!s.runs->recurrence) s.runs->recurrence = std::make_shared<RecurrenceRun>(run_recurrence(s, o, default_recurrence(), sharding));
+  return s.runs->recurrence;
+}
+
+}  // namespace
+
+PropertyResult recurrence_forward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
+  const LayoutCase& c = s.c;
+  ErrorTally t{"recurrence_forward", c.cp};
+  try {
+    const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
+    const RecurrenceRun& run = *held;
+    t.expect_close(run.ref.o, run.o, kRecurrenceTolerance, "recurrence output o");
+  } catch (...) {
+    return threw("recurrence_forward", c.cp);
+  }
+  return t.result(kRecurrenceTolerance);
+}
+
+PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
+  const LayoutCase& c = s.c;
+  ErrorTally t{"recurrence_backward", c.cp};
+  try {
+    const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
+    const RecurrenceRun& run = *held;
+    t.expect_close(run.ref.dq, run.dq, kRecurrenceTolerance, "dq");
+    t.expect_close(run.ref.dk, run.dk, kRecurrenceTolerance, "dk");
+    t.expect_close(run.ref.dv, run.dv, kRecurrenceTolerance, "dv");
+    t.expect_close(run.ref.dbeta, run.dbeta, kRecurrenceTolerance, "dbeta");
+    t.expect_close(run.ref.dg, run.dg, kRecurrenceTolerance, "dg");
+    s.runs->recurrence.reset();  // the last row of the pair: its memory goes before the next row's
+  } catch (...) {
+    return threw("recurrence_backward", c.cp);
+  }
+  return t.result(kRecurrenceTolerance);
+}
+
+
+namespace rows {
+
+std::vector<PropertyRow> recurrence_rows() {
+  const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
+  (void)none;
+  std::vector<PropertyRow> t;
+    t.push_back({"recurrence_forward", "the CP gated delta rule matches the unsharded recurrence (o)",
+                 Comparison::tolerance, kRecurrenceTolerance, true,
+                 [](const Prepared& p, const CheckOptions& o) {
+                   return recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
+                 },
+                 [](Prepared& p, const CheckOptions& o) { return recurrence_forward_of(p, o, {}, Sharding::contiguous); }});
+    t.push_back({"recurrence_backward", "gradients of q, k, v, beta, g match the unsharded recurrence",
+                 Comparison::tolerance, kRecurrenceTolerance, true,
+                 [](const Prepared& p, const CheckOptions& o) {
+                   return 2 * recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
+                 },
+                 [](Prepared& p, const CheckOptions& o) { return recurrence_backward_of(p, o, {}, Sharding::contiguous); }});
+  return t;
+}
+
+}  // namespace rows
+
+}  // namespace cpsim::verify
