@@ -19,14 +19,18 @@ namespace {
 
 void print_table(const std::string& name, const std::vector<PropertyResult>& results, const std::vector<int>& cps) {
   std::cout << name << "\n";
-  std::cout << "  " << std::left << std::setw(21) << "property";
+  // The property column fits the longest name, and a space.
+  std::size_t width = 9;
+  for (const auto& r : results) width = std::max(width, r.property.size() + 2);
+  const int w = static_cast<int>(width);
+  std::cout << "  " << std::left << std::setw(w) << "property";
   for (int cp : cps) std::cout << std::setw(16) << ("cp=" + std::to_string(cp));
   std::cout << "\n";
   std::vector<std::string> order;
   for (const auto& r : results)
     if (std::find(order.begin(), order.end(), r.property) == order.end()) order.push_back(r.property);
   for (const auto& prop : order) {
-    std::cout << "  " << std::setw(21) << prop;
+    std::cout << "  " << std::setw(w) << prop;
     for (int cp : cps)
       for (const auto& r : results)
         if (r.property == prop && r.cp == cp) {

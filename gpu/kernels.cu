@@ -4,6 +4,7 @@
 #include <thrust/system/cuda/execution_policy.h>
 
 #include "core/kernels/conv.hpp"
+#include "core/kernels/layers.hpp"
 #include "core/kernels/layout.hpp"
 #include "core/kernels/movement.hpp"
 #include "core/kernels/recurrence.hpp"
@@ -63,6 +64,12 @@ const kernels::KernelTable table{
     [](const kernels::Conv& a, DType dtype, void* s) { kernels::conv_backward(on(s), a, dtype); },
     [](const kernels::RecurrenceArgs& a, kernels::RecurrenceStep pass, void* s) { kernels::recurrence_pass(on(s), a, pass); },
     [](const kernels::Sum& a, DType dtype, void* s) { kernels::sum_in_order(on(s), a, dtype); },
+    [](const kernels::Rope& a, DType dtype, void* s) { kernels::rope(on(s), a, dtype); },
+    [](const kernels::Attention& a, DType dtype, void* s) { kernels::attention_forward(on(s), a, dtype); },
+    [](const kernels::Attention& a, DType dtype, void* s) { kernels::attention_backward(on(s), a, dtype); },
+    [](const kernels::TopK& a, DType dtype, void* s) { kernels::topk_select(on(s), a, dtype); },
+    [](const kernels::CrossEntropy& a, DType dtype, void* s) { kernels::cross_entropy_forward(on(s), a, dtype); },
+    [](const kernels::CrossEntropy& a, DType dtype, void* s) { kernels::cross_entropy_backward(on(s), a, dtype); },
 };
 
 }  // namespace

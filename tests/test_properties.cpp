@@ -169,6 +169,24 @@ CPSIM_BACKEND_PROP(Distributed, CpRecurrenceGradientsMatchTheUnshardedRecurrence
   assert_holds(check_recurrence_backward(c, on(backend)));
 }
 
+CPSIM_BACKEND_PROP(Distributed, RopeRotatesByTheBatchsGlobalPositions) { assert_holds(check_rope(c, on(backend))); }
+
+CPSIM_BACKEND_PROP(Distributed, AttentionOverTheGatheredKvMatchesTheUnshardedAttention) {
+  assert_holds(check_attention_forward(c, on(backend)));
+  assert_holds(check_attention_backward(c, on(backend)));
+}
+
+CPSIM_BACKEND_PROP(Distributed, TopKSparseAttentionKeepsTheUnshardedKeysAndMatchesIt) {
+  const CheckOptions o = on(backend);
+  assert_holds(check_attention_forward(c, o, {}, {}, o.topk));
+  assert_holds(check_attention_backward(c, o, {}, {}, o.topk));
+}
+
+CPSIM_BACKEND_PROP(Distributed, TheTokenMeanLossAcrossRanksIsTheUnshardedLoss) {
+  assert_holds(check_loss_forward(c, on(backend)));
+  assert_holds(check_loss_backward(c, on(backend)));
+}
+
 namespace cpsim::testing {
 extern std::atomic<std::int64_t> counting_groups;  // tests/delayed_backend.cpp
 extern std::atomic<std::int64_t> host_device_allocations;
@@ -178,8 +196,9 @@ void register_stalling_backend();
 }
 
 // A run that cannot complete (a rank stalls past the timeout) is no verdict on the
-// code: every row that runs ranks is aborted (with the timeout's report), never
-// FAIL, and the rows that run no ranks still give theirs.
+// code: every row whose ranks talk is aborted (with the timeout's report), never
+// FAIL, and the rows whose ranks do not (no ranks, or RoPE: no collective) still
+// give theirs.
 TEST(PropertyTable, ARunThatTimesOutIsAbortedNotFailed) {
   cpsim::testing::register_stalling_backend();
   const auto gen = gen_layout_case(4);
@@ -190,9 +209,10 @@ TEST(PropertyTable, ARunThatTimesOutIsAbortedNotFailed) {
   o.timeout = std::chrono::milliseconds(150);
   const auto all = check_all(c, o);
   ASSERT_EQ(all.size(), property_table().size());
+  const Prepared p(c);
   for (std::size_t k = 0; k < all.size(); ++k) {
     SCOPED_TRACE(all[k].property);
-    if (!property_table()[k].runs_ranks) {
+    if (!property_table()[k].runs_ranks || property_table()[k].bytes(p, o) == 0) {
       EXPECT_TRUE(all[k].ok) << all[k].detail;
       EXPECT_FALSE(all[k].aborted);
       continue;
@@ -232,7 +252,9 @@ TEST(PropertyTable, EveryRowRunsOnceOnASharedPreparedCase) {
   for (const auto& row : table) names.push_back(row.name);
   EXPECT_EQ(names, (std::vector<std::string>{"layout", "shard", "gather_forward", "gather_backward", "anchor",
                                              "halo_forward", "halo_backward", "conv_forward", "conv_backward",
-                                             "recurrence_forward", "recurrence_backward"}));
+                                             "recurrence_forward", "recurrence_backward", "rope", "attention_forward",
+                                             "attention_backward", "sparse_attention_forward",
+                                             "sparse_attention_backward", "loss_forward", "loss_backward"}));
   for (const auto& row : table) {
     EXPECT_FALSE(row.claim.empty()) << row.name;
     EXPECT_EQ(row.comparison == Comparison::tolerance, row.tolerance > 0) << row.name;
@@ -251,10 +273,15 @@ TEST(PropertyTable, EveryRowRunsOnceOnASharedPreparedCase) {
     std::vector<PropertyResult> alone{check_gather_forward(c, o),    check_gather_backward(c, o), check_anchor(c, o),
                                       check_halo_forward(c, o),      check_halo_backward(c, o),   check_conv_forward(c, o),
                                       check_conv_backward(c, o),     check_recurrence_forward(c, o),
-                                      check_recurrence_backward(c, o)};
+                                      check_recurrence_backward(c, o), check_rope(c, o),
+                                      check_attention_forward(c, o), check_attention_backward(c, o),
+                                      check_attention_forward(c, o, {}, {}, o.topk),
+                                      check_attention_backward(c, o, {}, {}, o.topk), check_loss_forward(c, o),
+                                      check_loss_backward(c, o)};
     const std::int64_t separate = cpsim::testing::counting_groups;
-    // The conv runs once instead of twice (both exchanges in one group), the recurrence once instead of twice.
-    EXPECT_EQ(shared, separate - 2) << c;
+    // The conv runs once instead of twice (both exchanges in one group), and so do
+    // the recurrence, both attention forms and the loss.
+    EXPECT_EQ(shared, separate - 5) << c;
     ASSERT_EQ(all.size(), table.size());
     for (std::size_t k = 0; k < all.size(); ++k) {
       EXPECT_TRUE(all[k].ok) << all[k].property << ": " << all[k].detail << "\n" << c;

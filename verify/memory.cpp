@@ -37,6 +37,9 @@ const std::map<std::string, std::function<double(const Shapes&)>>& row_models() 
   const auto recurrence = [](const Shapes& s) {
     return s.states() + 2 * (s.in() + s.out()) + 8 * s.K * s.V + 800 + 40 * s.cp;
   };
+  const auto attention = [](const Shapes& s) {
+    return 8 * s.H * (2 * s.K + 2 * s.V) * (6 + 2 * s.cp) + 200 + 40 * s.cp;
+  };
   static const std::map<std::string, std::function<double(const Shapes&)>> models = {
       {"layout", [](const Shapes&) { return 120.0; }},
       {"shard", [](const Shapes&) { return 150.0; }},
@@ -50,6 +53,18 @@ const std::map<std::string, std::function<double(const Shapes&)>>& row_models() 
       {"conv_backward", conv},
       {"recurrence_forward", recurrence},
       {"recurrence_backward", recurrence},
+      // x, its upstream gradient, every rank's y and dx, the reference's two.
+      {"rope", [](const Shapes& s) { return 8 * s.H * s.K * 8 + 40; }},
+      // q, k, v and the upstream gradient, their RoPE copies and the reference's
+      // outputs and gradients (global), each rank's gathered k and v and their
+      // gradients: one run serves both rows of a form.
+      {"attention_forward", attention},
+      {"attention_backward", attention},
+      {"sparse_attention_forward", attention},
+      {"sparse_attention_backward", attention},
+      // The logits, the reference's softmax gradient and every rank's gradient.
+      {"loss_forward", [](const Shapes&) { return 8.0 * 16 * 4 + 80; }},
+      {"loss_backward", [](const Shapes&) { return 8.0 * 16 * 4 + 80; }},
   };
   return models;
 }

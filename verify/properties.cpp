@@ -99,13 +99,35 @@ PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions
   return prepared(c, "recurrence_backward", [&](Prepared& p) { return recurrence_backward_of(p, o, fn, sharding); });
 }
 
+PropertyResult check_rope(const LayoutCase& c, const CheckOptions& o, const RopeFn& fn) {
+  return prepared(c, "rope", [&](Prepared& p) { return rope_of(p, o, fn ? fn : default_rope()); });
+}
+PropertyResult check_attention_forward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& fn,
+                                       const RopeFn& rope_fn, std::int64_t topk) {
+  return prepared(c, topk >= 0 ? "sparse_attention_forward" : "attention_forward",
+                  [&](Prepared& p) { return attention_forward_of(p, o, fn, rope_fn, topk); });
+}
+PropertyResult check_attention_backward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& fn,
+                                        const RopeFn& rope_fn, std::int64_t topk) {
+  return prepared(c, topk >= 0 ? "sparse_attention_backward" : "attention_backward",
+                  [&](Prepared& p) { return attention_backward_of(p, o, fn, rope_fn, topk); });
+}
+PropertyResult check_loss_forward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
+                                  const LossFn& loss) {
+  return prepared(c, "loss_forward", [&](Prepared& p) { return loss_forward_of(p, o, targets, loss); });
+}
+PropertyResult check_loss_backward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
+                                   const LossFn& loss) {
+  return prepared(c, "loss_backward", [&](Prepared& p) { return loss_backward_of(p, o, targets, loss); });
+}
+
 // ---------------------------------------------------------------------------
 // The table: every family's rows (verify/rows/), in order.
 
 const std::vector<PropertyRow>& property_table() {
   static const std::vector<PropertyRow> table = [] {
     std::vector<PropertyRow> t;
-    for (auto family : {layout_rows, gather_rows, conv_rows, recurrence_rows})
+    for (auto family : {layout_rows, gather_rows, conv_rows, recurrence_rows, layer_rows})
       for (PropertyRow& row : family()) t.push_back(std::move(row));
     return t;
   }();

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/comm/job.hpp"
+#include "core/attention.hpp"
 #include "core/autograd.hpp"
 #include "core/halo.hpp"
 #include "core/shard.hpp"
@@ -30,7 +31,9 @@ struct CheckOptions {
   std::string backend = "threads";
   int conv_width = 4;
   int channels = 8;
-  int heads = 2, key_dim = 4, value_dim = 4;  // recurrence
+  int heads = 2, key_dim = 4, value_dim = 4;  // recurrence and attention (RoPE: key_dim rounded up to even)
+  int topk = 3, index_dim = 4;                 // sparse attention's indexer
+  int vocab = 16;                              // the loss's logits
   std::chrono::milliseconds timeout{20000};
   std::shared_ptr<Job> job = nullptr;  // the multi-process job the runs go to (sim/job/), or none
 };
@@ -82,6 +85,20 @@ using ConvFn = std::function<Var(const Var& x_window, const Tensor& window_doc_i
 
 using RecurrenceFn = std::function<Var(const Var& q, const Var& k, const Var& v, const Var& beta, const Var& g,
                                        const PackedContext& context, Communicator* comm)>;
+// The layers that consume the layout (SPEC §3b). RoPE rotates a rank's x [B, L, H,
+// D] by its positions. Attention runs one rank's layer on its q, k, v shards (after
+// RoPE) with its context and its shard of padding_mask; with an indexer it is the
+// top-k sparse form. Targets are this rank's [B, L] targets, made from the global
+// rows [B, P] (token ids, doc ids, padding) and its context. The loss is the
+// token-mean cross entropy of the rank's logits across ranks.
+using RopeFn = std::function<Var(const Var& x, const Tensor& positions)>;
+using AttentionFn = std::function<CpAttention(const Var& q, const Var& k, const Var& v, const PackedContext& context,
+                                              const Tensor& local_padding, Communicator* comm,
+                                              const SparseIndexer* indexer)>;
+using TargetsFn = std::function<Tensor(const Tensor& tokens, const Tensor& doc_ids, const Tensor& padding,
+                                       const PackedContext& context)>;
+using LossFn = std::function<Var(const Var& logits, const Tensor& targets, Communicator* comm)>;
+
 // How the sequence is split across ranks: contiguous (SPEC §2), or the load-balanced
 // zigzag (rank r holds chunks r and 2c-1-r) that recurrent layers cannot use.
 enum class Sharding { contiguous, zigzag };
@@ -93,6 +110,10 @@ ConvFn default_conv();
 ShardFn default_shard();
 GatherFn default_gather();
 AnchorFn default_anchor();
+RopeFn default_rope();
+AttentionFn default_attention();
+TargetsFn default_targets();
+LossFn default_loss();
 
 // Doc ids, padding and positions against reference_layout (and, for a generated case,
 // the generator's construction), and the seq_lens <-> cu_seqlens <-> doc ids <->
@@ -126,6 +147,7 @@ PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, c
 
 inline constexpr double kConvTolerance = 1e-12;
 inline constexpr double kRecurrenceTolerance = 1e-10;
+inline constexpr double kAttentionTolerance = 1e-10;  // attention, RoPE and loss (SPEC §3b)
 
 // The CP gated delta rule: outputs o match the unsharded recurrence.
 PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn = {},
@@ -133,6 +155,22 @@ PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions&
 // Gradients of q, k, v, beta, g match the unsharded recurrence.
 PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn = {},
                                          Sharding sharding = Sharding::contiguous);
+
+// RoPE alone, forward and backward, against the unsharded rotation by the batch's
+// positions.
+PropertyResult check_rope(const LayoutCase& c, const CheckOptions& o, const RopeFn& rope = {});
+// RoPE then attention over the gathered K/V: outputs, and the gradients of q, k,
+// v (SPEC §3b). topk >= 0: the sparse form, whose kept sets must also be equal.
+PropertyResult check_attention_forward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& attention = {},
+                                       const RopeFn& rope = {}, std::int64_t topk = -1);
+PropertyResult check_attention_backward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& attention = {},
+                                        const RopeFn& rope = {}, std::int64_t topk = -1);
+// Targets aligned on the whole row and the token-mean loss across ranks: every
+// rank's loss, and the local logits' gradients.
+PropertyResult check_loss_forward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets = {},
+                                  const LossFn& loss = {});
+PropertyResult check_loss_backward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets = {},
+                                   const LossFn& loss = {});
 
 // ---------------------------------------------------------------------------
 // The table: like nccl-tests' table of collectives, one row per property.

@@ -4,6 +4,7 @@
 #include <atomic>
 
 #include "core/kernels/conv.hpp"
+#include "core/kernels/layers.hpp"
 #include "core/kernels/layout.hpp"
 #include "core/kernels/movement.hpp"
 #include "core/kernels/recurrence.hpp"
@@ -34,6 +35,12 @@ const KernelTable host_table{
     [](const Conv& a, DType dtype, void*) { conv_backward(thrust::host, a, dtype); },
     [](const RecurrenceArgs& a, RecurrenceStep pass, void*) { recurrence_pass(thrust::host, a, pass); },
     [](const Sum& a, DType dtype, void*) { sum_in_order(thrust::host, a, dtype); },
+    [](const Rope& a, DType dtype, void*) { rope(thrust::host, a, dtype); },
+    [](const Attention& a, DType dtype, void*) { attention_forward(thrust::host, a, dtype); },
+    [](const Attention& a, DType dtype, void*) { attention_backward(thrust::host, a, dtype); },
+    [](const TopK& a, DType dtype, void*) { topk_select(thrust::host, a, dtype); },
+    [](const CrossEntropy& a, DType dtype, void*) { cross_entropy_forward(thrust::host, a, dtype); },
+    [](const CrossEntropy& a, DType dtype, void*) { cross_entropy_backward(thrust::host, a, dtype); },
 };
 
 std::atomic<const KernelTable*> cuda_table{nullptr};

@@ -117,6 +117,65 @@ struct Sum {
   std::size_t n = 0, count = 0;
 };
 
+// Rotary embedding of x [B, L, H, D] (D even) by positions [B, L]: each pair
+// (x_2m, x_2m+1) turns by sign * pos * base^(-2m/D) (sign -1: the inverse, which
+// is also the backward).
+struct Rope {
+  const void* x = nullptr;
+  const std::int64_t* pos = nullptr;
+  void* y = nullptr;
+  std::int64_t rows = 0, len = 0, heads = 0, dim = 0;
+  double base = 10000;
+  int sign = 1;
+};
+
+// Document-masked causal attention of local queries q [B, Lq, H, D] (query t at
+// global position q_start + t) over keys k [B, Lk, H, D] and values v
+// [B, Lk, H, Dv] at global positions 0..Lk-1. Query t sees key j iff its id
+// q_ids[b][t] is not 0, k_ids[b][j] equals it and j <= q_start + t (ids: doc ids,
+// 0 where a token is not real; a document's tokens are one run of positions, so
+// its keys lie between the previous document's last real token and the query).
+// With `kept` ([B, Lq, topk], ascending, -1 after the last), only those keys.
+// lse [B, Lq, H] is saved by the forward for the backward; a query that sees
+// nothing outputs 0.
+struct Attention {
+  const void *q = nullptr, *k = nullptr, *v = nullptr;
+  const std::int64_t *q_ids = nullptr, *k_ids = nullptr;
+  const std::int64_t* kept = nullptr;
+  std::int64_t topk = 0;
+  void *o = nullptr, *lse = nullptr;
+  const void* d_o = nullptr;
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  std::int64_t rows = 0, q_len = 0, k_len = 0, heads = 0, dim = 0, v_dim = 0, q_start = 0;
+  double scale = 1;
+};
+
+// The keys a top-k indexer keeps: indexer queries q [B, Lq, Di] and keys k
+// [B, Lk, Di] score s_tj = q_t . k_j over the keys query t sees (the Attention
+// rule); kept[b][t] lists its min(topk, visible) best (ties: the smaller j),
+// ascending, then -1.
+struct TopK {
+  const void *q = nullptr, *k = nullptr;
+  const std::int64_t *q_ids = nullptr, *k_ids = nullptr;
+  std::int64_t* kept = nullptr;
+  std::int64_t rows = 0, q_len = 0, k_len = 0, dim = 0, q_start = 0, topk = 0;
+};
+
+// Cross entropy of `tokens` rows of logits [tokens, vocab] against targets
+// [tokens] (negative: no target). Forward writes token_loss [tokens] and sums
+// [2] (float64, on the device: the loss sum and the target count, added in
+// token order); backward writes grad = grad_scale * (softmax - onehot) for the
+// tokens with a target, 0 for the others.
+struct CrossEntropy {
+  const void* logits = nullptr;
+  const std::int64_t* targets = nullptr;
+  void* token_loss = nullptr;
+  double* sums = nullptr;
+  void* grad = nullptr;
+  double grad_scale = 1;
+  std::int64_t tokens = 0, vocab = 0;
+};
+
 struct KernelTable {
   void (*blocks_to_sequence)(const Rearrange&, void* stream);
   void (*sequence_to_blocks)(const Rearrange&, void* stream);
@@ -147,6 +206,14 @@ struct KernelTable {
 
   // The rank-order sum of reduce_scatter and all_reduce (and add_inplace: n = 2).
   void (*sum_in_order)(const Sum&, DType dtype, void* stream);
+
+  // The layers of SPEC §3b (layers.hpp); float32 or float64.
+  void (*rope)(const Rope&, DType dtype, void* stream);
+  void (*attention_forward)(const Attention&, DType dtype, void* stream);
+  void (*attention_backward)(const Attention&, DType dtype, void* stream);
+  void (*topk_select)(const TopK&, DType dtype, void* stream);
+  void (*cross_entropy_forward)(const CrossEntropy&, DType dtype, void* stream);
+  void (*cross_entropy_backward)(const CrossEntropy&, DType dtype, void* stream);
 };
 
 // The table of a device kind; throws Unavailable when none is registered.

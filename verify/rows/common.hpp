@@ -117,6 +117,7 @@ std::vector<PropertyRow> layout_rows();
 std::vector<PropertyRow> gather_rows();
 std::vector<PropertyRow> conv_rows();
 std::vector<PropertyRow> recurrence_rows();
+std::vector<PropertyRow> layer_rows();
 
 }  // namespace cpsim::verify::rows
 
@@ -124,11 +125,15 @@ namespace cpsim::verify {
 
 struct ConvRun;
 struct RecurrenceRun;
+struct AttentionRun;
+struct LossRun;
 
 // Simulations several rows share, run once per case (default implementations only).
 struct Prepared::Runs {
   std::shared_ptr<const ConvRun> conv;
   std::shared_ptr<const RecurrenceRun> recurrence;
+  std::shared_ptr<const AttentionRun> attention, sparse_attention;
+  std::shared_ptr<const LossRun> loss;
 };
 
 // Each row's check on a prepared case, with the implementation under test (an
@@ -142,5 +147,13 @@ PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn&
 PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv);
 PropertyResult recurrence_forward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding);
 PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding);
+PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& fn);
+PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn, const RopeFn& rope_fn,
+                                    std::int64_t topk);
+PropertyResult attention_backward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn,
+                                     const RopeFn& rope_fn, std::int64_t topk);
+PropertyResult loss_forward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn, const LossFn& loss_fn);
+PropertyResult loss_backward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn,
+                                const LossFn& loss_fn);
 
 }  // namespace cpsim::verify

@@ -1,0 +1,305 @@
+// The layers that consume the layout (SPEC §3b), in the one kernel source: rotary
+// embedding by position, document-masked causal attention over gathered keys
+// (dense, or over the keys a top-k indexer keeps) and the token cross entropy.
+// Written plainly first (one thread per output, loops in index order, so results
+// do not depend on the device's scheduling); speed comes later.
+//   rope            one thread per (b, t, h, pair)
+//   attention       forward: one thread per (b, t, h) query; backward: dq per
+//                   query, dk and dv per (b, j, h) key, summing over queries in order
+//   top-k           one thread per query: a running list of its topk best keys
+//                   (higher score, or equal and earlier), then in position order
+// A query's keys are its document's run of positions up to it: work grows with
+// the documents' lengths, not the row's.
+//   cross entropy   one thread per token, then one that adds them in token order
+#pragma once
+
+#include <cmath>
+
+#include "core/kernels/conv.hpp"
+#include "core/kernels/hd.hpp"
+#include "core/kernels/table.hpp"
+
+namespace cpsim::kernels {
+
+template <class T>
+struct RopeRotate {
+  const T* x;
+  const std::int64_t* pos;
+  T* y;
+  index_t H, D;
+  double base;
+  int sign;
+  CPSIM_HD void operator()(index_t i) const {  // i over (b, t, h, m) with m < D/2
+    const index_t half = D / 2, m = i % half, bth = i / half, bt = bth / H;
+    const double angle = sign * static_cast<double>(pos[bt]) * pow(base, -2.0 * static_cast<double>(m) / D);
+    const double c = cos(angle), s = sin(angle);
+    const T a = x[bth * D + 2 * m], b = x[bth * D + 2 * m + 1];
+    y[bth * D + 2 * m] = static_cast<T>(a * c - b * s);
+    y[bth * D + 2 * m + 1] = static_cast<T>(a * s + b * c);
+  }
+};
+
+template <class Policy>
+void rope(Policy&& policy, const Rope& a, DType dtype) {
+  with_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for_each_index(policy, a.rows * a.len * a.heads * (a.dim / 2),
+                   RopeRotate<T>{static_cast<const T*>(a.x), a.pos, static_cast<T*>(a.y), a.heads, a.dim, a.base,
+                                 a.sign});
+  });
+}
+
+// The keys of a document lie in one run of positions: the first position a
+// query at global position `at` with doc id `doc` can see (scanning back over its
+// document and not-real tokens, 0, up to another document's real token).
+CPSIM_HD inline index_t first_key(const std::int64_t* ids, index_t at, std::int64_t doc) {
+  index_t j = at;
+  while (j > 0 && (ids[j - 1] == doc || ids[j - 1] == 0)) --j;
+  return j;
+}
+
+// Whether query t of row b sees key j (and, with a kept list, kept it).
+CPSIM_HD inline bool attention_sees(const Attention& a, index_t b, index_t t, index_t j) {
+  const std::int64_t doc = a.q_ids[b * a.q_len + t];
+  if (doc == 0 || j > a.q_start + t || a.k_ids[b * a.k_len + j] != doc) return false;
+  if (!a.kept) return true;
+  const std::int64_t* kept = a.kept + (b * a.q_len + t) * a.topk;
+  for (index_t n = 0; n < a.topk && kept[n] >= 0; ++n)
+    if (kept[n] == j) return true;
+  return false;
+}
+
+// The range of keys query t may see: [lo, hi] (empty when lo > hi).
+CPSIM_HD inline void attention_range(const Attention& a, index_t b, index_t t, index_t& lo, index_t& hi) {
+  const std::int64_t doc = a.q_ids[b * a.q_len + t];
+  hi = a.q_start + t < a.k_len ? a.q_start + t : a.k_len - 1;
+  lo = doc == 0 ? hi + 1 : first_key(a.k_ids + b * a.k_len, hi, doc);
+}
+
+template <class T>
+struct AttentionForward {
+  Attention a;
+  CPSIM_HD T score(index_t b, index_t t, index_t h, index_t j) const {
+    const T* q = static_cast<const T*>(a.q) + ((b * a.q_len + t) * a.heads + h) * a.dim;
+    const T* k = static_cast<const T*>(a.k) + ((b * a.k_len + j) * a.heads + h) * a.dim;
+    T acc = T(0);
+    for (index_t d = 0; d < a.dim; ++d) acc += q[d] * k[d];
+    return static_cast<T>(a.scale) * acc;
+  }
+  CPSIM_HD void operator()(index_t i) const {  // i over (b, t, h)
+    const index_t h = i % a.heads, bt = i / a.heads, t = bt % a.q_len, b = bt / a.q_len;
+    T* o = static_cast<T*>(a.o) + i * a.v_dim;
+    for (index_t d = 0; d < a.v_dim; ++d) o[d] = T(0);
+    index_t lo, hi;
+    attention_range(a, b, t, lo, hi);
+    T m = T(0), z = T(0);
+    bool any = false;
+    for (index_t j = lo; j <= hi; ++j) {
+      if (!attention_sees(a, b, t, j)) continue;
+      const T s = score(b, t, h, j);
+      if (!any || s > m) m = s;
+      any = true;
+    }
+    if (!any) {
+      static_cast<T*>(a.lse)[i] = T(0);
+      return;
+    }
+    for (index_t j = lo; j <= hi; ++j) {
+      if (!attention_sees(a, b, t, j)) continue;
+      const T p = exp(score(b, t, h, j) - m);
+      z += p;
+      const T* v = static_cast<const T*>(a.v) + ((b * a.k_len + j) * a.heads + h) * a.v_dim;
+      for (index_t d = 0; d < a.v_dim; ++d) o[d] += p * v[d];
+    }
+    for (index_t d = 0; d < a.v_dim; ++d) o[d] /= z;
+    static_cast<T*>(a.lse)[i] = m + log(z);
+  }
+};
+
+// p_ij and ds_ij = p_ij (dO_i . v_j - dO_i . o_i) of one visible (query, key) pair.
+template <class T>
+CPSIM_HD inline void attention_pair(const Attention& a, index_t b, index_t t, index_t h, index_t j, T& p, T& ds) {
+  const AttentionForward<T> f{a};
+  const index_t qi = (b * a.q_len + t) * a.heads + h, kj = (b * a.k_len + j) * a.heads + h;
+  p = exp(f.score(b, t, h, j) - static_cast<const T*>(a.lse)[qi]);
+  const T* g = static_cast<const T*>(a.d_o) + qi * a.v_dim;
+  const T* o = static_cast<const T*>(a.o) + qi * a.v_dim;
+  const T* v = static_cast<const T*>(a.v) + kj * a.v_dim;
+  T dp = T(0), delta = T(0);
+  for (index_t d = 0; d < a.v_dim; ++d) {
+    dp += g[d] * v[d];
+    delta += g[d] * o[d];
+  }
+  ds = p * (dp - delta);
+}
+
+template <class T>
+struct AttentionQueryGrad {
+  Attention a;
+  CPSIM_HD void operator()(index_t i) const {  // i over (b, t, h)
+    const index_t h = i % a.heads, bt = i / a.heads, t = bt % a.q_len, b = bt / a.q_len;
+    T* dq = static_cast<T*>(a.dq) + i * a.dim;
+    for (index_t d = 0; d < a.dim; ++d) dq[d] = T(0);
+    index_t lo, hi;
+    attention_range(a, b, t, lo, hi);
+    for (index_t j = lo; j <= hi; ++j) {
+      if (!attention_sees(a, b, t, j)) continue;
+      T p, ds;
+      attention_pair<T>(a, b, t, h, j, p, ds);
+      const T* k = static_cast<const T*>(a.k) + ((b * a.k_len + j) * a.heads + h) * a.dim;
+      for (index_t d = 0; d < a.dim; ++d) dq[d] += static_cast<T>(a.scale) * ds * k[d];
+    }
+  }
+};
+
+template <class T>
+struct AttentionKeyGrad {
+  Attention a;
+  CPSIM_HD void operator()(index_t i) const {  // i over (b, j, h)
+    const index_t h = i % a.heads, bj = i / a.heads, j = bj % a.k_len, b = bj / a.k_len;
+    T* dk = static_cast<T*>(a.dk) + i * a.dim;
+    T* dv = static_cast<T*>(a.dv) + i * a.v_dim;
+    for (index_t d = 0; d < a.dim; ++d) dk[d] = T(0);
+    for (index_t d = 0; d < a.v_dim; ++d) dv[d] = T(0);
+    const std::int64_t doc = a.k_ids[b * a.k_len + j];
+    if (doc == 0) return;
+    // The local queries of its document run at or after j, in order.
+    for (index_t t = j > a.q_start ? j - a.q_start : 0; t < a.q_len; ++t) {
+      const std::int64_t id = a.q_ids[b * a.q_len + t];
+      if (id != doc && id != 0) break;
+      if (!attention_sees(a, b, t, j)) continue;
+      T p, ds;
+      attention_pair<T>(a, b, t, h, j, p, ds);
+      const index_t qi = (b * a.q_len + t) * a.heads + h;
+      const T* q = static_cast<const T*>(a.q) + qi * a.dim;
+      const T* g = static_cast<const T*>(a.d_o) + qi * a.v_dim;
+      for (index_t d = 0; d < a.dim; ++d) dk[d] += static_cast<T>(a.scale) * ds * q[d];
+      for (index_t d = 0; d < a.v_dim; ++d) dv[d] += p * g[d];
+    }
+  }
+};
+
+template <class Policy>
+void attention_forward(Policy&& policy, const Attention& a, DType dtype) {
+  with_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for_each_index(policy, a.rows * a.q_len * a.heads, AttentionForward<T>{a});
+  });
+}
+
+template <class Policy>
+void attention_backward(Policy&& policy, const Attention& a, DType dtype) {
+  with_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for_each_index(policy, a.rows * a.q_len * a.heads, AttentionQueryGrad<T>{a});
+    for_each_index(policy, a.rows * a.k_len * a.heads, AttentionKeyGrad<T>{a});
+  });
+}
+
+template <class T>
+struct TopKKeep {
+  TopK a;
+  CPSIM_HD T score(index_t b, index_t t, index_t j) const {
+    const T* q = static_cast<const T*>(a.q) + (b * a.q_len + t) * a.dim;
+    const T* k = static_cast<const T*>(a.k) + (b * a.k_len + j) * a.dim;
+    T acc = T(0);
+    for (index_t d = 0; d < a.dim; ++d) acc += q[d] * k[d];
+    return acc;
+  }
+  CPSIM_HD void operator()(index_t i) const {  // i over (b, t): one query
+    const index_t t = i % a.q_len, b = i / a.q_len;
+    std::int64_t* kept = a.kept + i * a.topk;
+    for (index_t n = 0; n < a.topk; ++n) kept[n] = -1;
+    const std::int64_t doc = a.q_ids[i];
+    if (doc == 0 || a.topk == 0) return;
+    const std::int64_t* ids = a.k_ids + b * a.k_len;
+    const index_t hi = a.q_start + t < a.k_len ? a.q_start + t : a.k_len - 1, lo = first_key(ids, hi, doc);
+    // kept[0, n) holds the best keys so far, best first (higher score; on equal
+    // scores the earlier key, which came first). A key enters before the first
+    // kept key it beats.
+    index_t n = 0;
+    for (index_t j = lo; j <= hi; ++j) {
+      if (ids[j] != doc) continue;
+      const T s = score(b, t, j);
+      index_t at = 0;
+      while (at < n && !(score(b, t, kept[at]) < s)) ++at;
+      if (at >= a.topk) continue;
+      for (index_t m = (n < a.topk ? n : a.topk - 1); m > at; --m) kept[m] = kept[m - 1];
+      kept[at] = j;
+      if (n < a.topk) ++n;
+    }
+    // In position order.
+    for (index_t x = 1; x < n; ++x)
+      for (index_t y = x; y > 0 && kept[y - 1] > kept[y]; --y) {
+        const std::int64_t tmp = kept[y];
+        kept[y] = kept[y - 1];
+        kept[y - 1] = tmp;
+      }
+  }
+};
+
+template <class Policy>
+void topk_select(Policy&& policy, const TopK& a, DType dtype) {
+  with_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for_each_index(policy, a.rows * a.q_len, TopKKeep<T>{a});
+  });
+}
+
+template <class T>
+struct TokenCrossEntropy {
+  CrossEntropy a;
+  CPSIM_HD void operator()(index_t i) const {  // i over tokens
+    const T* x = static_cast<const T*>(a.logits) + i * a.vocab;
+    const std::int64_t target = a.targets[i];
+    T m = x[0];
+    for (index_t v = 1; v < a.vocab; ++v) m = x[v] > m ? x[v] : m;
+    T z = T(0);
+    for (index_t v = 0; v < a.vocab; ++v) z += exp(x[v] - m);
+    const T lse = m + log(z);
+    if (a.token_loss) static_cast<T*>(a.token_loss)[i] = target >= 0 ? lse - x[target] : T(0);
+    if (a.grad) {
+      T* g = static_cast<T*>(a.grad) + i * a.vocab;
+      for (index_t v = 0; v < a.vocab; ++v)
+        g[v] = target >= 0 ? static_cast<T>(a.grad_scale) * (exp(x[v] - lse) - (v == target ? T(1) : T(0))) : T(0);
+    }
+  }
+};
+
+template <class T>
+struct TokenSums {
+  CrossEntropy a;
+  CPSIM_HD void operator()(index_t) const {  // one thread: token order
+    double sum = 0, count = 0;
+    for (index_t i = 0; i < a.tokens; ++i)
+      if (a.targets[i] >= 0) {
+        sum += static_cast<double>(static_cast<const T*>(a.token_loss)[i]);
+        count += 1;
+      }
+    a.sums[0] = sum;
+    a.sums[1] = count;
+  }
+};
+
+template <class Policy>
+void cross_entropy_forward(Policy&& policy, const CrossEntropy& a, DType dtype) {
+  with_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    CrossEntropy f = a;
+    f.grad = nullptr;
+    for_each_index(policy, a.tokens, TokenCrossEntropy<T>{f});
+    for_each_index(policy, 1, TokenSums<T>{a});
+  });
+}
+
+template <class Policy>
+void cross_entropy_backward(Policy&& policy, const CrossEntropy& a, DType dtype) {
+  with_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    CrossEntropy g = a;
+    g.token_loss = nullptr;
+    for_each_index(policy, a.tokens, TokenCrossEntropy<T>{g});
+  });
+}
+
+}  // namespace cpsim::kernels

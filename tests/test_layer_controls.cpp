@@ -1,0 +1,171 @@
+// Negative controls of the layers that consume the layout (SPEC §3b): each row is
+// run against a planted variant of a bug CP stacks have shipped, and must find a
+// counterexample (shrunk by RapidCheck). A variant that skips a collective on one
+// rank must be a named call mismatch within the timeout, never a hang.
+#include <gmock/gmock.h>
+
+#include "core/attention.hpp"
+#include "core/loss.hpp"
+#include "tests/property_harness.hpp"
+#include "verify/batch_io.hpp"
+#include "verify/properties.hpp"
+
+using namespace cpsim;
+using namespace cpsim::verify;
+using cpsim::testing::expect_counterexample;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+
+namespace {
+
+void expect_found(const std::string& report) {
+  EXPECT_FALSE(report.empty()) << "the property passed every case against a broken implementation";
+  EXPECT_THAT(report, HasSubstr("cp=")) << "the counterexample is not printed as a batch";
+  if (std::getenv("CPSIM_SHOW_COUNTEREXAMPLES")) std::cout << report << "\n";
+}
+
+// Positions 0..L-1 on every rank instead of the batch's global positions.
+Var rope_by_local_index(const Var& x, const Tensor& positions) {
+  Tensor local(positions.shape(), DType::i64);
+  for (std::int64_t i = 0; i < local.numel(); ++i) local.set(i, static_cast<double>(i % positions.dim(1)));
+  return rope(x, local);
+}
+
+// Causality by local index: query t sees keys 0..t of the gathered sequence.
+CpAttention attention_by_local_index(const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
+                                     const Tensor& padding, Communicator* comm, const SparseIndexer* indexer) {
+  return cp_document_attention(q, k, v, visible_doc_ids(ctx, padding), 0, comm, indexer);
+}
+
+// Doc ids numbered per shard (from 1 at the rank's first document), as a mask
+// built from a local cu_seqlens would number them.
+CpAttention attention_by_local_doc_ids(const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
+                                       const Tensor& padding, Communicator* comm, const SparseIndexer* indexer) {
+  Tensor ids = visible_doc_ids(ctx, padding);
+  const std::int64_t B = ids.dim(0), L = ids.dim(1);
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t first = ctx.local_doc_ids().get_int(b * L);
+    for (std::int64_t t = 0; t < L; ++t)
+      if (ids.get_int(b * L + t) != 0) ids.set(b * L + t, static_cast<double>(ids.get_int(b * L + t) - first + 1));
+  }
+  return cp_document_attention(q, k, v, ids, ctx.seq_start(), comm, indexer);
+}
+
+// A rank whose queries are all padding skips the layer (zeros, no anchor): its
+// loss no longer reaches the gathered K/V, so it skips their backward.
+CpAttention attention_skipped_on_padding(const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
+                                         const Tensor& padding, Communicator* comm, const SparseIndexer* indexer) {
+  const Tensor ids = visible_doc_ids(ctx, padding);
+  bool any = false;
+  for (std::int64_t i = 0; i < ids.numel(); ++i) any = any || ids.get_int(i) != 0;
+  CpAttention a = cp_document_attention(q, k, v, ids, ctx.seq_start(), comm, indexer);
+  if (!any) {
+    const Tensor& o = a.out.value();
+    a.out = Var(Tensor::full(o.shape(), o.dtype(), 0.0).to(o.device()));
+    a.anchor = Var();
+  }
+  return a;
+}
+
+// Targets aligned on each shard after sharding: the target at every shard edge
+// inside a document is lost.
+Tensor targets_after_sharding(const Tensor& tokens, const Tensor& doc_ids, const Tensor& padding,
+                              const PackedContext& ctx) {
+  auto mine = [&](const Tensor& t) { return narrow(t, 1, ctx.seq_start(), ctx.local_seq_len()).clone(); };
+  return next_token_targets(mine(tokens), mine(doc_ids), mine(padding));
+}
+
+// Each rank's own mean, averaged over the ranks.
+Var mean_of_rank_means(const Var& logits, const Tensor& targets, Communicator* comm) {
+  const Var local = token_mean_loss(logits, targets, nullptr);
+  const double n = comm ? comm->size() : 1;
+  Tensor sum = local.value().clone();
+  if (comm && comm->size() > 1) comm->all_reduce(sum.raw(), 1, DType::f64);
+  return record(Tensor::full({1}, DType::f64, sum.get(0) / n), "mean_of_rank_means", {local},
+                [n](const Tensor& g) { return std::vector<Tensor>{Tensor::full({1}, DType::f64, g.get(0) / n)}; });
+}
+
+// A rank without targets returns early, skipping the all-reduce its peers enter.
+Var loss_skipped_without_targets(const Var& logits, const Tensor& targets, Communicator* comm) {
+  const Tensor t = targets.is_cpu() ? targets : targets.to(Device::host());
+  bool any = false;
+  for (std::int64_t i = 0; i < t.numel(); ++i) any = any || t.get_int(i) >= 0;
+  return token_mean_loss(logits, targets, any ? comm : nullptr);
+}
+
+CheckOptions quick() {
+  CheckOptions o;
+  o.timeout = std::chrono::milliseconds(3000);
+  return o;
+}
+
+}  // namespace
+
+TEST(LayerControls, RopeCatchesRotationByLocalIndex) {
+  expect_found(expect_counterexample("rope by 0..L-1", [](const LayoutCase& c) {
+    RC_ASSERT(check_rope(c, quick(), rope_by_local_index).ok);
+  }));
+}
+
+TEST(LayerControls, AttentionCatchesRopeByLocalIndex) {
+  expect_found(expect_counterexample("attention after rope by 0..L-1", [](const LayoutCase& c) {
+    RC_ASSERT(check_attention_forward(c, quick(), {}, rope_by_local_index).ok);
+  }));
+}
+
+TEST(LayerControls, AttentionCatchesAMaskByLocalIndex) {
+  expect_found(expect_counterexample("attention masked by local index", [](const LayoutCase& c) {
+    RC_ASSERT(check_attention_forward(c, quick(), attention_by_local_index).ok);
+  }));
+}
+
+TEST(LayerControls, AttentionCatchesAMaskByLocalDocIds) {
+  expect_found(expect_counterexample("attention masked by local doc ids", [](const LayoutCase& c) {
+    RC_ASSERT(check_attention_forward(c, quick(), attention_by_local_doc_ids).ok);
+  }));
+}
+
+TEST(LayerControls, SparseAttentionCatchesAMaskByLocalIndex) {
+  expect_found(expect_counterexample("sparse attention masked by local index", [](const LayoutCase& c) {
+    const CheckOptions o = quick();
+    RC_ASSERT(check_attention_forward(c, o, attention_by_local_index, {}, o.topk).ok);
+  }));
+}
+
+// The skip is found, and on a rank that is all padding beside one that is not, it
+// is reported as the call the other rank waits in, within the timeout (not a hang).
+TEST(LayerControls, AttentionSkippedWithoutAnAnchorIsANamedMismatch) {
+  expect_found(expect_counterexample("attention skipped on an all-padding rank", [](const LayoutCase& c) {
+    const auto r = check_attention_backward(c, quick(), attention_skipped_on_padding);
+    if (!r.ok) RC_FAIL(r.detail);
+  }));
+  LayoutCase c;
+  c.batch = parse_batch(R"({"input_ids":[[1,1,1,0]],"seq_lens":[[2]],"seq_lens_padded":[[2]]})", "case").batch;
+  c.cp = 2;  // rank 1 holds positions 2 and 3: padding only
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = check_attention_backward(c, quick(), attention_skipped_on_padding);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.detail, HasSubstr("rank 1 returned without joining reduce_scatter"));
+}
+
+TEST(LayerControls, LossCatchesTargetsAlignedAfterSharding) {
+  expect_found(expect_counterexample("targets aligned after sharding", [](const LayoutCase& c) {
+    RC_ASSERT(check_loss_forward(c, quick(), targets_after_sharding).ok);
+  }));
+}
+
+TEST(LayerControls, LossCatchesAMeanOfRankMeans) {
+  expect_found(expect_counterexample("per-rank mean averaged over ranks", [](const LayoutCase& c) {
+    RC_ASSERT(check_loss_forward(c, quick(), {}, mean_of_rank_means).ok);
+  }));
+}
+
+TEST(LayerControls, ALossSkippedOnARankWithoutTargetsIsANamedMismatch) {
+  const auto report = expect_counterexample("loss all-reduce skipped without targets", [](const LayoutCase& c) {
+    const auto r = check_loss_forward(c, quick(), {}, loss_skipped_without_targets);
+    if (!r.ok) RC_FAIL(r.detail);
+  });
+  expect_found(report);
+  EXPECT_THAT(report, HasSubstr("returned without joining all_reduce"));
+}

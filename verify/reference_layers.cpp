@@ -1,0 +1,146 @@
+#include "verify/reference_layers.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <vector>
+
+namespace cpsim::verify {
+
+Tensor reference_rope(const Tensor& x, const Tensor& positions, double base) {
+  const std::int64_t B = x.dim(0), S = x.dim(1), H = x.dim(2), D = x.dim(3);
+  Tensor y(x.shape(), DType::f64);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t s = 0; s < S; ++s) {
+      const double p = static_cast<double>(positions.get_int(b * S + s));
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t m = 0; m < D / 2; ++m) {
+          const double theta = p / std::pow(base, 2.0 * m / D);
+          const std::int64_t at = ((b * S + s) * H + h) * D + 2 * m;
+          const double x0 = x.get(at), x1 = x.get(at + 1);
+          y.set(at, x0 * std::cos(theta) - x1 * std::sin(theta));
+          y.set(at + 1, x0 * std::sin(theta) + x1 * std::cos(theta));
+        }
+    }
+  return y;
+}
+
+AttentionReference reference_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                                       const Tensor& doc_ids_in, const Tensor& padding_in, const Tensor& d_o_in,
+                                       double scale, const Tensor& index_q_in, const Tensor& index_k_in,
+                                       std::int64_t topk) {
+  // Plain contiguous float64 / int64 copies, read through pointers.
+  const Tensor q = q_in.to(DType::f64), k = k_in.to(DType::f64), v = v_in.to(DType::f64), d_o = d_o_in.to(DType::f64);
+  const Tensor doc_ids = doc_ids_in.to(DType::i64), padding = padding_in.to(DType::i64);
+  const Tensor index_q = topk >= 0 ? index_q_in.to(DType::f64) : Tensor(), index_k = topk >= 0 ? index_k_in.to(DType::f64) : Tensor();
+  const std::int64_t B = q.dim(0), S = q.dim(1), H = q.dim(2), D = q.dim(3), Dv = v.dim(3);
+  AttentionReference r;
+  r.o = Tensor::full({B, S, H, Dv}, DType::f64, 0.0);
+  r.dq = Tensor::full(q.shape(), DType::f64, 0.0);
+  r.dk = Tensor::full(k.shape(), DType::f64, 0.0);
+  r.dv = Tensor::full(v.shape(), DType::f64, 0.0);
+  if (topk >= 0) r.kept = Tensor::full({B, S, topk}, DType::i64, -1.0);
+  const double *Q = q.data<double>(), *K = k.data<double>(), *Vv = v.data<double>(), *G = d_o.data<double>();
+  const std::int64_t *doc = doc_ids.data<std::int64_t>(), *pad = padding.data<std::int64_t>();
+  double *O = r.o.data<double>(), *DQ = r.dq.data<double>(), *DK = r.dk.data<double>(), *DV = r.dv.data<double>();
+  auto inner = [](const double* a, const double* c, std::int64_t n) {
+    double s = 0;
+    for (std::int64_t d = 0; d < n; ++d) s += a[d] * c[d];
+    return s;
+  };
+  std::vector<double> p, dp;
+  for (std::int64_t b = 0; b < B; ++b) {
+    // Each document's real tokens, in position order.
+    std::map<std::int64_t, std::vector<std::int64_t>> members;
+    for (std::int64_t j = 0; j < S; ++j)
+      if (pad[b * S + j] == 0 && doc[b * S + j] != 0) members[doc[b * S + j]].push_back(j);
+    for (std::int64_t i = 0; i < S; ++i) {
+      // The keys query i attends to: the real tokens of its document up to i.
+      std::vector<std::int64_t> keys;
+      if (doc[b * S + i] != 0 && pad[b * S + i] == 0)
+        for (std::int64_t j : members[doc[b * S + i]]) {
+          if (j > i) break;
+          keys.push_back(j);
+        }
+      if (topk >= 0) {
+        const std::int64_t Di = index_q.dim(2);
+        const double *IQ = index_q.data<double>(), *IK = index_k.data<double>();
+        std::vector<std::pair<double, std::int64_t>> scored;
+        for (std::int64_t j : keys) scored.push_back({inner(IQ + (b * S + i) * Di, IK + (b * S + j) * Di, Di), j});
+        std::sort(scored.begin(), scored.end(), [](const auto& x, const auto& y) {
+          return x.first != y.first ? x.first > y.first : x.second < y.second;
+        });
+        keys.clear();
+        for (std::size_t n = 0; n < scored.size() && static_cast<std::int64_t>(n) < topk; ++n)
+          keys.push_back(scored[n].second);
+        std::sort(keys.begin(), keys.end());
+        for (std::size_t n = 0; n < keys.size(); ++n) r.kept.set((b * S + i) * topk + n, static_cast<double>(keys[n]));
+      }
+      if (keys.empty()) continue;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t qi = (b * S + i) * H + h;
+        // P: the softmax over the kept keys.
+        p.assign(keys.size(), 0.0);
+        double top = -INFINITY, z = 0;
+        for (std::size_t n = 0; n < keys.size(); ++n) {
+          p[n] = scale * inner(Q + qi * D, K + ((b * S + keys[n]) * H + h) * D, D);
+          top = std::max(top, p[n]);
+        }
+        for (double& x : p) z += (x = std::exp(x - top));
+        for (double& x : p) x /= z;
+        for (std::size_t n = 0; n < keys.size(); ++n)
+          for (std::int64_t d = 0; d < Dv; ++d) O[qi * Dv + d] += p[n] * Vv[((b * S + keys[n]) * H + h) * Dv + d];
+        // dP = dO V^T; dS = P (dP - sum_n P dP); dq = scale dS K; dk += scale dS q; dv += P dO.
+        dp.assign(keys.size(), 0.0);
+        double mean = 0;
+        for (std::size_t n = 0; n < keys.size(); ++n) {
+          dp[n] = inner(G + qi * Dv, Vv + ((b * S + keys[n]) * H + h) * Dv, Dv);
+          mean += p[n] * dp[n];
+        }
+        for (std::size_t n = 0; n < keys.size(); ++n) {
+          const double ds = p[n] * (dp[n] - mean);
+          const std::int64_t kj = (b * S + keys[n]) * H + h;
+          for (std::int64_t d = 0; d < D; ++d) {
+            DQ[qi * D + d] += scale * ds * K[kj * D + d];
+            DK[kj * D + d] += scale * ds * Q[qi * D + d];
+          }
+          for (std::int64_t d = 0; d < Dv; ++d) DV[kj * Dv + d] += p[n] * G[qi * Dv + d];
+        }
+      }
+    }
+  }
+  return r;
+}
+
+LossReference reference_loss(const Tensor& logits, const Tensor& input_ids, const Tensor& doc_ids,
+                             const Tensor& padding) {
+  const std::int64_t B = logits.dim(0), S = logits.dim(1), V = logits.dim(2);
+  LossReference r;
+  r.targets = Tensor::full({B, S}, DType::i64, -100.0);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t s = 0; s + 1 < S; ++s) {
+      const std::int64_t i = b * S + s;
+      const bool real = padding.get_int(i) == 0 && padding.get_int(i + 1) == 0 && doc_ids.get_int(i) != 0;
+      if (real && doc_ids.get_int(i + 1) == doc_ids.get_int(i)) r.targets.set(i, static_cast<double>(input_ids.get_int(i + 1)));
+    }
+  r.grad = Tensor::full(logits.shape(), DType::f64, 0.0);
+  double sum = 0;
+  std::vector<double> softmax(V);
+  for (std::int64_t i = 0; i < B * S; ++i) {
+    const std::int64_t t = r.targets.get_int(i);
+    if (t < 0) continue;
+    double top = -INFINITY, z = 0;
+    for (std::int64_t c = 0; c < V; ++c) top = std::max(top, logits.get(i * V + c));
+    for (std::int64_t c = 0; c < V; ++c) z += (softmax[c] = std::exp(logits.get(i * V + c) - top));
+    for (double& x : softmax) x /= z;
+    sum += -std::log(softmax[t]);
+    r.count += 1;
+    for (std::int64_t c = 0; c < V; ++c) r.grad.set(i * V + c, softmax[c] - (c == t ? 1.0 : 0.0));
+  }
+  r.loss = r.count > 0 ? sum / r.count : 0;
+  if (r.count > 0)
+    for (std::int64_t i = 0; i < r.grad.numel(); ++i) r.grad.set(i, r.grad.get(i) / r.count);
+  return r;
+}
+
+}  // namespace cpsim::verify

@@ -1,0 +1,41 @@
+// Unsharded references of the layers that consume the layout (SPEC §3b), written
+// from the SPEC alone with plain loops in float64: they never call core/, so a bug
+// there cannot hide in its own reference. Tensors are host, row-major.
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.hpp"
+
+namespace cpsim::verify {
+
+// x [B, S, H, D] with each pair (x_2m, x_2m+1) turned by pos * base^(-2m/D).
+Tensor reference_rope(const Tensor& x, const Tensor& positions, double base = 10000);
+
+// Attention of every query over the keys it sees: key j is visible to query i iff
+// both are real tokens (padding false), doc_ids[b][i] != 0, doc_ids[b][j] ==
+// doc_ids[b][i] and j <= i; with topk >= 0, only the min(topk, visible) keys of
+// highest indexer score (iq_i . ik_j; ties: the smaller j). The outputs and the
+// gradients of q, k, v under the upstream gradient d_o; with topk, kept
+// [B, S, topk] lists each query's kept keys, ascending, then -1.
+struct AttentionReference {
+  Tensor o, dq, dk, dv, kept;
+};
+AttentionReference reference_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc_ids,
+                                       const Tensor& padding, const Tensor& d_o, double scale,
+                                       const Tensor& index_q = Tensor(), const Tensor& index_k = Tensor(),
+                                       std::int64_t topk = -1);
+
+// Next-token targets on whole rows (-100 at a document's last token, on padding
+// and where the next token is padding), the token-mean cross entropy of logits
+// [B, S, V] over them, and its gradient (softmax - onehot) / count.
+struct LossReference {
+  Tensor targets;
+  double loss = 0;
+  double count = 0;
+  Tensor grad;
+};
+LossReference reference_loss(const Tensor& logits, const Tensor& input_ids, const Tensor& doc_ids,
+                             const Tensor& padding);
+
+}  // namespace cpsim::verify

@@ -1,0 +1,318 @@
+// The rows of the layers that consume the layout (SPEC §3b): RoPE by the batch's
+// positions, attention over the gathered K/V (dense, and top-k sparse) after RoPE,
+// and the token-mean loss across ranks over targets aligned on whole rows.
+#include <cmath>
+
+#include "core/loss.hpp"
+#include "verify/reference_layers.hpp"
+#include "verify/rows/common.hpp"
+
+namespace cpsim::verify {
+
+using namespace rows;
+
+namespace {
+
+// The batch's padded global rows [B, P] the layers read, as the shards carry them.
+struct LayerRows {
+  Tensor positions, padding, doc_ids;
+};
+LayerRows layer_rows(const Prepared& s) {
+  const Batch padded = reference_padded_global(s.c, s.g.padded_len);
+  return {padded.at("position_ids"), padded.at("padding_mask"), s.padded_ids};
+}
+
+Tensor negated(const Tensor& positions) {
+  Tensor out = positions.clone();
+  for (std::int64_t i = 0; i < out.numel(); ++i) out.set(i, -static_cast<double>(positions.get_int(i)));
+  return out;
+}
+
+std::int64_t rope_dim(const CheckOptions& o) { return 2 * ((o.key_dim + 1) / 2); }
+
+// Integer-valued indexer inputs in [-3, 3]: no summation order changes a selection.
+Tensor integer_tensor(const Shape& shape, std::uint64_t seed) {
+  Tensor t(shape, DType::f64);
+  SplitMix64 rng(seed);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t.set(i, static_cast<double>(rng.below(7) - 3));
+  return t;
+}
+
+// Gathers rank parts along the sequence; undefined when a rank's part is.
+Tensor joined(const std::vector<Tensor>& parts) {
+  for (const Tensor& t : parts)
+    if (!t.defined()) return Tensor();
+  return cat(parts, 1);
+}
+
+}  // namespace
+
+RopeFn default_rope() {
+  return [](const Var& x, const Tensor& positions) { return rope(x, positions); };
+}
+AttentionFn default_attention() {
+  return [](const Var& q, const Var& k, const Var& v, const PackedContext& context, const Tensor& local_padding,
+            Communicator* comm, const SparseIndexer* indexer) {
+    return cp_document_attention(q, k, v, visible_doc_ids(context, local_padding), context.seq_start(), comm,
+                                 indexer);
+  };
+}
+TargetsFn default_targets() {
+  return [](const Tensor& tokens, const Tensor& doc_ids, const Tensor& padding, const PackedContext& context) {
+    return narrow(next_token_targets(tokens, doc_ids, padding), 1, context.seq_start(), context.local_seq_len()).clone();
+  };
+}
+LossFn default_loss() { return token_mean_loss; }
+
+// ---------------------------------------------------------------------------
+// RoPE alone.
+
+PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& fn) {
+  const LayoutCase& c = s.c;
+  ErrorTally t{"rope", c.cp};
+  try {
+    const std::int64_t B = s.shape.rows, P = s.g.padded_len;
+    const LayerRows rows = layer_rows(s);
+    const Tensor x = random_tensor({B, P, o.heads, rope_dim(o)}, DType::f64, mix_seed(c.seed, 61));
+    const Tensor up = random_tensor(x.shape(), DType::f64, mix_seed(c.seed, 62));
+    std::vector<Tensor> y(c.cp), dx(c.cp);
+    run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      const PackedContext& ctx = s.context(r);
+      Var xv(on(comm, local(x, ctx)), true);
+      const Var out = fn(xv, local(rows.positions, ctx));
+      backward(dot(out, local(up, ctx)));
+      y[r] = host(out.value());
+      dx[r] = host(xv.grad());
+    }, run_options(o), {&y, &dx});
+    t.expect_close(reference_rope(x, rows.positions), joined(y), kAttentionTolerance, "rotated x");
+    t.expect_close(reference_rope(up, negated(rows.positions)), joined(dx), kAttentionTolerance, "dx");
+  } catch (...) {
+    return threw("rope", c.cp);
+  }
+  return t.result(kAttentionTolerance);
+}
+
+// ---------------------------------------------------------------------------
+// RoPE then attention.
+
+struct AttentionRun {
+  AttentionReference ref;
+  Tensor o, dq, dk, dv, kept;
+};
+
+namespace {
+
+AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const AttentionFn& fn, const RopeFn& rope_fn,
+                           std::int64_t topk) {
+  const LayoutCase& c = s.c;
+  const std::int64_t B = s.shape.rows, P = s.g.padded_len, H = opt.heads, D = rope_dim(opt), Dv = opt.value_dim;
+  const LayerRows rows = layer_rows(s);
+  const std::uint64_t salt = topk >= 0 ? 80 : 70;
+  const Tensor q = random_tensor({B, P, H, D}, DType::f64, mix_seed(c.seed, salt + 1));
+  const Tensor k = random_tensor({B, P, H, D}, DType::f64, mix_seed(c.seed, salt + 2));
+  const Tensor v = random_tensor({B, P, H, Dv}, DType::f64, mix_seed(c.seed, salt + 3));
+  const Tensor up = random_tensor({B, P, H, Dv}, DType::f64, mix_seed(c.seed, salt + 4));
+  Tensor iq, ik;
+  if (topk >= 0) {
+    iq = integer_tensor({B, P, opt.index_dim}, mix_seed(c.seed, salt + 5));
+    ik = integer_tensor({B, P, opt.index_dim}, mix_seed(c.seed, salt + 6));
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  AttentionRun run;
+  const Tensor back = negated(rows.positions);
+  run.ref = reference_attention(reference_rope(q, rows.positions), reference_rope(k, rows.positions), v, rows.doc_ids,
+                                rows.padding, up, scale, iq, ik, topk);
+  run.ref.dq = reference_rope(run.ref.dq, back);  // through RoPE's backward
+  run.ref.dk = reference_rope(run.ref.dk, back);
+  std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), kept(c.cp);
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const PackedContext& ctx = s.context(r);
+    auto mine = [&](const Tensor& t) { return Var(on(comm, local(t, ctx)), true); };
+    Var vq = mine(q), vk = mine(k), vv = mine(v);
+    const Tensor pos = local(rows.positions, ctx);
+    const SparseIndexer indexer{topk >= 0 ? local(iq, ctx) : Tensor(), topk >= 0 ? local(ik, ctx) : Tensor(), topk};
+    const CpAttention a =
+        fn(rope_fn(vq, pos), rope_fn(vk, pos), vv, ctx, local(rows.padding, ctx), &comm, topk >= 0 ? &indexer : nullptr);
+    backward(a.anchor.defined() ? add(dot(a.out, local(up, ctx)), a.anchor) : dot(a.out, local(up, ctx)));
+    o[r] = host(a.out.value());
+    dq[r] = host(vq.grad()), dk[r] = host(vk.grad()), dv[r] = host(vv.grad());
+    kept[r] = host(a.kept);
+  }, run_options(opt), {&o, &dq, &dk, &dv, &kept});
+  run.o = joined(o);
+  run.dq = joined(dq), run.dk = joined(dk), run.dv = joined(dv);
+  if (topk >= 0) run.kept = joined(kept);
+  return run;
+}
+
+std::shared_ptr<const AttentionRun> attention_run(Prepared& s, const CheckOptions& o, const AttentionFn& fn,
+                                                  const RopeFn& rope_fn, std::int64_t topk) {
+  if (fn || rope_fn) return std::make_shared<AttentionRun>(run_attention(s, o, fn ? fn : default_attention(),
+                                                                         rope_fn ? rope_fn : default_rope(), topk));
+  auto& cached = topk >= 0 ? s.runs->sparse_attention : s.runs->attention;
+  if (!cached) cached = std::make_shared<AttentionRun>(run_attention(s, o, default_attention(), default_rope(), topk));
+  return cached;
+}
+
+const char* attention_name(std::int64_t topk, bool forward) {
+  if (topk >= 0) return forward ? "sparse_attention_forward" : "sparse_attention_backward";
+  return forward ? "attention_forward" : "attention_backward";
+}
+
+}  // namespace
+
+PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn, const RopeFn& rope_fn,
+                                    std::int64_t topk) {
+  const char* name = attention_name(topk, true);
+  ErrorTally t{name, s.c.cp};
+  try {
+    const auto run = attention_run(s, o, fn, rope_fn, topk);
+    if (topk >= 0) {
+      const std::int64_t wrong = count_wrong(run->ref.kept, run->kept);
+      if (wrong) return failed(name, s.c.cp, "kept keys differ from the unsharded selection in " +
+                                                 std::to_string(wrong) + " places");
+    }
+    t.expect_close(run->ref.o, run->o, kAttentionTolerance, "o");
+  } catch (...) {
+    return threw(name, s.c.cp);
+  }
+  return t.result(kAttentionTolerance);
+}
+
+PropertyResult attention_backward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn,
+                                     const RopeFn& rope_fn, std::int64_t topk) {
+  const char* name = attention_name(topk, false);
+  ErrorTally t{name, s.c.cp};
+  try {
+    const auto run = attention_run(s, o, fn, rope_fn, topk);
+    (topk >= 0 ? s.runs->sparse_attention : s.runs->attention).reset();  // the pair is done
+    t.expect_close(run->ref.dq, run->dq, kAttentionTolerance, "dq");
+    t.expect_close(run->ref.dk, run->dk, kAttentionTolerance, "dk");
+    t.expect_close(run->ref.dv, run->dv, kAttentionTolerance, "dv");
+  } catch (...) {
+    return threw(name, s.c.cp);
+  }
+  return t.result(kAttentionTolerance);
+}
+
+// ---------------------------------------------------------------------------
+// Targets and the loss across ranks.
+
+struct LossRun {
+  LossReference ref;
+  std::vector<double> losses;  // every rank's
+  Tensor grad;
+};
+
+namespace {
+
+LossRun run_loss(const Prepared& s, const CheckOptions& opt, const TargetsFn& targets_fn, const LossFn& loss_fn) {
+  const LayoutCase& c = s.c;
+  const std::int64_t B = s.shape.rows, P = s.g.padded_len, V = opt.vocab;
+  const LayerRows rows = layer_rows(s);
+  // Token ids folded into the vocabulary: targets come from the batch's own ids.
+  const Tensor ids = reference_padded_global(c, P).at("input_ids");
+  Tensor tokens({B, P}, DType::i64);
+  for (std::int64_t i = 0; i < tokens.numel(); ++i) tokens.set(i, static_cast<double>(((ids.get_int(i) % V) + V) % V));
+  const Tensor logits = random_tensor({B, P, V}, DType::f64, mix_seed(c.seed, 91));
+  LossRun run;
+  run.ref = reference_loss(logits, tokens, rows.doc_ids, rows.padding);
+  std::vector<Tensor> loss(c.cp), grad(c.cp);
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const PackedContext& ctx = s.context(r);
+    const Tensor targets = targets_fn(tokens, ctx.doc_ids(), rows.padding, ctx);
+    Var lv(on(comm, local(logits, ctx)), true);
+    const Var l = loss_fn(lv, on(comm, targets), &comm);
+    backward(l);
+    loss[r] = host(l.value());
+    grad[r] = host(lv.grad());
+  }, run_options(opt), {&loss, &grad});
+  for (const Tensor& l : loss) run.losses.push_back(l.defined() ? l.get(0) : std::nan(""));
+  run.grad = joined(grad);
+  return run;
+}
+
+std::shared_ptr<const LossRun> loss_run(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn,
+                                        const LossFn& loss_fn) {
+  if (targets_fn || loss_fn)
+    return std::make_shared<LossRun>(
+        run_loss(s, o, targets_fn ? targets_fn : default_targets(), loss_fn ? loss_fn : default_loss()));
+  if (!s.runs->loss) s.runs->loss = std::make_shared<LossRun>(run_loss(s, o, default_targets(), default_loss()));
+  return s.runs->loss;
+}
+
+}  // namespace
+
+PropertyResult loss_forward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn, const LossFn& loss_fn) {
+  ErrorTally t{"loss_forward", s.c.cp};
+  try {
+    const auto run = loss_run(s, o, targets_fn, loss_fn);
+    for (std::size_t r = 0; r < run->losses.size(); ++r)
+      t.expect_close(Tensor::full({1}, DType::f64, run->ref.loss), Tensor::full({1}, DType::f64, run->losses[r]),
+                     kAttentionTolerance,
+                     "rank " + std::to_string(r) + "'s loss " + std::to_string(run->losses[r]) + " (unsharded " +
+                         std::to_string(run->ref.loss) + " over " + std::to_string(static_cast<std::int64_t>(run->ref.count)) +
+                         " targets)");
+  } catch (...) {
+    return threw("loss_forward", s.c.cp);
+  }
+  return t.result(kAttentionTolerance);
+}
+
+PropertyResult loss_backward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn,
+                                const LossFn& loss_fn) {
+  ErrorTally t{"loss_backward", s.c.cp};
+  try {
+    const auto run = loss_run(s, o, targets_fn, loss_fn);
+    s.runs->loss.reset();
+    t.expect_close(run->ref.grad, run->grad, kAttentionTolerance, "d logits");
+  } catch (...) {
+    return threw("loss_backward", s.c.cp);
+  }
+  return t.result(kAttentionTolerance);
+}
+
+namespace rows {
+
+std::vector<PropertyRow> layer_rows() {
+  // Each rank's gathered k and v ([B, P, H, D] float64), and their gradients back.
+  const auto attention_bytes = [](const Prepared& p, const CheckOptions& o) -> std::int64_t {
+    return p.shape.rows * p.g.local_len * o.heads * (rope_dim(o) + o.value_dim) * 8 * p.c.cp;
+  };
+  const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
+  std::vector<PropertyRow> t;
+  t.push_back({"rope", "each rank rotates by its shard of the batch's positions, forward and backward",
+               Comparison::tolerance, kAttentionTolerance, true, none,
+               [](Prepared& p, const CheckOptions& o) { return rope_of(p, o, default_rope()); }});
+  t.push_back({"attention_forward", "RoPE, then document-masked causal attention over the gathered K/V (o)",
+               Comparison::tolerance, kAttentionTolerance, true, attention_bytes,
+               [](Prepared& p, const CheckOptions& o) { return attention_forward_of(p, o, {}, {}, -1); }});
+  t.push_back({"attention_backward", "gradients of q, k, v through attention, the gather and RoPE",
+               Comparison::tolerance, kAttentionTolerance, true, [=](const Prepared& p, const CheckOptions& o) {
+                 return 2 * attention_bytes(p, o);
+               },
+               [](Prepared& p, const CheckOptions& o) { return attention_backward_of(p, o, {}, {}, -1); }});
+  t.push_back({"sparse_attention_forward", "the top-k indexer keeps the unsharded keys exactly; o over them",
+               Comparison::tolerance, kAttentionTolerance, true, attention_bytes,
+               [](Prepared& p, const CheckOptions& o) { return attention_forward_of(p, o, {}, {}, o.topk); }});
+  t.push_back({"sparse_attention_backward", "gradients of q, k, v over the kept keys", Comparison::tolerance,
+               kAttentionTolerance, true, [=](const Prepared& p, const CheckOptions& o) {
+                 return 2 * attention_bytes(p, o);
+               },
+               [](Prepared& p, const CheckOptions& o) { return attention_backward_of(p, o, {}, {}, o.topk); }});
+  t.push_back({"loss_forward", "targets aligned on whole rows; sum and count all-reduced: every rank's loss",
+               Comparison::tolerance, kAttentionTolerance, true,
+               [](const Prepared&, const CheckOptions&) -> std::int64_t { return 16; },
+               [](Prepared& p, const CheckOptions& o) { return loss_forward_of(p, o, {}, {}); }});
+  t.push_back({"loss_backward", "each rank's logits gradient is its slice of the unsharded one",
+               Comparison::tolerance, kAttentionTolerance, true,
+               [](const Prepared&, const CheckOptions&) -> std::int64_t { return 16; },
+               [](Prepared& p, const CheckOptions& o) { return loss_backward_of(p, o, {}, {}); }});
+  return t;
+}
+
+}  // namespace rows
+
+}  // namespace cpsim::verify
