@@ -91,7 +91,10 @@ int run_fuzz(FuzzArgs a) {
     std::cout << "fuzz: " << a.cases << " random layouts (seed " << a.seed << ", cp 1-" << a.max_cp << ", backend "
               << a.job.backend << (a.job.multi ? ", " + std::to_string(a.job.size) + " processes" : std::string())
               << "): every property holds\n";
-    for (const auto& [name, n] : passed) std::cout << "  " << std::left << std::setw(21) << name << n << " cases\n";
+    std::size_t width = 0;
+    for (const auto& [name, n] : passed) width = std::max(width, name.size() + 2);
+    for (const auto& [name, n] : passed)
+      std::cout << "  " << std::left << std::setw(static_cast<int>(width)) << name << n << " cases\n";
     return finish_job(a.job, kExitOk);
   }
   std::cout << "fuzz: property failed: " << failure << "\n";

@@ -26,9 +26,9 @@ void add_job_options(CLI::App* cmd, JobArgs& job) {
 void add_model_options(CLI::App* cmd, ModelArgs& m, const std::string& seed_help) {
   cmd->add_option("--conv-width", m.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
   cmd->add_option("--channels", m.channels, "activation channels")->check(CLI::Range(1, 4096));
-  cmd->add_option("--heads", m.heads, "recurrence heads H")->check(CLI::Range(1, 64));
-  cmd->add_option("--key-dim", m.key_dim, "recurrence key size K")->check(CLI::Range(1, 256));
-  cmd->add_option("--value-dim", m.value_dim, "recurrence value size V")->check(CLI::Range(1, 256));
+  cmd->add_option("--heads", m.heads, "heads H of the recurrence and attention")->check(CLI::Range(1, 64));
+  cmd->add_option("--key-dim", m.key_dim, "key size K of the recurrence and attention (RoPE: rounded up to even)")->check(CLI::Range(1, 256));
+  cmd->add_option("--value-dim", m.value_dim, "value size V of the recurrence and attention")->check(CLI::Range(1, 256));
   cmd->add_option("--seed", m.seed, seed_help);
 }
 

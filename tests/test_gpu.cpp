@@ -9,7 +9,9 @@
 
 #include "tests/subprocess.hpp"
 
+#include "core/attention.hpp"
 #include "core/comm/run_ranks.hpp"
+#include "core/loss.hpp"
 #include "core/kernels/table.hpp"
 #include "gpu/cuda.hpp"
 #include "verify/generators.hpp"
@@ -187,6 +189,49 @@ TEST(CudaKernels, ConvMatchesTheHostKernels) {
                                });
     EXPECT_LT(relative_rmse(h2, g2), dt == DType::f32 ? 1e-6 : 1e-13) << "conv_backward " << dtype_name(dt);
   }
+}
+
+// The layers (RoPE, attention with and without a top-k indexer, the loss) through
+// their operators on the host and on the GPU: the same kernels, the same results.
+TEST(CudaKernels, LayersMatchTheHostKernels) {
+  CPSIM_NEEDS_GPU();
+  const std::int64_t B = 2, L = 96, H = 2, D = 4, V = 16;
+  const Tensor q = random_tensor({B, L, H, D}, DType::f64, 21), k = random_tensor({B, L, H, D}, DType::f64, 22),
+               v = random_tensor({B, L, H, D}, DType::f64, 23), up = random_tensor({B, L, H, D}, DType::f64, 24),
+               logits = random_tensor({B, L, V}, DType::f64, 25);
+  Tensor ids({B, L}, DType::i64), pos({B, L}, DType::i64), iq({B, L, 4}, DType::f64), ik({B, L, 4}, DType::f64),
+      targets({B, L}, DType::i64);
+  for (std::int64_t i = 0; i < B * L; ++i) {
+    const std::int64_t t = i % L;
+    ids.set(i, t >= L - 5 ? 0 : 1 + t / 20);  // documents of 20, then padding
+    pos.set(i, t % 20);
+    targets.set(i, t % 7 == 3 ? -100 : t % V);
+  }
+  for (std::int64_t i = 0; i < iq.numel(); ++i) iq.set(i, static_cast<double>(i * 7 % 11 % 7) - 3), ik.set(i, static_cast<double>(i * 5 % 13 % 7) - 3);
+  std::vector<std::vector<Tensor>> got;
+  for (Device d : {Device::host(), kGpu}) {
+    for (bool sparse : {false, true}) {
+      Var vq(q.to(d), true), vk(k.to(d), true), vv(v.to(d), true), vl(logits.to(d), true);
+      const Tensor kept = sparse ? topk_keep(iq.to(d), ik.to(d), ids, ids, 0, 3) : Tensor();
+      const Var o = document_attention(rope(vq, pos), rope(vk, pos), vv, ids, ids, 0, 0, kept);
+      backward(dot(o, up));
+      const Var loss = token_mean_loss(vl, targets, nullptr);
+      backward(loss);
+      std::vector<Tensor> out{o.value(), vq.grad(), vk.grad(), vv.grad(), loss.value(), vl.grad()};
+      if (sparse) out.push_back(kept);
+      for (auto& t : out) t = t.to(Device::host());
+      got.push_back(out);
+    }
+  }
+  const char* names[] = {"o", "dq", "dk", "dv", "loss", "d logits", "kept"};
+  for (std::size_t form = 0; form < 2; ++form)
+    for (std::size_t i = 0; i < got[form].size(); ++i) {
+      if (i == 6) {
+        EXPECT_TRUE(got[form][i].bitwise_equal(got[2 + form][i])) << names[i];
+      } else {
+        EXPECT_LT(relative_rmse(got[form][i], got[2 + form][i]), 1e-12) << names[i] << (form ? " (sparse)" : "");
+      }
+    }
 }
 
 namespace {
