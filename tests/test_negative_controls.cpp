@@ -2,6 +2,9 @@
 // variant of the code it checks, and must find (and shrink) a counterexample.
 #include <gmock/gmock.h>
 
+#include <map>
+#include <mutex>
+
 #include "core/conv.hpp"
 #include "core/gather.hpp"
 #include "core/recurrence.hpp"
@@ -209,6 +212,34 @@ void expect_plan_fault_found(const RecurrencePlanEdit& edit, const std::string& 
 }  // namespace
 
 // S <- M_j S + S_ext_j from the nearest predecessor back instead of the farthest first.
+namespace {
+// A plan made once per rank and kept across steps: the first context a rank sees
+// is used for every later batch (a cache keyed by rank, never invalidated).
+std::mutex stale_mutex;
+std::map<int, PackedContext> stale_plans;
+Var recurrence_with_a_stale_plan(const Var& q, const Var& k, const Var& v, const Var& beta, const Var& g,
+                                 const PackedContext& context, Communicator* comm) {
+  PackedContext plan;
+  {
+    std::lock_guard<std::mutex> lock(stale_mutex);
+    auto it = stale_plans.find(comm->rank());
+    if (it == stale_plans.end()) it = stale_plans.emplace(comm->rank(), context).first;
+    plan = it->second;
+  }
+  return gated_delta_rule(q, k, v, beta, g, plan, comm);
+}
+}  // namespace
+
+TEST(NegativeControls, TwoStepsCatchAPlanKeptFromTheLastBatch) {
+  expect_found(expect_counterexample("two steps vs a plan kept across steps", [](const LayoutCase& c) {
+    {
+      std::lock_guard<std::mutex> lock(stale_mutex);
+      stale_plans.clear();  // a fresh loop for every case
+    }
+    RC_ASSERT(check_two_steps(c, CheckOptions{}, recurrence_with_a_stale_plan).ok);
+  }));
+}
+
 TEST(NegativeControls, RecurrenceCatchesAFoldInTheWrongOrder) {
   expect_plan_fault_found([](RecurrencePlan& p, int, int) { std::reverse(p.fold_forward.begin(), p.fold_forward.end()); },
                           "fold in the wrong order");

@@ -182,6 +182,10 @@ CPSIM_BACKEND_PROP(Distributed, TopKSparseAttentionKeepsTheUnshardedKeysAndMatch
   assert_holds(check_attention_backward(c, o, {}, {}, o.topk));
 }
 
+CPSIM_BACKEND_PROP(Distributed, RankObjectsReusedAcrossStepsKeepNoStateFromTheLastBatch) {
+  assert_holds(check_two_steps(c, on(backend)));
+}
+
 CPSIM_BACKEND_PROP(Distributed, TheTokenMeanLossAcrossRanksIsTheUnshardedLoss) {
   assert_holds(check_loss_forward(c, on(backend)));
   assert_holds(check_loss_backward(c, on(backend)));
@@ -254,7 +258,8 @@ TEST(PropertyTable, EveryRowRunsOnceOnASharedPreparedCase) {
                                              "halo_forward", "halo_backward", "conv_forward", "conv_backward",
                                              "recurrence_forward", "recurrence_backward", "rope", "attention_forward",
                                              "attention_backward", "sparse_attention_forward",
-                                             "sparse_attention_backward", "loss_forward", "loss_backward"}));
+                                             "sparse_attention_backward", "loss_forward", "loss_backward",
+                                             "two_steps"}));
   for (const auto& row : table) {
     EXPECT_FALSE(row.claim.empty()) << row.name;
     EXPECT_EQ(row.comparison == Comparison::tolerance, row.tolerance > 0) << row.name;
@@ -277,7 +282,7 @@ TEST(PropertyTable, EveryRowRunsOnceOnASharedPreparedCase) {
                                       check_attention_forward(c, o), check_attention_backward(c, o),
                                       check_attention_forward(c, o, {}, {}, o.topk),
                                       check_attention_backward(c, o, {}, {}, o.topk), check_loss_forward(c, o),
-                                      check_loss_backward(c, o)};
+                                      check_loss_backward(c, o), check_two_steps(c, o)};
     const std::int64_t separate = cpsim::testing::counting_groups;
     // The conv runs once instead of twice (both exchanges in one group), and so do
     // the recurrence, both attention forms and the loss.

@@ -62,6 +62,9 @@ const std::map<std::string, std::function<double(const Shapes&)>>& row_models() 
       {"attention_backward", attention},
       {"sparse_attention_forward", attention},
       {"sparse_attention_backward", attention},
+      // Two batches' inputs, three steps' outputs and two forward references, with
+      // no backward: within one recurrence run with its backward.
+      {"two_steps", recurrence},
       // The logits, the reference's softmax gradient and every rank's gradient.
       {"loss_forward", [](const Shapes&) { return 8.0 * 16 * 4 + 80; }},
       {"loss_backward", [](const Shapes&) { return 8.0 * 16 * 4 + 80; }},

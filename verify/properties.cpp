@@ -99,6 +99,9 @@ PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions
   return prepared(c, "recurrence_backward", [&](Prepared& p) { return recurrence_backward_of(p, o, fn, sharding); });
 }
 
+PropertyResult check_two_steps(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn) {
+  return prepared(c, "two_steps", [&](Prepared& p) { return two_steps_of(p, o, fn ? fn : default_recurrence()); });
+}
 PropertyResult check_rope(const LayoutCase& c, const CheckOptions& o, const RopeFn& fn) {
   return prepared(c, "rope", [&](Prepared& p) { return rope_of(p, o, fn ? fn : default_rope()); });
 }
@@ -127,7 +130,7 @@ PropertyResult check_loss_backward(const LayoutCase& c, const CheckOptions& o, c
 const std::vector<PropertyRow>& property_table() {
   static const std::vector<PropertyRow> table = [] {
     std::vector<PropertyRow> t;
-    for (auto family : {layout_rows, gather_rows, conv_rows, recurrence_rows, layer_rows})
+    for (auto family : {layout_rows, gather_rows, conv_rows, recurrence_rows, layer_rows, step_rows})
       for (PropertyRow& row : family()) t.push_back(std::move(row));
     return t;
   }();

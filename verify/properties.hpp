@@ -156,6 +156,12 @@ PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions&
 PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn = {},
                                          Sharding sharding = Sharding::contiguous);
 
+// A training loop's rank objects reused across steps: the recurrence on the case's
+// batch, then (the packed context reassigned) on a batch of the same shape with
+// documents of three tokens, then on the case again: every step matches its own
+// unsharded reference.
+PropertyResult check_two_steps(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn = {});
+
 // RoPE alone, forward and backward, against the unsharded rotation by the batch's
 // positions.
 PropertyResult check_rope(const LayoutCase& c, const CheckOptions& o, const RopeFn& rope = {});

@@ -118,6 +118,7 @@ std::vector<PropertyRow> gather_rows();
 std::vector<PropertyRow> conv_rows();
 std::vector<PropertyRow> recurrence_rows();
 std::vector<PropertyRow> layer_rows();
+std::vector<PropertyRow> step_rows();
 
 }  // namespace cpsim::verify::rows
 
@@ -147,6 +148,7 @@ PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn&
 PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv);
 PropertyResult recurrence_forward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding);
 PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding);
+PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn);
 PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& fn);
 PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn, const RopeFn& rope_fn,
                                     std::int64_t topk);
