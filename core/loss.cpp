@@ -53,8 +53,7 @@ Var token_mean_loss(const Var& logits, const Tensor& targets, Communicator* comm
   Tensor value = Tensor::full({1}, DType::f64, count > 0 ? sum / count : 0.0);
   return record(value, "token_mean_loss", {logits}, [a, x, tg, count](const Tensor& g) {
     Tensor gx(x.shape(), x.dtype(), x.device());
-    kernels::CrossEntropy b = a;
-    b.targets = static_cast<const std::int64_t*>(tg.raw());
+    kernels::CrossEntropy b = a;  // its targets point into tg, which this closure keeps
     b.grad = gx.raw();
     b.grad_scale = count > 0 ? g.get(0) / count : 0.0;
     kernels::kernels_for(x.device()).cross_entropy_backward(b, x.dtype(), kernels::current_stream());

@@ -15,11 +15,11 @@ namespace {
 
 // The batch's padded global rows [B, P] the layers read, as the shards carry them.
 struct LayerRows {
-  Tensor positions, padding, doc_ids;
+  Tensor positions, padding, doc_ids, input_ids;
 };
 LayerRows layer_rows(const Prepared& s) {
   const Batch padded = reference_padded_global(s.c, s.g.padded_len);
-  return {padded.at("position_ids"), padded.at("padding_mask"), s.padded_ids};
+  return {padded.at("position_ids"), padded.at("padding_mask"), s.padded_ids, padded.at("input_ids")};
 }
 
 Tensor negated(const Tensor& positions) {
@@ -212,7 +212,7 @@ LossRun run_loss(const Prepared& s, const CheckOptions& opt, const TargetsFn& ta
   const std::int64_t B = s.shape.rows, P = s.g.padded_len, V = opt.vocab;
   const LayerRows rows = layer_rows(s);
   // Token ids folded into the vocabulary: targets come from the batch's own ids.
-  const Tensor ids = reference_padded_global(c, P).at("input_ids");
+  const Tensor& ids = rows.input_ids;
   Tensor tokens({B, P}, DType::i64);
   for (std::int64_t i = 0; i < tokens.numel(); ++i) tokens.set(i, static_cast<double>(((ids.get_int(i) % V) + V) % V));
   const Tensor logits = random_tensor({B, P, V}, DType::f64, mix_seed(c.seed, 91));
