@@ -23,10 +23,12 @@
 
 #include "bench/collectives.hpp"
 #include "core/comm/run_ranks.hpp"
+#include "core/attention.hpp"
 #include "core/conv.hpp"
 #include "core/gather.hpp"
 #include "core/halo.hpp"
 #include "core/layout.hpp"
+#include "core/loss.hpp"
 #include "core/recurrence.hpp"
 #include "core/shard.hpp"
 #include "verify/random.hpp"
@@ -190,6 +192,62 @@ void register_operators(const std::string& backend) {
   }
 }
 
+// The layers that consume the layout: RoPE, then attention over the gathered K/V
+// (dense, and top-k sparse), forward and backward; and the token-mean loss. The
+// limit is that of copying the gathered k and v (compute dominates: a query reads
+// every key of its document up to itself, documents of 256 tokens here).
+void register_layers(const std::string& backend) {
+  const std::vector<int> rank_counts = smoke ? std::vector<int>{2} : std::vector<int>{2, 4, 8};
+  const std::int64_t L = smoke ? 16 : 1024, H = 4, D = 16, doc = smoke ? 8 : 256;
+  for (int n : rank_counts)
+    for (std::int64_t topk : {std::int64_t{-1}, std::int64_t{16}}) {
+      const std::string name = std::string(topk < 0 ? "attention" : "sparse_attention") + "_forward_backward/" +
+                               backend + "/ranks:" + std::to_string(n) + "/L:" + std::to_string(L) +
+                               "/H:4/D:16/doc:" + std::to_string(doc) + (topk < 0 ? "" : "/topk:16");
+      const std::size_t gathered = static_cast<std::size_t>(n * L * H * 2 * D * 8);
+      benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& s) {
+        timed_ranks(s, backend, n, 2 * gathered, [=](Communicator& comm) {
+          Tensor ids({1, n * L}, DType::i64), pos({1, L}, DType::i64);
+          for (std::int64_t i = 0; i < n * L; ++i) ids.data<std::int64_t>()[i] = 1 + i / doc;
+          for (std::int64_t i = 0; i < L; ++i) pos.data<std::int64_t>()[i] = (comm.rank() * L + i) % doc;
+          const PackedContext ctx(ids, comm.rank() * L, n, n * L);
+          const Tensor visible = visible_doc_ids(ctx, Tensor::full({1, L}, DType::b8, 0.0));
+          const Device d = comm.device();
+          auto put = [d](Tensor t) { return d.is_cpu() ? t : t.to(d); };
+          auto in = [&](Shape sh, std::uint64_t seed) {
+            return std::make_shared<Var>(put(verify::random_tensor(sh, DType::f64, seed + 10 * comm.rank())), true);
+          };
+          auto q = in({1, L, H, D}, 1), k = in({1, L, H, D}, 2), v = in({1, L, H, D}, 3);
+          auto up = std::make_shared<Tensor>(put(verify::random_tensor({1, L, H, D}, DType::f64, 4)));
+          auto indexer = std::make_shared<SparseIndexer>(SparseIndexer{
+              put(verify::random_tensor({1, L, 4}, DType::f64, 5)), put(verify::random_tensor({1, L, 4}, DType::f64, 6)),
+              topk});
+          const std::int64_t start = ctx.seq_start();
+          return [=, &comm] {
+            const CpAttention a = cp_document_attention(rope(*q, pos), rope(*k, pos), *v, visible, start, &comm,
+                                                        topk < 0 ? nullptr : indexer.get());
+            backward(add(dot(a.out, *up), a.anchor));
+          };
+        });
+      })->UseManualTime()->Iterations(1);
+    }
+  for (int n : rank_counts) {
+    const std::int64_t vocab = smoke ? 16 : 4096, tokens = smoke ? 16 : 1024;
+    const std::string name = "token_mean_loss_forward_backward/" + backend + "/ranks:" + std::to_string(n) +
+                             "/L:" + std::to_string(tokens) + "/vocab:" + std::to_string(vocab);
+    benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& s) {
+      timed_ranks(s, backend, n, static_cast<std::size_t>(tokens * vocab * 8), [=](Communicator& comm) {
+        const Device d = comm.device();
+        Tensor targets({1, tokens}, DType::i64);
+        for (std::int64_t i = 0; i < tokens; ++i) targets.data<std::int64_t>()[i] = i % 7 == 6 ? -100 : (i * 31) % vocab;
+        auto logits = std::make_shared<Var>(verify::random_tensor({1, tokens, vocab}, DType::f64, 8 + comm.rank()), true);
+        if (!d.is_cpu()) *logits = Var(logits->value().to(d), true), targets = targets.to(d);
+        return [=, &comm] { backward(token_mean_loss(*logits, targets, &comm)); };
+      });
+    })->UseManualTime()->Iterations(1);
+  }
+}
+
 void register_layout() {
   for (std::int64_t S : smoke ? std::vector<std::int64_t>{64} : std::vector<std::int64_t>{4096, 262144}) {
     const std::int64_t rows = 8;
@@ -233,6 +291,7 @@ int main(int argc, char** argv) {
               ->Iterations(1);
         }
     register_operators(backend);
+    register_layers(backend);
   }
   register_layout();
   benchmark::RunSpecifiedBenchmarks();

@@ -78,6 +78,9 @@ verify::CheckOptions check_options(const ModelArgs& m) {
   o.heads = m.heads;
   o.key_dim = m.key_dim;
   o.value_dim = m.value_dim;
+  o.topk = m.topk;
+  o.index_dim = m.index_dim;
+  o.vocab = m.vocab;
   return o;
 }
 

@@ -29,6 +29,10 @@ void add_model_options(CLI::App* cmd, ModelArgs& m, const std::string& seed_help
   cmd->add_option("--heads", m.heads, "heads H of the recurrence and attention")->check(CLI::Range(1, 64));
   cmd->add_option("--key-dim", m.key_dim, "key size K of the recurrence and attention (RoPE: rounded up to even)")->check(CLI::Range(1, 256));
   cmd->add_option("--value-dim", m.value_dim, "value size V of the recurrence and attention")->check(CLI::Range(1, 256));
+  cmd->add_option("--topk", m.topk, "keys each query keeps in the sparse attention")->check(CLI::Range(0, 4096));
+  cmd->add_option("--index-dim", m.index_dim, "size Di of the sparse attention's indexer")->check(CLI::Range(1, 256));
+  cmd->add_option("--vocab", m.vocab, "vocabulary of the loss's logits (token ids are taken mod vocab)")
+      ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--seed", m.seed, seed_help);
 }
 

@@ -34,6 +34,7 @@ struct JobArgs {
 struct ModelArgs {
   int conv_width = 4, channels = 8;
   int heads = 2, key_dim = 4, value_dim = 4;
+  int topk = 3, index_dim = 4, vocab = 16;
   std::uint64_t seed = 0;
 };
 

@@ -64,38 +64,70 @@ def _numpy(x):
 
 
 def compare(name, got, want, tolerance=None):
-    """Bitwise, or within a relative RMSE (rms(want - got) / rms(want)) when a tolerance is given."""
+    """Bitwise, or within a relative RMSE (rms(want - got) / rms(want)) when a tolerance is given.
+    A failure names the key and the first position (index per axis) that differs."""
     got = _numpy(got)
     if got.shape != want.shape:
         raise AssertionError("%s: shape %s, expected %s" % (name, got.shape, want.shape))
     if tolerance is None:
-        wrong = np.flatnonzero(got.reshape(-1) != want.reshape(-1))
-        if wrong.size:
-            i = wrong[0]
-            raise AssertionError("%s: %d wrong elements, first at flat index %d: %r, expected %r"
-                                 % (name, wrong.size, i, got.reshape(-1)[i], want.reshape(-1)[i]))
+        wrong = np.argwhere(got != want)
+        if len(wrong):
+            at = tuple(int(i) for i in wrong[0])
+            raise AssertionError("%s: %d wrong elements, first at %s: %r, expected %r"
+                                 % (name, len(wrong), list(at), got[at], want[at]))
         return 0.0
-    den = np.sqrt(np.mean(np.square(want.astype(np.float64)))) if want.size else 0.0
-    num = np.sqrt(np.mean(np.square(want.astype(np.float64) - got.astype(np.float64)))) if want.size else 0.0
+    w, g = want.astype(np.float64), got.astype(np.float64)
+    den = np.sqrt(np.mean(np.square(w))) if want.size else 0.0
+    num = np.sqrt(np.mean(np.square(w - g))) if want.size else 0.0
     err = 0.0 if num == 0 else (float("inf") if den == 0 else num / den)
     if err > tolerance:
-        raise AssertionError("%s: relative RMSE %.3g > %.3g" % (name, err, tolerance))
+        off = np.argwhere(~(np.abs(w - g) <= tolerance * max(den, 1e-300)))
+        at = tuple(int(i) for i in off[0]) if len(off) else ()
+        raise AssertionError("%s: relative RMSE %.3g > %.3g; first differs at %s: %r, expected %r"
+                             % (name, err, tolerance, list(at), got[at], want[at]))
     return err
 
 
-def check(golden, shard=None, halo=None, gather=None, log=print):
+def check(golden, shard=None, halo=None, gather=None, rope=None, attention=None, targets=None, loss=None,
+          log=print):
     """Compares the given functions with every rank's expected values.
 
     shard(batch, rank, cp, pad_token_id) -> dict: the local batch after shard_batch
     halo(shards, width) -> list: every rank's convolution history [B, L+W-1, C]
     gather(shards) -> list: every rank's gathered tensor [B, P, C]
     (shards: the list of every rank's [B, L, C] shard of the activation x)
+
+    The layers that consume the layout (docs/operators.md, "The layers"); each
+    takes lists with one entry per rank, that rank's shard, and returns one
+    result per rank:
+    rope(x, positions) -> list: each rank's x [B, L, H, D] turned by its
+        position_ids [B, L] (interleaved pairs, base manifest["rope_base"])
+    attention(q, k, v, positions, doc_ids, padding, grad_o, topk=None,
+              index_q=None, index_k=None) -> list of dicts with "o", "dq", "dk",
+        "dv" (and "kept" [B, L, topk] when topk is given): RoPE on q and k by
+        position, then document-masked causal attention over the gathered K/V
+        (scale manifest["softmax_scale"]), and the gradients of the unrotated
+        q, k, v for the upstream grad_o; with topk, the top-k sparse form
+        whose indexer scores index_q . index_k
+    targets(tokens, doc_ids, padding) -> [B, P]: next-token targets on whole rows
+    loss(logits, targets) -> list of (loss, grad_logits): every rank's
+        token-mean cross entropy across ranks and its logits' gradient
     """
     m = golden.manifest
     L, width = m["L"], m["conv_width"]
     x = golden.inputs["x"]
     shards = [x[:, r * L:(r + 1) * L] for r in range(golden.cp)]
     checked = 0
+    tol = m["tolerance"]["relative_rmse_layers"]
+
+    def per_rank(key):
+        return [golden.ranks[r][key] for r in range(golden.cp)]
+
+    def split(key):
+        t = golden.inputs[key]
+        return [t[:, r * L:(r + 1) * L] for r in range(golden.cp)]
+
+    positions, doc_ids, padding = per_rank("batch.position_ids"), per_rank("local_doc_ids"), per_rank("batch.padding_mask")
     if shard is not None:
         for r in range(golden.cp):
             local = shard(golden.batch, r, golden.cp, m["pad_token_id"])
@@ -111,6 +143,32 @@ def check(golden, shard=None, halo=None, gather=None, log=print):
         for r, got in enumerate(gather(shards)):
             compare("rank %d gathered" % r, got, golden.ranks[r]["gathered"])
             checked += 1
+    if rope is not None:
+        for key in ("q", "k"):
+            for r, got in enumerate(rope(split("attention_" + key), positions)):
+                compare("rank %d rope_%s" % (r, key), got, golden.ranks[r]["rope_" + key], tol)
+                checked += 1
+    if attention is not None:
+        for prefix, topk in (("attention_", None), ("sparse_attention_", m["topk"])):
+            extra = {} if topk is None else {"topk": topk, "index_q": split("index_q"), "index_k": split("index_k")}
+            got = attention(split("attention_q"), split("attention_k"), split("attention_v"), positions, doc_ids,
+                            padding, split("attention_grad_o"), **extra)
+            for r, out in enumerate(got):
+                if topk is not None:
+                    compare("rank %d %skept" % (r, prefix), out["kept"], golden.ranks[r][prefix + "kept"])
+                for name in ("o", "dq", "dk", "dv"):
+                    compare("rank %d %s%s" % (r, prefix, name), out[name], golden.ranks[r][prefix + name], tol)
+                checked += 5 if topk is not None else 4
+    if targets is not None:
+        whole_ids = np.concatenate(doc_ids, axis=1)
+        whole_padding = np.concatenate(padding, axis=1)
+        compare("targets", targets(golden.inputs["loss_tokens"], whole_ids, whole_padding), golden.reference["targets"])
+        checked += 1
+    if loss is not None:
+        for r, (value, grad) in enumerate(loss(split("logits"), per_rank("targets"))):
+            compare("rank %d loss" % r, np.reshape(_numpy(value), (1,)), golden.ranks[r]["loss"], tol)
+            compare("rank %d loss_grad_logits" % r, grad, golden.ranks[r]["loss_grad_logits"], tol)
+            checked += 2
     log("golden_check: %d comparisons hold (cp=%d, batch %s)" % (checked, golden.cp, m["batch"]))
     return checked
 
@@ -165,6 +223,88 @@ def numpy_gather(shards):
     return [whole for _ in shards]
 
 
+def numpy_rope(x, positions, base=10000.0):
+    out = []
+    for xs, pos in zip(x, positions):
+        D = xs.shape[-1]
+        theta = pos[..., None].astype(np.float64) * base ** (-2.0 * np.arange(D // 2) / D)  # [B, L, D/2]
+        cos, sin = np.cos(theta)[:, :, None, :], np.sin(theta)[:, :, None, :]
+        even, odd = xs[..., 0::2], xs[..., 1::2]
+        y = np.empty_like(xs)
+        y[..., 0::2] = even * cos - odd * sin
+        y[..., 1::2] = even * sin + odd * cos
+        out.append(y)
+    return out
+
+
+def numpy_attention(q, k, v, positions, doc_ids, padding, grad_o, topk=None, index_q=None, index_k=None):
+    """Every rank's queries over the gathered keys: the ranks' shards are joined
+    (what gather_sequence gives every rank), and each rank keeps its slice."""
+    cp, L = len(q), q[0].shape[1]
+    join = lambda parts: np.concatenate(parts, axis=1)
+    pos, ids, pad = join(positions), join(doc_ids), join(padding)
+    Q, K, V, G = numpy_rope([join(q)], [pos])[0], numpy_rope([join(k)], [pos])[0], join(v), join(grad_o)
+    B, S, H, D = Q.shape
+    scale = 1.0 / np.sqrt(D)
+    O, dQ, dK, dV = np.zeros_like(V), np.zeros_like(Q), np.zeros_like(K), np.zeros_like(V)
+    kept = np.full((B, S, topk if topk is not None else 0), -1, dtype=np.int64)
+    for b in range(B):
+        for i in range(S):
+            if pad[b, i] or ids[b, i] == 0:
+                continue
+            seen = [j for j in range(i + 1) if not pad[b, j] and ids[b, j] == ids[b, i]]
+            if topk is not None:
+                iq, ik = join(index_q), join(index_k)
+                seen = sorted(sorted(seen, key=lambda j: (-float(iq[b, i] @ ik[b, j]), j))[:topk])
+                kept[b, i, :len(seen)] = seen
+            if not seen:
+                continue
+            s = scale * np.einsum("hd,jhd->hj", Q[b, i], K[b, seen])
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            O[b, i] = np.einsum("hj,jhd->hd", p, V[b, seen])
+            dp = np.einsum("hd,jhd->hj", G[b, i], V[b, seen])
+            ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))
+            dQ[b, i] = scale * np.einsum("hj,jhd->hd", ds, K[b, seen])
+            dK[b, seen] += scale * np.einsum("hj,hd->jhd", ds, Q[b, i])
+            dV[b, seen] += np.einsum("hj,hd->jhd", p, G[b, i])
+    # Back through RoPE: the inverse rotation.
+    dQ, dK = numpy_rope([dQ], [-pos])[0], numpy_rope([dK], [-pos])[0]
+    out = []
+    for r in range(cp):
+        cut = slice(r * L, (r + 1) * L)
+        one = {"o": O[:, cut], "dq": dQ[:, cut], "dk": dK[:, cut], "dv": dV[:, cut]}
+        if topk is not None:
+            one["kept"] = kept[:, cut]
+        out.append(one)
+    return out
+
+
+def numpy_targets(tokens, doc_ids, padding):
+    targets = np.full(tokens.shape, -100, dtype=np.int64)
+    same = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] != 0) & ~padding[:, :-1] & ~padding[:, 1:]
+    targets[:, :-1] = np.where(same, tokens[:, 1:], -100)
+    return targets
+
+
+def numpy_loss(logits, targets):
+    """Each rank sums its per-token losses and counts its targets; both summed
+    over ranks (the all-reduce); loss = sum / count."""
+    sums, counts, grads = [], [], []
+    for z, t in zip(logits, targets):
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        real = t >= 0
+        picked = np.take_along_axis(p, np.where(real, t, 0)[..., None], axis=-1)[..., 0]
+        sums.append(-np.log(picked[real]).sum())
+        counts.append(real.sum())
+        onehot = np.zeros_like(p)
+        np.put_along_axis(onehot, np.where(real, t, 0)[..., None], 1.0, axis=-1)
+        grads.append((p - onehot) * real[..., None])
+    total, count = sum(sums), sum(counts)
+    return [(np.array([total / count if count else 0.0]), g / count if count else g) for g in grads]
+
+
 def torch_functions():
     import torch  # optional
 
@@ -190,7 +330,8 @@ def main(argv):
         halo, gather = torch_functions()
         check(golden, shard=numpy_shard(golden), halo=halo, gather=gather)
     else:
-        check(golden, shard=numpy_shard(golden), halo=numpy_halo, gather=numpy_gather)
+        check(golden, shard=numpy_shard(golden), halo=numpy_halo, gather=numpy_gather, rope=numpy_rope,
+              attention=numpy_attention, targets=numpy_targets, loss=numpy_loss)
     return 0
 
 

@@ -3,6 +3,7 @@
 // implementation (examples/golden_check.py) agrees with it too.
 #include <gmock/gmock.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -12,6 +13,7 @@
 #include "verify/golden.hpp"
 #include "verify/random.hpp"
 #include "verify/reference.hpp"
+#include "verify/reference_layers.hpp"
 #include "verify/safetensors.hpp"
 
 using namespace cpsim;
@@ -54,6 +56,24 @@ TEST(Golden, FolderReadsBackAndHoldsTheReferences) {
                                             inputs.tensors.at("conv_grad_y"));
   EXPECT_TRUE(ref.tensors.at("conv_y").bitwise_equal(conv.y));
   EXPECT_TRUE(ref.tensors.at("conv_dw").bitwise_equal(conv.dw));
+  // The layers: the inputs the rows draw, and their references.
+  const AttentionInputs at = random_attention_inputs(2, g.padded_len, o.heads, o.rope_dim(), o.value_dim, o.index_dim,
+                                                     mix_seed(c.seed, 70));
+  EXPECT_TRUE(inputs.tensors.at("attention_q").bitwise_equal(at.q));
+  EXPECT_TRUE(inputs.tensors.at("index_k").bitwise_equal(at.index_k));
+  const Batch padded = reference_padded_global(c, g.padded_len);
+  const Tensor& pos = padded.at("position_ids");
+  EXPECT_TRUE(ref.tensors.at("rope_k").bitwise_equal(reference_rope(at.k, pos)));
+  const AttentionReference sparse =
+      reference_attention(reference_rope(at.q, pos), reference_rope(at.k, pos), at.v,
+                          reference_padded_doc_ids(truth, g.padded_len), padded.at("padding_mask"), at.grad_o,
+                          1.0 / std::sqrt(static_cast<double>(o.rope_dim())), at.index_q, at.index_k, o.topk);
+  EXPECT_TRUE(ref.tensors.at("sparse_attention_kept").bitwise_equal(sparse.kept));
+  EXPECT_TRUE(ref.tensors.at("sparse_attention_o").bitwise_equal(sparse.o));
+  EXPECT_EQ(ref.tensors.at("loss").get(0),
+            reference_loss(inputs.tensors.at("logits"), inputs.tensors.at("loss_tokens"),
+                           reference_padded_doc_ids(truth, g.padded_len), padded.at("padding_mask"))
+                .loss);
   for (int r = 0; r < 3; ++r) {
     const SafetensorsFile rank = read(dir / ("rank_" + std::to_string(r) + ".safetensors"));
     EXPECT_TRUE(rank.tensors.at("halo").bitwise_equal(reference_history(x, g.start(r), g.local_len, 6))) << r;
@@ -97,4 +117,24 @@ TEST(Golden, AnIndependentNumpyImplementationAgrees) {
       std::filesystem::remove_all(dir);
     }
   }
+}
+
+// Planted bugs in that numpy implementation (tests/golden_plants.py: RoPE by local
+// index, attention without the gathered keys, top-k ties to the later key, targets
+// aligned after sharding, a mean of rank means, a halo of zeros) are each reported
+// at the key they break, with its rank and first position.
+TEST(Golden, PlantedBugsInTheNumpyImplementationAreReportedAtTheirKey) {
+  if (std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "needs numpy for /usr/bin/python3 (Debian's python3-numpy; make deps installs it)";
+  const auto dir = fresh_dir("cpsim-golden-plants");
+  const auto g = cpsim::testing::run_process(
+      {CPSIM_BINARY, "golden", kExamples + "thd_cu_seqlens.json", "--cp", "3", "--out", dir.string()}, 60s);
+  ASSERT_EQ(g.status, 0) << g.err;
+  const auto r = cpsim::testing::run_process(
+      {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/tests/golden_plants.py", dir.string()}, 60s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  for (const char* key : {"rope_q", "attention_dk", "sparse_attention_kept", "targets", "loss", "halo"})
+    EXPECT_THAT(r.out, HasSubstr(std::string(key) + ": ")) << r.out;
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("MISSED"))) << r.out;
+  std::filesystem::remove_all(dir);
 }

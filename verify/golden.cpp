@@ -1,12 +1,15 @@
 #include "verify/golden.hpp"
 
+#include <cmath>
 #include <cstring>
+#include <tuple>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "verify/random.hpp"
 #include "verify/reference.hpp"
+#include "verify/reference_layers.hpp"
 #include "verify/safetensors.hpp"
 
 namespace cpsim::verify {
@@ -89,6 +92,52 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
            {"dq", rec.dq}, {"dk", rec.dk}, {"dv", rec.dv}, {"dbeta", rec.dbeta}, {"dg", rec.dg}})
     ref.add(name, t, "recurrence gradient " + name, "§3");
 
+  // The layers that consume the layout (§3b), on the inputs the layer rows draw.
+  const std::int64_t D = o.rope_dim();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const Tensor &pos = padded.at("position_ids"), &pad = padded.at("padding_mask");
+  const AttentionInputs at =
+      random_attention_inputs(B, P, o.heads, D, o.value_dim, o.index_dim, mix_seed(c.seed, 70));
+  inputs.add("attention_q", at.q, "attention queries [B, P, H, D] before RoPE (D: key_dim rounded up to even)", "§3b");
+  inputs.add("attention_k", at.k, "attention keys [B, P, H, D] before RoPE", "§3b");
+  inputs.add("attention_v", at.v, "attention values [B, P, H, Dv]", "§3b");
+  inputs.add("attention_grad_o", at.grad_o, "upstream gradient of the attention output [B, P, H, Dv]", "§3b");
+  inputs.add("index_q", at.index_q, "sparse indexer query [B, P, Di], integer-valued", "§3b");
+  inputs.add("index_k", at.index_k, "sparse indexer key [B, P, Di], integer-valued", "§3b");
+  const LossInputs li = random_loss_inputs(padded.at("input_ids"), o.vocab, mix_seed(c.seed, 91));
+  inputs.add("loss_tokens", li.tokens, "padded input_ids mod vocab [B, P]: the ids the targets are aligned from", "§3b");
+  inputs.add("logits", li.logits, "logits [B, P, vocab]", "§3b");
+  const Tensor rq = reference_rope(at.q, pos), rk = reference_rope(at.k, pos);
+  ref.add("rope_q", rq, "attention_q rotated by padded.position_ids [B, P, H, D]", "§3b");
+  ref.add("rope_k", rk, "attention_k rotated by padded.position_ids [B, P, H, D]", "§3b");
+  const auto attention = [&](std::int64_t topk) {
+    AttentionReference a = reference_attention(rq, rk, at.v, ids, pad, at.grad_o, scale, at.index_q, at.index_k, topk);
+    a.dq = reference_rope_backward(a.dq, pos);  // the gradients of q and k before RoPE
+    a.dk = reference_rope_backward(a.dk, pos);
+    return a;
+  };
+  const AttentionReference dense = attention(-1), sparse = attention(o.topk);
+  const LossReference loss = reference_loss(li.logits, li.tokens, ids, pad);
+  // Each [B, P, ...] layer key: its name, value and meaning (ranks hold their slice).
+  const std::vector<std::tuple<std::string, Tensor, std::string>> layers = {
+      {"attention_o", dense.o, "RoPE, then document-masked causal attention: o [B, P, H, Dv]"},
+      {"attention_dq", dense.dq, "gradient of attention_q (through attention and RoPE) [B, P, H, D]"},
+      {"attention_dk", dense.dk, "gradient of attention_k, summed over every query that sees it [B, P, H, D]"},
+      {"attention_dv", dense.dv, "gradient of attention_v [B, P, H, Dv]"},
+      {"sparse_attention_kept", sparse.kept,
+       "each query's kept keys (global positions, ascending, then -1) [B, P, topk]"},
+      {"sparse_attention_o", sparse.o, "attention over the kept keys only: o [B, P, H, Dv]"},
+      {"sparse_attention_dq", sparse.dq, "gradient of attention_q in the sparse form [B, P, H, D]"},
+      {"sparse_attention_dk", sparse.dk, "gradient of attention_k in the sparse form [B, P, H, D]"},
+      {"sparse_attention_dv", sparse.dv, "gradient of attention_v in the sparse form [B, P, H, Dv]"},
+      {"targets", loss.targets,
+       "next-token targets aligned on whole rows: loss_tokens[t+1] within t's document, else -100 [B, P]"},
+      {"loss_grad_logits", loss.grad, "gradient of the token-mean loss for logits [B, P, vocab]"}};
+  for (const auto& [key, t, meaning] : layers) ref.add(key, t, meaning, "§3b");
+  const Tensor loss_value = Tensor::from<double>({1}, {loss.loss}), loss_count = Tensor::from<double>({1}, {loss.count});
+  ref.add("loss", loss_value, "the token-mean cross entropy over every rank's targets [1]", "§3b");
+  ref.add("loss_count", loss_count, "the number of targets (the all-reduced count) [1]", "§3b");
+
   std::filesystem::create_directories(dir);
   json manifest = {{"cpsim", "golden vectors"},
                    {"batch", batch_name},
@@ -104,9 +153,16 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                    {"heads", o.heads},
                    {"key_dim", o.key_dim},
                    {"value_dim", o.value_dim},
-                   {"tolerance", {{"bitwise", "batch, doc ids, contexts, halo, gathered"},
+                   {"attention_dim", D},
+                   {"softmax_scale", scale},
+                   {"rope_base", 10000},
+                   {"topk", o.topk},
+                   {"index_dim", o.index_dim},
+                   {"vocab", o.vocab},
+                   {"tolerance", {{"bitwise", "batch, doc ids, contexts, halo, gathered, sparse_attention_kept, targets"},
                                   {"relative_rmse_conv", kConvTolerance},
-                                  {"relative_rmse_recurrence", kRecurrenceTolerance}}},
+                                  {"relative_rmse_recurrence", kRecurrenceTolerance},
+                                  {"relative_rmse_layers", kAttentionTolerance}}},
                    {"files", json::object()}};
   std::vector<std::string> written;
   auto save = [&](const std::string& name, const GoldenFile& f) {
@@ -170,6 +226,10 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
     for (const auto& [name, t] : std::vector<std::pair<std::string, Tensor>>{
              {"dq", rec.dq}, {"dk", rec.dk}, {"dv", rec.dv}, {"dbeta", rec.dbeta}, {"dg", rec.dg}})
       rank.add(name, slice(t, start, L), "this rank's recurrence gradient " + name, "§3");
+    rank.add("rope_q", slice(rq, start, L), "this rank's attention_q rotated by its position_ids", "§3b");
+    rank.add("rope_k", slice(rk, start, L), "this rank's attention_k rotated by its position_ids", "§3b");
+    for (const auto& [key, t, meaning] : layers) rank.add(key, slice(t, start, L), "this rank's slice: " + meaning, "§3b");
+    rank.add("loss", loss_value, "the loss every rank returns (sum and count all-reduced) [1]", "§3b");
     save("rank_" + std::to_string(r) + ".safetensors", rank);
   }
   const std::string mpath = (std::filesystem::path(dir) / "manifest.json").string();

@@ -2,7 +2,9 @@
 // one), as safetensors, every value from cpsim's references (never from the code
 // they check): the seeded inputs, the unsharded outputs and gradients, and for
 // each rank the expected local batch, local doc ids, row_cu_seqlens, the recurrent
-// CP context, the halo, the gathered tensor and every local gradient; plus
+// CP context, the halo, the gathered tensor and every local gradient, and the
+// layers that consume the layout (RoPE, dense and top-k sparse attention, targets
+// and the token-mean loss) with their inputs and each rank's slice; plus
 // manifest.json naming each file's keys with shape, dtype and meaning.
 #pragma once
 

@@ -16,6 +16,7 @@ namespace {
 // The shapes a row's memory depends on.
 struct Shapes {
   double cp, C, H, K, V;
+  double vocab = 16, Di = 4, topk = 3;
   double in() const { return H * (3 * K + V + 1) * 8; }  // q, k, g (K each), v (V), beta: float64
   double out() const { return H * V * 8; }               // o and its upstream gradient
   double states() const { return H * K * V * 8; }        // one K x V state per token and head
@@ -38,8 +39,12 @@ const std::map<std::string, std::function<double(const Shapes&)>>& row_models() 
     return s.states() + 2 * (s.in() + s.out()) + 8 * s.K * s.V + 800 + 40 * s.cp;
   };
   const auto attention = [](const Shapes& s) {
-    return 8 * s.H * (2 * s.K + 2 * s.V) * (6 + 2 * s.cp) + 200 + 40 * s.cp;
+    return 8 * s.H * (2 * s.K + 2 * s.V) * (5 + 2 * s.cp) + 200 + 40 * s.cp;
   };
+  // The indexer's query and key (and each rank's gathered key), the kept lists of
+  // the run and the reference.
+  const auto sparse = [=](const Shapes& s) { return attention(s) + 8 * s.Di * (1 + s.cp) + 16 * s.topk; };
+  const auto loss = [](const Shapes& s) { return 8.0 * s.vocab * 4 + 80; };
   static const std::map<std::string, std::function<double(const Shapes&)>> models = {
       {"layout", [](const Shapes&) { return 120.0; }},
       {"shard", [](const Shapes&) { return 150.0; }},
@@ -60,14 +65,14 @@ const std::map<std::string, std::function<double(const Shapes&)>>& row_models() 
       // gradients: one run serves both rows of a form.
       {"attention_forward", attention},
       {"attention_backward", attention},
-      {"sparse_attention_forward", attention},
-      {"sparse_attention_backward", attention},
+      {"sparse_attention_forward", sparse},
+      {"sparse_attention_backward", sparse},
       // Two batches' inputs, three steps' outputs and two forward references, with
       // no backward: within one recurrence run with its backward.
       {"two_steps", recurrence},
       // The logits, the reference's softmax gradient and every rank's gradient.
-      {"loss_forward", [](const Shapes&) { return 8.0 * 16 * 4 + 80; }},
-      {"loss_backward", [](const Shapes&) { return 8.0 * 16 * 4 + 80; }},
+      {"loss_forward", loss},
+      {"loss_backward", loss},
   };
   return models;
 }
@@ -102,7 +107,8 @@ MemoryEstimate estimate_check_memory(std::int64_t rows, std::int64_t seq_len, in
   const ReferenceGeometry g = reference_geometry(seq_len, cp);
   const double tokens = static_cast<double>(rows) * static_cast<double>(g.padded_len);
   const Shapes s{static_cast<double>(cp), static_cast<double>(o.channels), static_cast<double>(o.heads),
-                 static_cast<double>(o.key_dim), static_cast<double>(o.value_dim)};
+                 static_cast<double>(o.key_dim), static_cast<double>(o.value_dim), static_cast<double>(o.vocab),
+                 static_cast<double>(o.index_dim), static_cast<double>(o.topk)};
   // Shared by every row: the batch's keys, its layout and reference layout, and
   // each rank's packed context (the global doc ids).
   const double shared = 8.0 * keys + 60 + 8 * cp;

@@ -34,6 +34,8 @@ struct CheckOptions {
   int heads = 2, key_dim = 4, value_dim = 4;  // recurrence and attention (RoPE: key_dim rounded up to even)
   int topk = 3, index_dim = 4;                 // sparse attention's indexer
   int vocab = 16;                              // the loss's logits
+  // The attention's q and k head size: key_dim rounded up to even (RoPE turns pairs).
+  std::int64_t rope_dim() const { return 2 * ((key_dim + 1) / 2); }
   std::chrono::milliseconds timeout{20000};
   std::shared_ptr<Job> job = nullptr;  // the multi-process job the runs go to (sim/job/), or none
 };

@@ -5,7 +5,33 @@
 #include <map>
 #include <vector>
 
+#include "verify/random.hpp"
+
 namespace cpsim::verify {
+
+AttentionInputs random_attention_inputs(std::int64_t B, std::int64_t P, std::int64_t H, std::int64_t D,
+                                        std::int64_t Dv, std::int64_t Di, std::uint64_t seed) {
+  auto integers = [](const Shape& shape, std::uint64_t s) {
+    Tensor t(shape, DType::f64);
+    SplitMix64 rng(s);
+    for (std::int64_t i = 0; i < t.numel(); ++i) t.set(i, static_cast<double>(rng.below(7)) - 3);
+    return t;
+  };
+  return {random_tensor({B, P, H, D}, DType::f64, mix_seed(seed, 1)),
+          random_tensor({B, P, H, D}, DType::f64, mix_seed(seed, 2)),
+          random_tensor({B, P, H, Dv}, DType::f64, mix_seed(seed, 3)),
+          random_tensor({B, P, H, Dv}, DType::f64, mix_seed(seed, 4)),
+          integers({B, P, Di}, mix_seed(seed, 5)),
+          integers({B, P, Di}, mix_seed(seed, 6))};
+}
+
+LossInputs random_loss_inputs(const Tensor& input_ids, std::int64_t vocab, std::uint64_t seed) {
+  const std::int64_t B = input_ids.dim(0), P = input_ids.dim(1);
+  Tensor tokens({B, P}, DType::i64);
+  for (std::int64_t i = 0; i < tokens.numel(); ++i)
+    tokens.set(i, static_cast<double>(((input_ids.get_int(i) % vocab) + vocab) % vocab));
+  return {tokens, random_tensor({B, P, vocab}, DType::f64, seed)};
+}
 
 Tensor reference_rope(const Tensor& x, const Tensor& positions, double base) {
   const std::int64_t B = x.dim(0), S = x.dim(1), H = x.dim(2), D = x.dim(3);
@@ -23,6 +49,12 @@ Tensor reference_rope(const Tensor& x, const Tensor& positions, double base) {
         }
     }
   return y;
+}
+
+Tensor reference_rope_backward(const Tensor& dy, const Tensor& positions, double base) {
+  Tensor back = positions.to(DType::i64).clone();
+  for (std::int64_t i = 0; i < back.numel(); ++i) back.set(i, -back.get(i));
+  return reference_rope(dy, back, base);
 }
 
 AttentionReference reference_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,

@@ -9,8 +9,27 @@
 
 namespace cpsim::verify {
 
+// The inputs of one attention layer over the whole (padded) sequence, as the layer
+// rows and `cpsim golden` draw them from a case's seed: q, k [B, P, H, D], v and
+// the upstream gradient of o [B, P, H, Dv], and the sparse indexer's query and key
+// [B, P, Di], integer-valued in [-3, 3] so that no summation order can change a
+// selection.
+struct AttentionInputs {
+  Tensor q, k, v, grad_o, index_q, index_k;
+};
+AttentionInputs random_attention_inputs(std::int64_t B, std::int64_t P, std::int64_t H, std::int64_t D,
+                                        std::int64_t Dv, std::int64_t Di, std::uint64_t seed);
+// The loss's inputs: token ids folded into the vocabulary (id mod V) [B, P], and
+// logits [B, P, V].
+struct LossInputs {
+  Tensor tokens, logits;
+};
+LossInputs random_loss_inputs(const Tensor& input_ids, std::int64_t vocab, std::uint64_t seed);
+
 // x [B, S, H, D] with each pair (x_2m, x_2m+1) turned by pos * base^(-2m/D).
 Tensor reference_rope(const Tensor& x, const Tensor& positions, double base = 10000);
+// The gradient of x through reference_rope: dy turned back by -pos * base^(-2m/D).
+Tensor reference_rope_backward(const Tensor& dy, const Tensor& positions, double base = 10000);
 
 // Attention of every query over the keys it sees: key j is visible to query i iff
 // both are real tokens (padding false), doc_ids[b][i] != 0, doc_ids[b][j] ==

@@ -22,22 +22,6 @@ LayerRows layer_rows(const Prepared& s) {
   return {padded.at("position_ids"), padded.at("padding_mask"), s.padded_ids, padded.at("input_ids")};
 }
 
-Tensor negated(const Tensor& positions) {
-  Tensor out = positions.clone();
-  for (std::int64_t i = 0; i < out.numel(); ++i) out.set(i, -static_cast<double>(positions.get_int(i)));
-  return out;
-}
-
-std::int64_t rope_dim(const CheckOptions& o) { return 2 * ((o.key_dim + 1) / 2); }
-
-// Integer-valued indexer inputs in [-3, 3]: no summation order changes a selection.
-Tensor integer_tensor(const Shape& shape, std::uint64_t seed) {
-  Tensor t(shape, DType::f64);
-  SplitMix64 rng(seed);
-  for (std::int64_t i = 0; i < t.numel(); ++i) t.set(i, static_cast<double>(rng.below(7) - 3));
-  return t;
-}
-
 // Gathers rank parts along the sequence; undefined when a rank's part is.
 Tensor joined(const std::vector<Tensor>& parts) {
   for (const Tensor& t : parts)
@@ -73,7 +57,7 @@ PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& f
   try {
     const std::int64_t B = s.shape.rows, P = s.g.padded_len;
     const LayerRows rows = layer_rows(s);
-    const Tensor x = random_tensor({B, P, o.heads, rope_dim(o)}, DType::f64, mix_seed(c.seed, 61));
+    const Tensor x = random_tensor({B, P, o.heads, o.rope_dim()}, DType::f64, mix_seed(c.seed, 61));
     const Tensor up = random_tensor(x.shape(), DType::f64, mix_seed(c.seed, 62));
     std::vector<Tensor> y(c.cp), dx(c.cp);
     run_ranks(c.cp, [&](Communicator& comm) {
@@ -86,7 +70,7 @@ PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& f
       dx[r] = host(xv.grad());
     }, run_options(o), {&y, &dx});
     t.expect_close(reference_rope(x, rows.positions), joined(y), kAttentionTolerance, "rotated x");
-    t.expect_close(reference_rope(up, negated(rows.positions)), joined(dx), kAttentionTolerance, "dx");
+    t.expect_close(reference_rope_backward(up, rows.positions), joined(dx), kAttentionTolerance, "dx");
   } catch (...) {
     return threw("rope", c.cp);
   }
@@ -106,25 +90,18 @@ namespace {
 AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const AttentionFn& fn, const RopeFn& rope_fn,
                            std::int64_t topk) {
   const LayoutCase& c = s.c;
-  const std::int64_t B = s.shape.rows, P = s.g.padded_len, H = opt.heads, D = rope_dim(opt), Dv = opt.value_dim;
+  const std::int64_t B = s.shape.rows, P = s.g.padded_len, H = opt.heads, D = opt.rope_dim(), Dv = opt.value_dim;
   const LayerRows rows = layer_rows(s);
-  const std::uint64_t salt = topk >= 0 ? 80 : 70;
-  const Tensor q = random_tensor({B, P, H, D}, DType::f64, mix_seed(c.seed, salt + 1));
-  const Tensor k = random_tensor({B, P, H, D}, DType::f64, mix_seed(c.seed, salt + 2));
-  const Tensor v = random_tensor({B, P, H, Dv}, DType::f64, mix_seed(c.seed, salt + 3));
-  const Tensor up = random_tensor({B, P, H, Dv}, DType::f64, mix_seed(c.seed, salt + 4));
-  Tensor iq, ik;
-  if (topk >= 0) {
-    iq = integer_tensor({B, P, opt.index_dim}, mix_seed(c.seed, salt + 5));
-    ik = integer_tensor({B, P, opt.index_dim}, mix_seed(c.seed, salt + 6));
-  }
+  // One set of inputs for the dense and the sparse form (and `cpsim golden`).
+  const AttentionInputs in = random_attention_inputs(B, P, H, D, Dv, opt.index_dim, mix_seed(c.seed, 70));
+  const Tensor &q = in.q, &k = in.k, &v = in.v, &up = in.grad_o;
+  const Tensor iq = topk >= 0 ? in.index_q : Tensor(), ik = topk >= 0 ? in.index_k : Tensor();
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   AttentionRun run;
-  const Tensor back = negated(rows.positions);
   run.ref = reference_attention(reference_rope(q, rows.positions), reference_rope(k, rows.positions), v, rows.doc_ids,
                                 rows.padding, up, scale, iq, ik, topk);
-  run.ref.dq = reference_rope(run.ref.dq, back);  // through RoPE's backward
-  run.ref.dk = reference_rope(run.ref.dk, back);
+  run.ref.dq = reference_rope_backward(run.ref.dq, rows.positions);
+  run.ref.dk = reference_rope_backward(run.ref.dk, rows.positions);
   std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), kept(c.cp);
   run_ranks(c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
@@ -209,13 +186,11 @@ namespace {
 
 LossRun run_loss(const Prepared& s, const CheckOptions& opt, const TargetsFn& targets_fn, const LossFn& loss_fn) {
   const LayoutCase& c = s.c;
-  const std::int64_t B = s.shape.rows, P = s.g.padded_len, V = opt.vocab;
+  const std::int64_t V = opt.vocab;
   const LayerRows rows = layer_rows(s);
   // Token ids folded into the vocabulary: targets come from the batch's own ids.
-  const Tensor& ids = rows.input_ids;
-  Tensor tokens({B, P}, DType::i64);
-  for (std::int64_t i = 0; i < tokens.numel(); ++i) tokens.set(i, static_cast<double>(((ids.get_int(i) % V) + V) % V));
-  const Tensor logits = random_tensor({B, P, V}, DType::f64, mix_seed(c.seed, 91));
+  const LossInputs in = random_loss_inputs(rows.input_ids, V, mix_seed(c.seed, 91));
+  const Tensor &tokens = in.tokens, &logits = in.logits;
   LossRun run;
   run.ref = reference_loss(logits, tokens, rows.doc_ids, rows.padding);
   std::vector<Tensor> loss(c.cp), grad(c.cp);
@@ -279,7 +254,7 @@ namespace rows {
 std::vector<PropertyRow> layer_rows() {
   // Each rank's gathered k and v ([B, P, H, D] float64), and their gradients back.
   const auto attention_bytes = [](const Prepared& p, const CheckOptions& o) -> std::int64_t {
-    return p.shape.rows * p.g.local_len * o.heads * (rope_dim(o) + o.value_dim) * 8 * p.c.cp;
+    return p.shape.rows * p.g.local_len * o.heads * (o.rope_dim() + o.value_dim) * 8 * p.c.cp;
   };
   const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
   std::vector<PropertyRow> t;
