@@ -53,75 +53,48 @@ const PackedContext& Prepared::context(int rank) const {
 }
 
 // ---------------------------------------------------------------------------
-// The public checks: each prepares its case and runs one row's check.
+// Running a row: the one place that names verdicts and catches what a check throws.
 
 namespace {
-// A failed preparation (a reference that cannot read the batch) fails the property, never the harness.
-template <class F>
-PropertyResult prepared(const LayoutCase& c, const char* name, F&& f) {
+// The run ended in `failure`: the code under test failed (its exception is the
+// property's failure), or the run could not complete (a timeout, a lost rank,
+// memory: aborted, no verdict on the code).
+PropertyResult threw(const std::string& name, int cp, const std::string& doing, const std::exception_ptr& failure) {
+  const FailureReport report = classify_failure(failure);
+  if (report.kind == FailureKind::aborted) return {name, cp, false, 0.0, report.what, true};
+  return {name, cp, false, 1.0, doing + report.what};
+}
+}  // namespace
+
+namespace rows {
+
+PropertyResult run_row(const std::string& name, int cp, const std::function<PropertyResult()>& check) {
+  PropertyResult r;
+  try {
+    r = check();
+  } catch (...) {
+    return threw(name, cp, "threw: ", std::current_exception());
+  }
+  r.property = name;
+  r.cp = cp;
+  return r;
+}
+
+PropertyResult run_on_case(const LayoutCase& c, const std::string& name,
+                           const std::function<PropertyResult(Prepared&)>& check) {
   std::optional<Prepared> p;
   try {
     p.emplace(c);
   } catch (...) {
-    return threw(name, c.cp, "could not prepare the case: ");
+    return threw(name, c.cp, "could not prepare the case: ", std::current_exception());
   }
-  return f(*p);
-}
-}  // namespace
-
-PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
-  return prepared(c, "gather_forward", [&](Prepared& p) { return gather_forward_of(p, o, gather); });
-}
-PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
-  return prepared(c, "gather_backward", [&](Prepared& p) { return gather_backward_of(p, o, gather); });
-}
-PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
-  return prepared(c, "anchor", [&](Prepared& p) { return anchor_of(p, o, gather, anchor); });
-}
-PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
-  return prepared(c, "halo_forward", [&](Prepared& p) { return halo_forward_of(p, o, halo); });
-}
-PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
-  return prepared(c, "halo_backward", [&](Prepared& p) { return halo_backward_of(p, o, halo); });
-}
-PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
-  return prepared(c, "conv_forward", [&](Prepared& p) { return conv_forward_of(p, o, halo, conv); });
-}
-PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
-  return prepared(c, "conv_backward", [&](Prepared& p) { return conv_backward_of(p, o, halo, conv); });
-}
-PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
-                                        Sharding sharding) {
-  return prepared(c, "recurrence_forward", [&](Prepared& p) { return recurrence_forward_of(p, o, fn, sharding); });
-}
-PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
-                                         Sharding sharding) {
-  return prepared(c, "recurrence_backward", [&](Prepared& p) { return recurrence_backward_of(p, o, fn, sharding); });
+  return run_row(name, c.cp, [&] { return check(*p); });
 }
 
-PropertyResult check_two_steps(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn) {
-  return prepared(c, "two_steps", [&](Prepared& p) { return two_steps_of(p, o, fn ? fn : default_recurrence()); });
-}
-PropertyResult check_rope(const LayoutCase& c, const CheckOptions& o, const RopeFn& fn) {
-  return prepared(c, "rope", [&](Prepared& p) { return rope_of(p, o, fn ? fn : default_rope()); });
-}
-PropertyResult check_attention_forward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& fn,
-                                       const RopeFn& rope_fn, std::int64_t topk) {
-  return prepared(c, topk >= 0 ? "sparse_attention_forward" : "attention_forward",
-                  [&](Prepared& p) { return attention_forward_of(p, o, fn, rope_fn, topk); });
-}
-PropertyResult check_attention_backward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& fn,
-                                        const RopeFn& rope_fn, std::int64_t topk) {
-  return prepared(c, topk >= 0 ? "sparse_attention_backward" : "attention_backward",
-                  [&](Prepared& p) { return attention_backward_of(p, o, fn, rope_fn, topk); });
-}
-PropertyResult check_loss_forward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
-                                  const LossFn& loss) {
-  return prepared(c, "loss_forward", [&](Prepared& p) { return loss_forward_of(p, o, targets, loss); });
-}
-PropertyResult check_loss_backward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
-                                   const LossFn& loss) {
-  return prepared(c, "loss_backward", [&](Prepared& p) { return loss_backward_of(p, o, targets, loss); });
+}  // namespace rows
+
+PropertyResult run_row(const PropertyRow& row, Prepared& p, const CheckOptions& o) {
+  return rows::run_row(row.name, p.c.cp, [&] { return row.check(p, o); });
 }
 
 // ---------------------------------------------------------------------------
@@ -147,7 +120,7 @@ std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o
     why = std::current_exception();
   }
   for (const PropertyRow& row : property_table())
-    out.push_back(p ? row.check(*p, o) : threw(row.name, c.cp, "could not prepare the case: ", why));
+    out.push_back(p ? run_row(row, *p, o) : threw(row.name, c.cp, "could not prepare the case: ", why));
   return out;
 }
 

@@ -201,6 +201,10 @@ struct PropertyRow {
 // Every property, in the order `cpsim check` reports them.
 const std::vector<PropertyRow>& property_table();
 
+// One row on a prepared case: its verdict, named; what the check throws is its
+// failure (or, when the run could not complete, an aborted result).
+PropertyResult run_row(const PropertyRow& row, Prepared& p, const CheckOptions& o);
+
 // Every row of the table on one case, prepared once.
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o);
 

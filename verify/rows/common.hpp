@@ -1,8 +1,10 @@
 // What the property rows share (verify/rows/*.cpp): how a row tallies its
-// mismatches, how a failure or an aborted run becomes its result, where a
-// rank's slice of a global tensor lies. Each family of rows is one file there,
-// with its rows' descriptors; verify/properties.cpp is the driver that prepares a
-// case and runs the table.
+// mismatches into a verdict, where a rank's slice of a global tensor lies, and the
+// driver's entry points. Each family of rows is one file there: its rows' heads
+// (the name, written once, and the claim), their checks, the public check_*
+// functions and the family's descriptors. verify/properties.cpp is the driver:
+// it prepares a case, runs each row's check, names the verdict and catches what
+// a check throws (adding a row is one head, one check and one descriptor).
 #pragma once
 
 #include <limits>
@@ -18,11 +20,9 @@
 namespace cpsim::verify::rows {
 
 
-// Accumulates mismatches for one property run.
+// Accumulates mismatches for one property run. A row's check returns its verdict
+// (result()); the driver (run_row) names it, and turns an exception into one.
 struct Tally {
-  Tally(std::string n, int c) : name(std::move(n)), cp(c) {}
-  std::string name;
-  int cp;
   std::int64_t wrong = 0;
   std::ostringstream why;
   void expect(bool ok, const std::string& what) {
@@ -45,23 +45,10 @@ struct Tally {
     if (wrong == 0) why << what << ": relative RMSE " << e << " (tolerance " << tol << ")";
     wrong += std::max<std::int64_t>(1, count_wrong(ref, got));
   }
-  PropertyResult result() const { return {name, cp, wrong == 0, static_cast<double>(wrong), why.str()}; }
+  PropertyResult result() const { return {"", 0, wrong == 0, static_cast<double>(wrong), why.str()}; }
 };
 
-inline PropertyResult failed(const std::string& name, int cp, const std::string& why) {
-  return {name, cp, false, 1.0, why};
-}
-
-// The property's run ended in `failure` (by default the exception being handled):
-// the code under test failed (its exception is the property's failure), or the
-// run could not complete (a timeout, a lost rank, memory: aborted, no verdict on
-// the code).
-inline PropertyResult threw(const std::string& name, int cp, const std::string& doing = "threw: ",
-                     const std::exception_ptr& failure = std::current_exception()) {
-  const FailureReport report = classify_failure(failure);
-  if (report.kind == FailureKind::aborted) return {name, cp, false, 0.0, report.what, true};
-  return failed(name, cp, doing + report.what);
-}
+inline PropertyResult failed(const std::string& why) { return {"", 0, false, 1.0, why}; }
 
 inline std::vector<std::int64_t> row_of(const Tensor& t, std::int64_t row) {
   const std::int64_t S = t.dim(1);
@@ -99,9 +86,6 @@ inline Tensor host(const Tensor& t) { return !t.defined() || t.is_cpu() ? t : t.
 
 // Relative RMSE against a tolerance; tracks the worst error of a property.
 struct ErrorTally {
-  ErrorTally(std::string n, int c) : name(std::move(n)), cp(c) {}
-  std::string name;
-  int cp;
   double worst = 0;
   std::string why;
   void expect_close(const Tensor& ref, const Tensor& got, double tol, const std::string& what) {
@@ -109,8 +93,31 @@ struct ErrorTally {
     if (e > tol && why.empty()) why = what + ": relative RMSE " + std::to_string(e);
     worst = std::max(worst, e);
   }
-  PropertyResult result(double tol) const { return {name, cp, worst <= tol && why.empty(), worst, why}; }
+  PropertyResult result(double tol) const { return {"", 0, worst <= tol && why.empty(), worst, why}; }
 };
+
+// The driver (verify/properties.cpp): runs one row's check, names its verdict with
+// the row's name and CP size, and turns what it throws into a failure (or, when
+// the run could not complete, an aborted result).
+PropertyResult run_row(const std::string& name, int cp, const std::function<PropertyResult()>& check);
+// Prepares the case, then run_row; a case that cannot be prepared fails the row.
+PropertyResult run_on_case(const LayoutCase& c, const std::string& name,
+                           const std::function<PropertyResult(Prepared&)>& check);
+
+// A row's description: its name (written only here) and how it compares; with
+// the bytes it moves and its check, one row of the table.
+struct RowHead {
+  const char* name;
+  const char* claim;
+  Comparison comparison;
+  double tolerance;
+  bool runs_ranks;
+  PropertyRow with(std::function<std::int64_t(const Prepared&, const CheckOptions&)> bytes,
+                   std::function<PropertyResult(Prepared&, const CheckOptions&)> check) const {
+    return {name, claim, comparison, tolerance, runs_ranks, std::move(bytes), std::move(check)};
+  }
+};
+inline std::int64_t no_bytes(const Prepared&, const CheckOptions&) { return 0; }
 
 // The rows of each family, in the table's order.
 std::vector<PropertyRow> layout_rows();

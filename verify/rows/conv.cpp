@@ -11,6 +11,14 @@ using namespace rows;
 
 namespace {
 
+const RowHead kHaloForward{"halo_forward", "convolution_history is the zero-padded previous W-1 positions",
+                           Comparison::bitwise, 0, true};
+const RowHead kHaloBackward{"halo_backward", "history gradients return to the ranks that own the positions",
+                            Comparison::tolerance, kConvTolerance, true};
+const RowHead kConvForward{"conv_forward", "the sharded packed causal conv matches the unsharded one",
+                           Comparison::tolerance, kConvTolerance, true};
+const RowHead kConvBackward{"conv_backward", "dx, and dw, dbias summed over ranks, match the unsharded conv",
+                            Comparison::tolerance, kConvTolerance, true};
 
 std::int64_t halo_bytes(const Prepared& p, const CheckOptions& o) {
   // Both exchanges, one rank: the all_gather of its tail, and every send_recv hop.
@@ -34,61 +42,53 @@ std::string exchange_tag(HaloExchange e) { return std::string(" (") + halo_excha
 
 PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
   const LayoutCase& c = s.c;
-  Tally t{"halo_forward", c.cp};
-  try {
-    const Tensor x = masked_activation(s.truth, s.g.padded_len, o.channels, mix_seed(c.seed, 31));
-    std::vector<std::vector<Tensor>> got(std::size(kExchanges), std::vector<Tensor>(c.cp));
-    run_ranks(c.cp, [&](Communicator& comm) {
-      const int r = comm.rank();
-      for (std::size_t k = 0; k < std::size(kExchanges); ++k)
-        got[k][r] = host(halo(Var(on(comm, local(x, s.context(r))), true), &comm, o.conv_width, kExchanges[k]).value());
-    }, run_options(o), {&got[0], &got[1]});
+  Tally t;
+  const Tensor x = masked_activation(s.truth, s.g.padded_len, o.channels, mix_seed(c.seed, 31));
+  std::vector<std::vector<Tensor>> got(std::size(kExchanges), std::vector<Tensor>(c.cp));
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
     for (std::size_t k = 0; k < std::size(kExchanges); ++k)
-      for (int r = 0; r < c.cp; ++r)
-        t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[k][r],
-                       "history of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
-  } catch (...) {
-    return threw("halo_forward", c.cp);
-  }
+      got[k][r] = host(halo(Var(on(comm, local(x, s.context(r))), true), &comm, o.conv_width, kExchanges[k]).value());
+  }, run_options(o), {&got[0], &got[1]});
+  for (std::size_t k = 0; k < std::size(kExchanges); ++k)
+    for (int r = 0; r < c.cp; ++r)
+      t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[k][r],
+                     "history of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
   return t.result();
 }
 
 PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
   const LayoutCase& c = s.c;
-  ErrorTally t{"halo_backward", c.cp};
-  try {
-    const std::int64_t L = s.g.local_len, H = o.conv_width - 1, P = s.g.padded_len, C = o.channels;
-    const Tensor x = masked_activation(s.truth, P, C, mix_seed(c.seed, 32));
-    std::vector<Tensor> upstream;
-    for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor({s.shape.rows, L + H, C}, DType::f64, mix_seed(c.seed, 300 + q)));
-    // Reference: every window slot's gradient lands on the global position it came from.
-    Tensor owner_grad({s.shape.rows, P, C}, DType::f64);
-    for (int q = 0; q < c.cp; ++q)
-      for (std::int64_t b = 0; b < s.shape.rows; ++b)
-        for (std::int64_t i = 0; i < L + H; ++i) {
-          const std::int64_t p = s.g.start(q) - H + i;
-          if (p < 0) continue;
-          for (std::int64_t k = 0; k < C; ++k) {
-            const std::int64_t at = (b * P + p) * C + k;
-            owner_grad.set(at, owner_grad.get(at) + upstream[q].get((b * (L + H) + i) * C + k));
-          }
+  ErrorTally t;
+  const std::int64_t L = s.g.local_len, H = o.conv_width - 1, P = s.g.padded_len, C = o.channels;
+  const Tensor x = masked_activation(s.truth, P, C, mix_seed(c.seed, 32));
+  std::vector<Tensor> upstream;
+  for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor({s.shape.rows, L + H, C}, DType::f64, mix_seed(c.seed, 300 + q)));
+  // Reference: every window slot's gradient lands on the global position it came from.
+  Tensor owner_grad({s.shape.rows, P, C}, DType::f64);
+  for (int q = 0; q < c.cp; ++q)
+    for (std::int64_t b = 0; b < s.shape.rows; ++b)
+      for (std::int64_t i = 0; i < L + H; ++i) {
+        const std::int64_t p = s.g.start(q) - H + i;
+        if (p < 0) continue;
+        for (std::int64_t k = 0; k < C; ++k) {
+          const std::int64_t at = (b * P + p) * C + k;
+          owner_grad.set(at, owner_grad.get(at) + upstream[q].get((b * (L + H) + i) * C + k));
         }
-    std::vector<std::vector<Tensor>> grads(std::size(kExchanges), std::vector<Tensor>(c.cp));
-    run_ranks(c.cp, [&](Communicator& comm) {
-      const int r = comm.rank();
-      for (std::size_t k = 0; k < std::size(kExchanges); ++k) {
-        Var xr(on(comm, local(x, s.context(r))), true);
-        backward(dot(halo(xr, &comm, o.conv_width, kExchanges[k]), upstream[r]));
-        grads[k][r] = host(xr.grad());
       }
-    }, run_options(o), {&grads[0], &grads[1]});
-    for (std::size_t k = 0; k < std::size(kExchanges); ++k)
-      for (int r = 0; r < c.cp; ++r)
-        t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[k][r], kConvTolerance,
-                       "input gradient of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
-  } catch (...) {
-    return threw("halo_backward", c.cp);
-  }
+  std::vector<std::vector<Tensor>> grads(std::size(kExchanges), std::vector<Tensor>(c.cp));
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    for (std::size_t k = 0; k < std::size(kExchanges); ++k) {
+      Var xr(on(comm, local(x, s.context(r))), true);
+      backward(dot(halo(xr, &comm, o.conv_width, kExchanges[k]), upstream[r]));
+      grads[k][r] = host(xr.grad());
+    }
+  }, run_options(o), {&grads[0], &grads[1]});
+  for (std::size_t k = 0; k < std::size(kExchanges); ++k)
+    for (int r = 0; r < c.cp; ++r)
+      t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[k][r], kConvTolerance,
+                     "input gradient of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
   return t.result(kConvTolerance);
 }
 
@@ -165,66 +165,58 @@ std::shared_ptr<const ConvRun> conv_run(Prepared& s, const CheckOptions& o, cons
 }  // namespace
 
 PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
-  const LayoutCase& c = s.c;
-  ErrorTally t{"conv_forward", c.cp};
-  try {
-    const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
-    const ConvRun& run = *held;
-    for (std::size_t e = 0; e < run.y.size(); ++e)
-      t.expect_close(run.ref.y, cat(run.y[e], 1), kConvTolerance, "conv output" + exchange_tag(kExchanges[e]));
-  } catch (...) {
-    return threw("conv_forward", c.cp);
-  }
+  ErrorTally t;
+  const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
+  const ConvRun& run = *held;
+  for (std::size_t e = 0; e < run.y.size(); ++e)
+    t.expect_close(run.ref.y, cat(run.y[e], 1), kConvTolerance, "conv output" + exchange_tag(kExchanges[e]));
   return t.result(kConvTolerance);
 }
 
 PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
-  const LayoutCase& c = s.c;
-  ErrorTally t{"conv_backward", c.cp};
-  try {
-    const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
-    const ConvRun& run = *held;
-    for (std::size_t e = 0; e < run.dx.size(); ++e) {
-      bool all = true;
-      for (const auto& g : run.dx[e]) all = all && g.defined();
-      const std::string tag = exchange_tag(kExchanges[e]);
-      if (!all) {
-        t.expect_close(run.ref.dx, Tensor(), kConvTolerance, "dx undefined on a rank" + tag);
-        continue;
-      }
-      t.expect_close(run.ref.dx, cat(run.dx[e], 1), kConvTolerance, "dx" + tag);
-      t.expect_close(run.ref.dw, run.dw[e], kConvTolerance, "dw summed over ranks" + tag);
-      t.expect_close(run.ref.dbias, run.dbias[e], kConvTolerance, "dbias summed over ranks" + tag);
+  ErrorTally t;
+  const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
+  const ConvRun& run = *held;
+  for (std::size_t e = 0; e < run.dx.size(); ++e) {
+    bool all = true;
+    for (const auto& g : run.dx[e]) all = all && g.defined();
+    const std::string tag = exchange_tag(kExchanges[e]);
+    if (!all) {
+      t.expect_close(run.ref.dx, Tensor(), kConvTolerance, "dx undefined on a rank" + tag);
+      continue;
     }
-    s.runs->conv.reset();  // the last row of the pair: its memory goes before the next row's
-  } catch (...) {
-    return threw("conv_backward", c.cp);
+    t.expect_close(run.ref.dx, cat(run.dx[e], 1), kConvTolerance, "dx" + tag);
+    t.expect_close(run.ref.dw, run.dw[e], kConvTolerance, "dw summed over ranks" + tag);
+    t.expect_close(run.ref.dbias, run.dbias[e], kConvTolerance, "dbias summed over ranks" + tag);
   }
+  s.runs->conv.reset();  // the last row of the pair: its memory goes before the next row's
   return t.result(kConvTolerance);
 }
 
 
+PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
+  return run_on_case(c, kHaloForward.name, [&](Prepared& p) { return halo_forward_of(p, o, halo); });
+}
+PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
+  return run_on_case(c, kHaloBackward.name, [&](Prepared& p) { return halo_backward_of(p, o, halo); });
+}
+PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  return run_on_case(c, kConvForward.name, [&](Prepared& p) { return conv_forward_of(p, o, halo, conv); });
+}
+PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  return run_on_case(c, kConvBackward.name, [&](Prepared& p) { return conv_backward_of(p, o, halo, conv); });
+}
+
 namespace rows {
 
 std::vector<PropertyRow> conv_rows() {
-  const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
-  (void)none;
-  std::vector<PropertyRow> t;
-    t.push_back({"halo_forward", "convolution_history is the zero-padded previous W-1 positions", Comparison::bitwise, 0,
-                 true, halo_bytes,
-                 [](Prepared& p, const CheckOptions& o) { return halo_forward_of(p, o, default_halo()); }});
-    t.push_back({"halo_backward", "history gradients return to the ranks that own the positions",
-                 Comparison::tolerance, kConvTolerance, true,
-                 [](const Prepared& p, const CheckOptions& o) { return 2 * halo_bytes(p, o); },
-                 [](Prepared& p, const CheckOptions& o) { return halo_backward_of(p, o, default_halo()); }});
-    t.push_back({"conv_forward", "the sharded packed causal conv matches the unsharded one", Comparison::tolerance,
-                 kConvTolerance, true, halo_bytes,
-                 [](Prepared& p, const CheckOptions& o) { return conv_forward_of(p, o, {}, {}); }});
-    t.push_back({"conv_backward", "dx, and dw, dbias summed over ranks, match the unsharded conv",
-                 Comparison::tolerance, kConvTolerance, true,
-                 [](const Prepared& p, const CheckOptions& o) { return 2 * halo_bytes(p, o); },
-                 [](Prepared& p, const CheckOptions& o) { return conv_backward_of(p, o, {}, {}); }});
-  return t;
+  const auto twice = [](const Prepared& p, const CheckOptions& o) { return 2 * halo_bytes(p, o); };
+  return {kHaloForward.with(halo_bytes,
+                            [](Prepared& p, const CheckOptions& o) { return halo_forward_of(p, o, default_halo()); }),
+          kHaloBackward.with(twice,
+                             [](Prepared& p, const CheckOptions& o) { return halo_backward_of(p, o, default_halo()); }),
+          kConvForward.with(halo_bytes, [](Prepared& p, const CheckOptions& o) { return conv_forward_of(p, o, {}, {}); }),
+          kConvBackward.with(twice, [](Prepared& p, const CheckOptions& o) { return conv_backward_of(p, o, {}, {}); })};
 }
 
 }  // namespace rows

@@ -7,155 +7,154 @@ namespace cpsim::verify {
 
 using namespace rows;
 
+namespace {
+const RowHead kGatherForward{"gather_forward", "gather_sequence is bitwise the global tensor, every dtype",
+                             Comparison::bitwise, 0, true};
+const RowHead kGatherBackward{"gather_backward", "each rank's gradient is the rank-order sum of the upstream slices",
+                              Comparison::bitwise, 0, true};
+const RowHead kAnchor{"anchor", "the anchor makes every rank run backward; without it the skip is reported",
+                      Comparison::bitwise, 0, true};
+}  // namespace
+
 PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {
   const LayoutCase& c = s.c;
-  Tally t{"gather_forward", c.cp};
-  try {
-    const std::vector<std::pair<DType, Shape>> cases = {
-        {DType::f32, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::f64, {s.shape.rows, s.g.padded_len, 2}},
-        {DType::bf16, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::i32, {s.shape.rows, s.g.padded_len, 3}},
-        {DType::i64, {s.shape.rows, s.g.padded_len}},              {DType::b8, {s.shape.rows, s.g.padded_len, 2, 2}}};
-    // One run for every dtype (a run per dtype would cost more than the gathers).
-    std::vector<Tensor> globals;
-    for (const auto& [dt, shape] : cases) globals.push_back(random_tensor(shape, dt, mix_seed(c.seed, static_cast<int>(dt))));
-    std::vector<std::vector<Tensor>> got(cases.size(), std::vector<Tensor>(c.cp));
-    RankOutputs outputs;
-    for (auto& g : got) outputs.push_back(&g);
-    run_ranks(c.cp, [&](Communicator& comm) {
-      const int r = comm.rank();
-      for (std::size_t k = 0; k < cases.size(); ++k) {
-        const bool floating = is_floating(cases[k].first);
-        Var x(on(comm, local(globals[k], s.context(r))), floating);
-        got[k][r] = host(gather(x, &comm, floating).value());
-      }
-    }, run_options(o), outputs);
-    for (std::size_t k = 0; k < cases.size(); ++k)
-      for (int r = 0; r < c.cp; ++r)
-        t.expect_equal(globals[k], got[k][r],
-                       std::string("gathered ") + dtype_name(cases[k].first) + " on rank " + std::to_string(r));
-  } catch (...) {
-    return threw("gather_forward", c.cp);
-  }
+  Tally t;
+  const std::vector<std::pair<DType, Shape>> cases = {
+      {DType::f32, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::f64, {s.shape.rows, s.g.padded_len, 2}},
+      {DType::bf16, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::i32, {s.shape.rows, s.g.padded_len, 3}},
+      {DType::i64, {s.shape.rows, s.g.padded_len}},              {DType::b8, {s.shape.rows, s.g.padded_len, 2, 2}}};
+  // One run for every dtype (a run per dtype would cost more than the gathers).
+  std::vector<Tensor> globals;
+  for (const auto& [dt, shape] : cases) globals.push_back(random_tensor(shape, dt, mix_seed(c.seed, static_cast<int>(dt))));
+  std::vector<std::vector<Tensor>> got(cases.size(), std::vector<Tensor>(c.cp));
+  RankOutputs outputs;
+  for (auto& g : got) outputs.push_back(&g);
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      const bool floating = is_floating(cases[k].first);
+      Var x(on(comm, local(globals[k], s.context(r))), floating);
+      got[k][r] = host(gather(x, &comm, floating).value());
+    }
+  }, run_options(o), outputs);
+  for (std::size_t k = 0; k < cases.size(); ++k)
+    for (int r = 0; r < c.cp; ++r)
+      t.expect_equal(globals[k], got[k][r],
+                     std::string("gathered ") + dtype_name(cases[k].first) + " on rank " + std::to_string(r));
   return t.result();
 }
 
 
 PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {
   const LayoutCase& c = s.c;
-  Tally t{"gather_backward", c.cp};
-  try {
-    // One dtype at a time: every rank's upstream gradient is a whole [B, P, C]
-    // tensor, so the cp of them are what this row holds at its peak; a run per
-    // dtype holds one dtype's at a time.
-    const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
-    const std::vector<bool> all(c.cp, true);
-    for (const DType dt : {DType::f64, DType::f32}) {
-      const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, 11));
-      std::vector<Tensor> upstream, grads(c.cp);
-      for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor(shape, dt, mix_seed(c.seed, 100 + q)));
-      run_ranks(c.cp, [&](Communicator& comm) {
-        const int r = comm.rank();
-        Var x(on(comm, local(global, s.context(r))), true);
-        backward(dot(gather(x, &comm, true), upstream[r]));
-        grads[r] = host(x.grad());
-      }, run_options(o), {&grads});
-      for (int r = 0; r < c.cp; ++r) {
-        if (!grads[r].defined()) {
-          t.expect(false, "rank " + std::to_string(r) + " got no gradient");
-          continue;
-        }
-        t.expect_sum(reference_gather_backward(dt, upstream, all, s.g, r), grads[r], capabilities_of(o),
-                     std::string(dtype_name(dt)) + " gradient of rank " + std::to_string(r));
+  Tally t;
+  // One dtype at a time: every rank's upstream gradient is a whole [B, P, C]
+  // tensor, so the cp of them are what this row holds at its peak; a run per
+  // dtype holds one dtype's at a time.
+  const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
+  const std::vector<bool> all(c.cp, true);
+  for (const DType dt : {DType::f64, DType::f32}) {
+    const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, 11));
+    std::vector<Tensor> upstream, grads(c.cp);
+    for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor(shape, dt, mix_seed(c.seed, 100 + q)));
+    run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      Var x(on(comm, local(global, s.context(r))), true);
+      backward(dot(gather(x, &comm, true), upstream[r]));
+      grads[r] = host(x.grad());
+    }, run_options(o), {&grads});
+    for (int r = 0; r < c.cp; ++r) {
+      if (!grads[r].defined()) {
+        t.expect(false, "rank " + std::to_string(r) + " got no gradient");
+        continue;
       }
+      t.expect_sum(reference_gather_backward(dt, upstream, all, s.g, r), grads[r], capabilities_of(o),
+                   std::string(dtype_name(dt)) + " gradient of rank " + std::to_string(r));
     }
-  } catch (...) {
-    return threw("gather_backward", c.cp);
   }
   return t.result();
 }
 
 PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
   const LayoutCase& c = s.c;
-  Tally t{"anchor", c.cp};
-  try {
-    const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
-    const Tensor global = random_tensor(shape, DType::f64, mix_seed(c.seed, 21));
-    std::vector<Tensor> upstream;
-    std::vector<bool> uses(c.cp);  // whether rank q's loss depends on the gathered tensor
-    SplitMix64 rng(mix_seed(c.seed, 22));
-    int users = 0;
-    for (int q = 0; q < c.cp; ++q) {
-      upstream.push_back(random_tensor(shape, DType::f64, mix_seed(c.seed, 200 + q)));
-      uses[q] = rng.below(2) == 1;
-      users += uses[q];
+  Tally t;
+  const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
+  const Tensor global = random_tensor(shape, DType::f64, mix_seed(c.seed, 21));
+  std::vector<Tensor> upstream;
+  std::vector<bool> uses(c.cp);  // whether rank q's loss depends on the gathered tensor
+  SplitMix64 rng(mix_seed(c.seed, 22));
+  int users = 0;
+  for (int q = 0; q < c.cp; ++q) {
+    upstream.push_back(random_tensor(shape, DType::f64, mix_seed(c.seed, 200 + q)));
+    uses[q] = rng.below(2) == 1;
+    users += uses[q];
+  }
+  auto step = [&](bool with_anchor, std::vector<Tensor>& grads) {
+    run_ranks(c.cp, [&](Communicator& comm) {
+      const int r = comm.rank();
+      Var x(on(comm, local(global, s.context(r))), true);
+      Var gathered = gather(x, &comm, true);
+      Var loss = uses[r] ? dot(gathered, upstream[r]) : constant_scalar(0.0);
+      if (with_anchor) loss = add(loss, anchor(gathered));
+      backward(loss);
+      grads[r] = host(x.grad());
+      comm.barrier();  // what the next training step would do
+    }, run_options(o), {&grads});
+  };
+  std::vector<Tensor> grads(c.cp);
+  step(true, grads);
+  for (int r = 0; r < c.cp; ++r) {
+    if (!grads[r].defined()) {
+      t.expect(false, "with the anchor, rank " + std::to_string(r) + " got no gradient");
+      continue;
     }
-    auto step = [&](bool with_anchor, std::vector<Tensor>& grads) {
-      run_ranks(c.cp, [&](Communicator& comm) {
-        const int r = comm.rank();
-        Var x(on(comm, local(global, s.context(r))), true);
-        Var gathered = gather(x, &comm, true);
-        Var loss = uses[r] ? dot(gathered, upstream[r]) : constant_scalar(0.0);
-        if (with_anchor) loss = add(loss, anchor(gathered));
-        backward(loss);
-        grads[r] = host(x.grad());
-        comm.barrier();  // what the next training step would do
-      }, run_options(o), {&grads});
-    };
-    std::vector<Tensor> grads(c.cp);
-    step(true, grads);
-    for (int r = 0; r < c.cp; ++r) {
-      if (!grads[r].defined()) {
-        t.expect(false, "with the anchor, rank " + std::to_string(r) + " got no gradient");
-        continue;
-      }
-      t.expect_sum(reference_gather_backward(DType::f64, upstream, uses, s.g, r), grads[r], capabilities_of(o),
-                   "gradient with the anchor on rank " + std::to_string(r));
+    t.expect_sum(reference_gather_backward(DType::f64, upstream, uses, s.g, r), grads[r], capabilities_of(o),
+                 "gradient with the anchor on rank " + std::to_string(r));
+  }
+  if (c.cp > 1 && users > 0 && users < c.cp) {
+    std::string error;
+    try {
+      std::vector<Tensor> unused(c.cp);
+      step(false, unused);
+    } catch (const CollectiveError& e) {
+      error = e.what();
     }
-    if (c.cp > 1 && users > 0 && users < c.cp) {
-      std::string error;
-      try {
-        std::vector<Tensor> unused(c.cp);
-        step(false, unused);
-      } catch (const CollectiveError& e) {
-        error = e.what();
-      }
-      t.expect(error.find("reduce_scatter") != std::string::npos,
-               "without the anchor the skipped reduce_scatter was not reported" +
-                   (error.empty() ? std::string() : " (got: " + error + ")"));
-    }
-  } catch (...) {
-    return threw("anchor", c.cp);
+    t.expect(error.find("reduce_scatter") != std::string::npos,
+             "without the anchor the skipped reduce_scatter was not reported" +
+                 (error.empty() ? std::string() : " (got: " + error + ")"));
   }
   return t.result();
 }
 
 
+PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
+  return run_on_case(c, kGatherForward.name, [&](Prepared& p) { return gather_forward_of(p, o, gather); });
+}
+PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
+  return run_on_case(c, kGatherBackward.name, [&](Prepared& p) { return gather_backward_of(p, o, gather); });
+}
+PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
+  return run_on_case(c, kAnchor.name, [&](Prepared& p) { return anchor_of(p, o, gather, anchor); });
+}
+
 namespace rows {
 
 std::vector<PropertyRow> gather_rows() {
-  const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
-  (void)none;
-  std::vector<PropertyRow> t;
-    t.push_back({"gather_forward", "gather_sequence is bitwise the global tensor, every dtype", Comparison::bitwise, 0,
-                 true,
-                 [](const Prepared& p, const CheckOptions& o) {
-                   // f32, f64, bf16, i32, i64, bool shards as gather_forward_of draws them.
-                   return p.shape.rows * p.g.local_len * (o.channels * 4 + 2 * 8 + o.channels * 2 + 3 * 4 + 8 + 4);
-                 },
-                 [](Prepared& p, const CheckOptions& o) { return gather_forward_of(p, o, default_gather()); }});
-    t.push_back({"gather_backward", "each rank's gradient is the rank-order sum of the upstream slices",
-                 Comparison::bitwise, 0, true,
-                 [](const Prepared& p, const CheckOptions& o) {
-                   return 2 * p.shape.rows * p.g.local_len * o.channels * (8 + 4) * p.c.cp;
-                 },
-                 [](Prepared& p, const CheckOptions& o) { return gather_backward_of(p, o, default_gather()); }});
-    t.push_back({"anchor", "the anchor makes every rank run backward; without it the skip is reported",
-                 Comparison::bitwise, 0, true,
-                 [](const Prepared& p, const CheckOptions& o) {
-                   return 2 * p.shape.rows * p.g.local_len * o.channels * 8 * p.c.cp;
-                 },
-                 [](Prepared& p, const CheckOptions& o) { return anchor_of(p, o, default_gather(), default_anchor()); }});
-  return t;
+  return {
+      kGatherForward.with(
+          [](const Prepared& p, const CheckOptions& o) {
+            // f32, f64, bf16, i32, i64, bool shards as gather_forward_of draws them.
+            return p.shape.rows * p.g.local_len * (o.channels * 4 + 2 * 8 + o.channels * 2 + 3 * 4 + 8 + 4);
+          },
+          [](Prepared& p, const CheckOptions& o) { return gather_forward_of(p, o, default_gather()); }),
+      kGatherBackward.with(
+          [](const Prepared& p, const CheckOptions& o) {
+            return 2 * p.shape.rows * p.g.local_len * o.channels * (8 + 4) * p.c.cp;
+          },
+          [](Prepared& p, const CheckOptions& o) { return gather_backward_of(p, o, default_gather()); }),
+      kAnchor.with(
+          [](const Prepared& p, const CheckOptions& o) { return 2 * p.shape.rows * p.g.local_len * o.channels * 8 * p.c.cp; },
+          [](Prepared& p, const CheckOptions& o) { return anchor_of(p, o, default_gather(), default_anchor()); })};
 }
 
 }  // namespace rows

@@ -13,6 +13,23 @@ using namespace rows;
 
 namespace {
 
+const RowHead kRope{"rope", "each rank rotates by its shard of the batch's positions, forward and backward",
+                    Comparison::tolerance, kAttentionTolerance, true};
+const RowHead kAttentionForward{"attention_forward",
+                                "RoPE, then document-masked causal attention over the gathered K/V (o)",
+                                Comparison::tolerance, kAttentionTolerance, true};
+const RowHead kAttentionBackward{"attention_backward", "gradients of q, k, v through attention, the gather and RoPE",
+                                 Comparison::tolerance, kAttentionTolerance, true};
+const RowHead kSparseForward{"sparse_attention_forward",
+                             "the top-k indexer keeps the unsharded keys exactly; o over them", Comparison::tolerance,
+                             kAttentionTolerance, true};
+const RowHead kSparseBackward{"sparse_attention_backward", "gradients of q, k, v over the kept keys",
+                              Comparison::tolerance, kAttentionTolerance, true};
+const RowHead kLossForward{"loss_forward", "targets aligned on whole rows; sum and count all-reduced: every rank's loss",
+                           Comparison::tolerance, kAttentionTolerance, true};
+const RowHead kLossBackward{"loss_backward", "each rank's logits gradient is its slice of the unsharded one",
+                            Comparison::tolerance, kAttentionTolerance, true};
+
 // The batch's padded global rows [B, P] the layers read, as the shards carry them.
 struct LayerRows {
   Tensor positions, padding, doc_ids, input_ids;
@@ -53,27 +70,23 @@ LossFn default_loss() { return token_mean_loss; }
 
 PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& fn) {
   const LayoutCase& c = s.c;
-  ErrorTally t{"rope", c.cp};
-  try {
-    const std::int64_t B = s.shape.rows, P = s.g.padded_len;
-    const LayerRows rows = layer_rows(s);
-    const Tensor x = random_tensor({B, P, o.heads, o.rope_dim()}, DType::f64, mix_seed(c.seed, 61));
-    const Tensor up = random_tensor(x.shape(), DType::f64, mix_seed(c.seed, 62));
-    std::vector<Tensor> y(c.cp), dx(c.cp);
-    run_ranks(c.cp, [&](Communicator& comm) {
-      const int r = comm.rank();
-      const PackedContext& ctx = s.context(r);
-      Var xv(on(comm, local(x, ctx)), true);
-      const Var out = fn(xv, local(rows.positions, ctx));
-      backward(dot(out, local(up, ctx)));
-      y[r] = host(out.value());
-      dx[r] = host(xv.grad());
-    }, run_options(o), {&y, &dx});
-    t.expect_close(reference_rope(x, rows.positions), joined(y), kAttentionTolerance, "rotated x");
-    t.expect_close(reference_rope_backward(up, rows.positions), joined(dx), kAttentionTolerance, "dx");
-  } catch (...) {
-    return threw("rope", c.cp);
-  }
+  ErrorTally t;
+  const std::int64_t B = s.shape.rows, P = s.g.padded_len;
+  const LayerRows rows = layer_rows(s);
+  const Tensor x = random_tensor({B, P, o.heads, o.rope_dim()}, DType::f64, mix_seed(c.seed, 61));
+  const Tensor up = random_tensor(x.shape(), DType::f64, mix_seed(c.seed, 62));
+  std::vector<Tensor> y(c.cp), dx(c.cp);
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const PackedContext& ctx = s.context(r);
+    Var xv(on(comm, local(x, ctx)), true);
+    const Var out = fn(xv, local(rows.positions, ctx));
+    backward(dot(out, local(up, ctx)));
+    y[r] = host(out.value());
+    dx[r] = host(xv.grad());
+  }, run_options(o), {&y, &dx});
+  t.expect_close(reference_rope(x, rows.positions), joined(y), kAttentionTolerance, "rotated x");
+  t.expect_close(reference_rope_backward(up, rows.positions), joined(dx), kAttentionTolerance, "dx");
   return t.result(kAttentionTolerance);
 }
 
@@ -132,44 +145,28 @@ std::shared_ptr<const AttentionRun> attention_run(Prepared& s, const CheckOption
   return cached;
 }
 
-const char* attention_name(std::int64_t topk, bool forward) {
-  if (topk >= 0) return forward ? "sparse_attention_forward" : "sparse_attention_backward";
-  return forward ? "attention_forward" : "attention_backward";
-}
-
 }  // namespace
 
 PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn, const RopeFn& rope_fn,
                                     std::int64_t topk) {
-  const char* name = attention_name(topk, true);
-  ErrorTally t{name, s.c.cp};
-  try {
-    const auto run = attention_run(s, o, fn, rope_fn, topk);
-    if (topk >= 0) {
-      const std::int64_t wrong = count_wrong(run->ref.kept, run->kept);
-      if (wrong) return failed(name, s.c.cp, "kept keys differ from the unsharded selection in " +
-                                                 std::to_string(wrong) + " places");
-    }
-    t.expect_close(run->ref.o, run->o, kAttentionTolerance, "o");
-  } catch (...) {
-    return threw(name, s.c.cp);
+  ErrorTally t;
+  const auto run = attention_run(s, o, fn, rope_fn, topk);
+  if (topk >= 0) {
+    const std::int64_t wrong = count_wrong(run->ref.kept, run->kept);
+    if (wrong) return failed("kept keys differ from the unsharded selection in " + std::to_string(wrong) + " places");
   }
+  t.expect_close(run->ref.o, run->o, kAttentionTolerance, "o");
   return t.result(kAttentionTolerance);
 }
 
 PropertyResult attention_backward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn,
                                      const RopeFn& rope_fn, std::int64_t topk) {
-  const char* name = attention_name(topk, false);
-  ErrorTally t{name, s.c.cp};
-  try {
-    const auto run = attention_run(s, o, fn, rope_fn, topk);
-    (topk >= 0 ? s.runs->sparse_attention : s.runs->attention).reset();  // the pair is done
-    t.expect_close(run->ref.dq, run->dq, kAttentionTolerance, "dq");
-    t.expect_close(run->ref.dk, run->dk, kAttentionTolerance, "dk");
-    t.expect_close(run->ref.dv, run->dv, kAttentionTolerance, "dv");
-  } catch (...) {
-    return threw(name, s.c.cp);
-  }
+  ErrorTally t;
+  const auto run = attention_run(s, o, fn, rope_fn, topk);
+  (topk >= 0 ? s.runs->sparse_attention : s.runs->attention).reset();  // the pair is done
+  t.expect_close(run->ref.dq, run->dq, kAttentionTolerance, "dq");
+  t.expect_close(run->ref.dk, run->dk, kAttentionTolerance, "dk");
+  t.expect_close(run->ref.dv, run->dv, kAttentionTolerance, "dv");
   return t.result(kAttentionTolerance);
 }
 
@@ -221,32 +218,46 @@ std::shared_ptr<const LossRun> loss_run(Prepared& s, const CheckOptions& o, cons
 }  // namespace
 
 PropertyResult loss_forward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn, const LossFn& loss_fn) {
-  ErrorTally t{"loss_forward", s.c.cp};
-  try {
-    const auto run = loss_run(s, o, targets_fn, loss_fn);
-    for (std::size_t r = 0; r < run->losses.size(); ++r)
-      t.expect_close(Tensor::full({1}, DType::f64, run->ref.loss), Tensor::full({1}, DType::f64, run->losses[r]),
-                     kAttentionTolerance,
-                     "rank " + std::to_string(r) + "'s loss " + std::to_string(run->losses[r]) + " (unsharded " +
-                         std::to_string(run->ref.loss) + " over " + std::to_string(static_cast<std::int64_t>(run->ref.count)) +
-                         " targets)");
-  } catch (...) {
-    return threw("loss_forward", s.c.cp);
-  }
+  ErrorTally t;
+  const auto run = loss_run(s, o, targets_fn, loss_fn);
+  for (std::size_t r = 0; r < run->losses.size(); ++r)
+    t.expect_close(Tensor::full({1}, DType::f64, run->ref.loss), Tensor::full({1}, DType::f64, run->losses[r]),
+                   kAttentionTolerance,
+                   "rank " + std::to_string(r) + "'s loss " + std::to_string(run->losses[r]) + " (unsharded " +
+                       std::to_string(run->ref.loss) + " over " + std::to_string(static_cast<std::int64_t>(run->ref.count)) +
+                       " targets)");
   return t.result(kAttentionTolerance);
 }
 
 PropertyResult loss_backward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn,
                                 const LossFn& loss_fn) {
-  ErrorTally t{"loss_backward", s.c.cp};
-  try {
-    const auto run = loss_run(s, o, targets_fn, loss_fn);
-    s.runs->loss.reset();
-    t.expect_close(run->ref.grad, run->grad, kAttentionTolerance, "d logits");
-  } catch (...) {
-    return threw("loss_backward", s.c.cp);
-  }
+  ErrorTally t;
+  const auto run = loss_run(s, o, targets_fn, loss_fn);
+  s.runs->loss.reset();
+  t.expect_close(run->ref.grad, run->grad, kAttentionTolerance, "d logits");
   return t.result(kAttentionTolerance);
+}
+
+PropertyResult check_rope(const LayoutCase& c, const CheckOptions& o, const RopeFn& fn) {
+  return run_on_case(c, kRope.name, [&](Prepared& p) { return rope_of(p, o, fn ? fn : default_rope()); });
+}
+PropertyResult check_attention_forward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& fn,
+                                       const RopeFn& rope_fn, std::int64_t topk) {
+  return run_on_case(c, (topk >= 0 ? kSparseForward : kAttentionForward).name,
+                     [&](Prepared& p) { return attention_forward_of(p, o, fn, rope_fn, topk); });
+}
+PropertyResult check_attention_backward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& fn,
+                                        const RopeFn& rope_fn, std::int64_t topk) {
+  return run_on_case(c, (topk >= 0 ? kSparseBackward : kAttentionBackward).name,
+                     [&](Prepared& p) { return attention_backward_of(p, o, fn, rope_fn, topk); });
+}
+PropertyResult check_loss_forward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
+                                  const LossFn& loss) {
+  return run_on_case(c, kLossForward.name, [&](Prepared& p) { return loss_forward_of(p, o, targets, loss); });
+}
+PropertyResult check_loss_backward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
+                                   const LossFn& loss) {
+  return run_on_case(c, kLossBackward.name, [&](Prepared& p) { return loss_backward_of(p, o, targets, loss); });
 }
 
 namespace rows {
@@ -256,36 +267,20 @@ std::vector<PropertyRow> layer_rows() {
   const auto attention_bytes = [](const Prepared& p, const CheckOptions& o) -> std::int64_t {
     return p.shape.rows * p.g.local_len * o.heads * (o.rope_dim() + o.value_dim) * 8 * p.c.cp;
   };
-  const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
-  std::vector<PropertyRow> t;
-  t.push_back({"rope", "each rank rotates by its shard of the batch's positions, forward and backward",
-               Comparison::tolerance, kAttentionTolerance, true, none,
-               [](Prepared& p, const CheckOptions& o) { return rope_of(p, o, default_rope()); }});
-  t.push_back({"attention_forward", "RoPE, then document-masked causal attention over the gathered K/V (o)",
-               Comparison::tolerance, kAttentionTolerance, true, attention_bytes,
-               [](Prepared& p, const CheckOptions& o) { return attention_forward_of(p, o, {}, {}, -1); }});
-  t.push_back({"attention_backward", "gradients of q, k, v through attention, the gather and RoPE",
-               Comparison::tolerance, kAttentionTolerance, true, [=](const Prepared& p, const CheckOptions& o) {
-                 return 2 * attention_bytes(p, o);
-               },
-               [](Prepared& p, const CheckOptions& o) { return attention_backward_of(p, o, {}, {}, -1); }});
-  t.push_back({"sparse_attention_forward", "the top-k indexer keeps the unsharded keys exactly; o over them",
-               Comparison::tolerance, kAttentionTolerance, true, attention_bytes,
-               [](Prepared& p, const CheckOptions& o) { return attention_forward_of(p, o, {}, {}, o.topk); }});
-  t.push_back({"sparse_attention_backward", "gradients of q, k, v over the kept keys", Comparison::tolerance,
-               kAttentionTolerance, true, [=](const Prepared& p, const CheckOptions& o) {
-                 return 2 * attention_bytes(p, o);
-               },
-               [](Prepared& p, const CheckOptions& o) { return attention_backward_of(p, o, {}, {}, o.topk); }});
-  t.push_back({"loss_forward", "targets aligned on whole rows; sum and count all-reduced: every rank's loss",
-               Comparison::tolerance, kAttentionTolerance, true,
-               [](const Prepared&, const CheckOptions&) -> std::int64_t { return 16; },
-               [](Prepared& p, const CheckOptions& o) { return loss_forward_of(p, o, {}, {}); }});
-  t.push_back({"loss_backward", "each rank's logits gradient is its slice of the unsharded one",
-               Comparison::tolerance, kAttentionTolerance, true,
-               [](const Prepared&, const CheckOptions&) -> std::int64_t { return 16; },
-               [](Prepared& p, const CheckOptions& o) { return loss_backward_of(p, o, {}, {}); }});
-  return t;
+  const auto twice = [=](const Prepared& p, const CheckOptions& o) { return 2 * attention_bytes(p, o); };
+  const auto loss_bytes = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 16; };
+  return {
+      kRope.with(no_bytes, [](Prepared& p, const CheckOptions& o) { return rope_of(p, o, default_rope()); }),
+      kAttentionForward.with(attention_bytes,
+                             [](Prepared& p, const CheckOptions& o) { return attention_forward_of(p, o, {}, {}, -1); }),
+      kAttentionBackward.with(
+          twice, [](Prepared& p, const CheckOptions& o) { return attention_backward_of(p, o, {}, {}, -1); }),
+      kSparseForward.with(attention_bytes,
+                          [](Prepared& p, const CheckOptions& o) { return attention_forward_of(p, o, {}, {}, o.topk); }),
+      kSparseBackward.with(
+          twice, [](Prepared& p, const CheckOptions& o) { return attention_backward_of(p, o, {}, {}, o.topk); }),
+      kLossForward.with(loss_bytes, [](Prepared& p, const CheckOptions& o) { return loss_forward_of(p, o, {}, {}); }),
+      kLossBackward.with(loss_bytes, [](Prepared& p, const CheckOptions& o) { return loss_backward_of(p, o, {}, {}); })};
 }
 
 }  // namespace rows

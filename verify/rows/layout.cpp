@@ -7,149 +7,150 @@ namespace cpsim::verify {
 
 using namespace rows;
 
-PropertyResult check_layout(const LayoutCase& c, const LayoutFn& layout_fn) {
-  Tally t{"layout", c.cp};
-  try {
-    const LayoutTruth want = reference_layout(c.batch);
-    const std::int64_t B = want.doc_ids.dim(0), S = want.doc_ids.dim(1);
-    if (c.truth) {
-      // A generated case also knows its layout by construction: a second opinion
-      // that keeps the reference honest.
-      t.expect_equal(c.truth->doc_ids, want.doc_ids, "reference doc ids vs the generator's construction");
-      t.expect_equal(c.truth->padding, want.padding, "reference padding vs the generator's construction");
-      t.expect_equal(c.truth->positions, want.positions, "reference positions vs the generator's construction");
-    }
-    const Batch b = normalized(c.batch);
-    const Layout layout = layout_fn(b);
-    t.expect_equal(want.doc_ids, layout.doc_ids, "doc ids");
-    t.expect_equal(want.padding, layout.padding, "padding");
-    t.expect_equal(want.positions, layout.positions, "positions");
-    t.expect_equal(want.doc_ids, global_doc_ids(b), "global_doc_ids");
-    for (std::int64_t r = 0; r < B; ++r) {
-      const auto row = row_of(want.doc_ids, r);
-      // doc ids -> segments -> doc ids.
-      const auto cu = segment_cu_seqlens(row.data(), S);
-      t.expect(cu == reference_segments(row), "segments of row " + std::to_string(r));
-      // doc ids -> occupied lengths -> cu_seqlens / seq_lens -> doc ids: the same ids.
-      std::vector<std::int64_t> lens;
-      std::vector<std::int64_t> cu_docs{0};
-      bool contiguous = true;  // packed documents leave no pad run between them
-      for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
-        if (row[cu[k]] == kPadDocId) {
-          contiguous = contiguous && k + 2 == cu.size();
-          continue;
-        }
-        lens.push_back(cu[k + 1] - cu[k]);
-        cu_docs.push_back(cu_docs.back() + lens.back());
+namespace {
+
+const RowHead kLayout{"layout", "doc ids, padding and positions of the layout (docs/layout.md); round trips; unpack_row_layout",
+                      Comparison::bitwise, 0, false};
+const RowHead kShard{"shard", "shards concatenate to the padded global tensors; contexts tile each shard",
+                     Comparison::bitwise, 0, false};
+
+PropertyResult layout_of(const LayoutCase& c, const LayoutFn& layout_fn) {
+  Tally t;
+  const LayoutTruth want = reference_layout(c.batch);
+  const std::int64_t B = want.doc_ids.dim(0), S = want.doc_ids.dim(1);
+  if (c.truth) {
+    // A generated case also knows its layout by construction: a second opinion
+    // that keeps the reference honest.
+    t.expect_equal(c.truth->doc_ids, want.doc_ids, "reference doc ids vs the generator's construction");
+    t.expect_equal(c.truth->padding, want.padding, "reference padding vs the generator's construction");
+    t.expect_equal(c.truth->positions, want.positions, "reference positions vs the generator's construction");
+  }
+  const Batch b = normalized(c.batch);
+  const Layout layout = layout_fn(b);
+  t.expect_equal(want.doc_ids, layout.doc_ids, "doc ids");
+  t.expect_equal(want.padding, layout.padding, "padding");
+  t.expect_equal(want.positions, layout.positions, "positions");
+  t.expect_equal(want.doc_ids, global_doc_ids(b), "global_doc_ids");
+  for (std::int64_t r = 0; r < B; ++r) {
+    const auto row = row_of(want.doc_ids, r);
+    // doc ids -> segments -> doc ids.
+    const auto cu = segment_cu_seqlens(row.data(), S);
+    t.expect(cu == reference_segments(row), "segments of row " + std::to_string(r));
+    // doc ids -> occupied lengths -> cu_seqlens / seq_lens -> doc ids: the same ids.
+    std::vector<std::int64_t> lens;
+    std::vector<std::int64_t> cu_docs{0};
+    bool contiguous = true;  // packed documents leave no pad run between them
+    for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
+      if (row[cu[k]] == kPadDocId) {
+        contiguous = contiguous && k + 2 == cu.size();
+        continue;
       }
-      if (contiguous && !lens.empty()) {
-        const Tensor cu_t = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu_docs.size())}, cu_docs);
-        const Tensor lens_t = Tensor::from<std::int64_t>({1, static_cast<std::int64_t>(lens.size())}, lens);
-        // Ids are renumbered 1..D by the round trip; the segments must survive.
-        t.expect(segment_cu_seqlens(row_of(doc_ids_from_cu_seqlens(cu_t, S), 0).data(), S) == cu,
-                 "cu_seqlens round trip of row " + std::to_string(r));
-        t.expect(row_of(doc_ids_from_seq_lens(lens_t, S), 0) == row_of(doc_ids_from_cu_seqlens(cu_t, S), 0),
-                 "seq_lens vs cu_seqlens of row " + std::to_string(r));
+      lens.push_back(cu[k + 1] - cu[k]);
+      cu_docs.push_back(cu_docs.back() + lens.back());
+    }
+    if (contiguous && !lens.empty()) {
+      const Tensor cu_t = Tensor::from<std::int64_t>({static_cast<std::int64_t>(cu_docs.size())}, cu_docs);
+      const Tensor lens_t = Tensor::from<std::int64_t>({1, static_cast<std::int64_t>(lens.size())}, lens);
+      // Ids are renumbered 1..D by the round trip; the segments must survive.
+      t.expect(segment_cu_seqlens(row_of(doc_ids_from_cu_seqlens(cu_t, S), 0).data(), S) == cu,
+               "cu_seqlens round trip of row " + std::to_string(r));
+      t.expect(row_of(doc_ids_from_seq_lens(lens_t, S), 0) == row_of(doc_ids_from_cu_seqlens(cu_t, S), 0),
+               "seq_lens vs cu_seqlens of row " + std::to_string(r));
+    }
+  }
+  Tensor keep({B, S}, DType::b8);
+  for (std::int64_t i = 0; i < B * S; ++i) keep.data<bool>()[i] = !want.padding.data<bool>()[i];
+  validate_document_positions(keep, layout.positions);
+  Batch unpacked = b;
+  unpack_row_layout(unpacked);
+  t.expect(!unpacked.count("seq_lens") && !unpacked.count("cu_seqlens") && !unpacked.count("cu_seqlens_padded") &&
+               !unpacked.count("seq_lens_padded"),
+           "unpack kept packing metadata");
+  t.expect_equal(want.padding, unpacked.at("padding_mask"), "unpacked padding_mask");
+  t.expect_equal(want.positions, unpacked.at("position_ids"), "unpacked position_ids");
+  t.expect_equal(b.at("input_ids"), unpacked.at("input_ids"), "unpack changed input_ids");
+  return t.result();
+}
+
+PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
+  Tally t;
+  const auto [B, S] = reference_shape(c.batch);
+  const ReferenceGeometry g = reference_geometry(S, c.cp);
+  const Batch ref = reference_padded_global(c, g.padded_len);
+  const LayoutTruth truth = reference_layout(c.batch);
+  const Shape local_shape{B, g.local_len};
+  std::map<std::string, std::vector<Tensor>> parts;
+  std::vector<Tensor> local_ids;
+  for (int r = 0; r < c.cp; ++r) {
+    const std::string rank = "rank " + std::to_string(r);
+    const ShardedBatch sb = shard(r, c.cp, c.batch, c.pad_token_id, false);
+    const PackedContext& ctx = sb.context;
+    const bool geometry = ctx.doc_ids().defined() && ctx.doc_ids().shape() == (Shape{B, g.padded_len}) &&
+                          ctx.local_seq_len() == g.local_len && ctx.seq_start() == g.start(r) &&
+                          ctx.cp_size() == c.cp && ctx.original_seq_len() == S && ctx.cp_enabled() == (c.cp > 1);
+    t.expect(geometry, "packed context geometry of " + rank);
+    for (const auto& [key, expected] : ref) {
+      if (!sb.local.count(key)) {
+        t.expect(false, rank + " lost " + key);
+        continue;
+      }
+      const Tensor& got = sb.local.at(key);
+      if (key == "input_ids") {
+        t.expect_equal(expected, got, "global input_ids of " + rank);
+      } else if (got.shape() != local_shape) {
+        t.expect(false, key + " of " + rank + " has shape " + shape_str(got.shape()) + ", not " + shape_str(local_shape));
+      } else {
+        parts[key].push_back(got);
       }
     }
-    Tensor keep({B, S}, DType::b8);
-    for (std::int64_t i = 0; i < B * S; ++i) keep.data<bool>()[i] = !want.padding.data<bool>()[i];
-    validate_document_positions(keep, layout.positions);
-    Batch unpacked = b;
-    unpack_row_layout(unpacked);
-    t.expect(!unpacked.count("seq_lens") && !unpacked.count("cu_seqlens") && !unpacked.count("cu_seqlens_padded") &&
-                 !unpacked.count("seq_lens_padded"),
-             "unpack kept packing metadata");
-    t.expect_equal(want.padding, unpacked.at("padding_mask"), "unpacked padding_mask");
-    t.expect_equal(want.positions, unpacked.at("position_ids"), "unpacked position_ids");
-    t.expect_equal(b.at("input_ids"), unpacked.at("input_ids"), "unpack changed input_ids");
-  } catch (...) {
-    return threw("layout", c.cp);
+    for (const auto& [key, got] : sb.local) t.expect(ref.count(key) != 0, rank + " holds an unexpected key " + key);
+    const ShardedBatch primary = shard(r, c.cp, c.batch, c.pad_token_id, true);
+    t.expect(primary.local.count("input_ids") != 0, rank + " lost input_ids when sharding them");
+    if (primary.local.count("input_ids"))
+      t.expect_equal(narrow(ref.at("input_ids"), 1, g.start(r), g.local_len), primary.local.at("input_ids"),
+                     "sharded input_ids of " + rank);
+    if (!geometry) continue;  // the context's answers below would be read out of its bounds
+    local_ids.push_back(ctx.local_doc_ids());
+    for (std::int64_t row = 0; row < B; ++row) {
+      const auto padded_ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
+      const FlaCpContext want = reference_cp_context(padded_ids, c.cp, r);
+      t.expect(ctx.row_cu_seqlens(static_cast<int>(row)) == want.cu_seqlens,
+               "row_cu_seqlens of " + rank + " row " + std::to_string(row));
+      const FlaCpContext got = build_fla_cp_context(ctx, static_cast<int>(row));
+      t.expect(got.cu_seqlens == want.cu_seqlens && got.pre_num_conv_tokens == want.pre_num_conv_tokens &&
+                   got.pre_num_ranks == want.pre_num_ranks && got.post_num_ranks == want.post_num_ranks &&
+                   got.is_first_rank == want.is_first_rank && got.is_last_rank == want.is_last_rank,
+               "CP context of " + rank + " row " + std::to_string(row));
+    }
+  }
+  for (const auto& [key, shards] : parts)
+    if (static_cast<int>(shards.size()) == c.cp) t.expect_equal(ref.at(key), cat(shards, 1), "concatenated " + key);
+  if (static_cast<int>(local_ids.size()) == c.cp) {
+    Tensor ref_ids({B, g.padded_len}, DType::i64);
+    for (std::int64_t row = 0; row < B; ++row) {
+      const auto ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
+      std::copy(ids.begin(), ids.end(), ref_ids.data<std::int64_t>() + row * g.padded_len);
+    }
+    t.expect_equal(ref_ids, cat(local_ids, 1), "concatenated local doc ids");
   }
   return t.result();
 }
 
+
+}  // namespace
+
+PropertyResult check_layout(const LayoutCase& c, const LayoutFn& layout) {
+  return run_row(kLayout.name, c.cp, [&] { return layout_of(c, layout); });
+}
 PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard) {
-  Tally t{"shard", c.cp};
-  try {
-    const auto [B, S] = reference_shape(c.batch);
-    const ReferenceGeometry g = reference_geometry(S, c.cp);
-    const Batch ref = reference_padded_global(c, g.padded_len);
-    const LayoutTruth truth = reference_layout(c.batch);
-    const Shape local_shape{B, g.local_len};
-    std::map<std::string, std::vector<Tensor>> parts;
-    std::vector<Tensor> local_ids;
-    for (int r = 0; r < c.cp; ++r) {
-      const std::string rank = "rank " + std::to_string(r);
-      const ShardedBatch sb = shard(r, c.cp, c.batch, c.pad_token_id, false);
-      const PackedContext& ctx = sb.context;
-      const bool geometry = ctx.doc_ids().defined() && ctx.doc_ids().shape() == (Shape{B, g.padded_len}) &&
-                            ctx.local_seq_len() == g.local_len && ctx.seq_start() == g.start(r) &&
-                            ctx.cp_size() == c.cp && ctx.original_seq_len() == S && ctx.cp_enabled() == (c.cp > 1);
-      t.expect(geometry, "packed context geometry of " + rank);
-      for (const auto& [key, expected] : ref) {
-        if (!sb.local.count(key)) {
-          t.expect(false, rank + " lost " + key);
-          continue;
-        }
-        const Tensor& got = sb.local.at(key);
-        if (key == "input_ids") {
-          t.expect_equal(expected, got, "global input_ids of " + rank);
-        } else if (got.shape() != local_shape) {
-          t.expect(false, key + " of " + rank + " has shape " + shape_str(got.shape()) + ", not " + shape_str(local_shape));
-        } else {
-          parts[key].push_back(got);
-        }
-      }
-      for (const auto& [key, got] : sb.local) t.expect(ref.count(key) != 0, rank + " holds an unexpected key " + key);
-      const ShardedBatch primary = shard(r, c.cp, c.batch, c.pad_token_id, true);
-      t.expect(primary.local.count("input_ids") != 0, rank + " lost input_ids when sharding them");
-      if (primary.local.count("input_ids"))
-        t.expect_equal(narrow(ref.at("input_ids"), 1, g.start(r), g.local_len), primary.local.at("input_ids"),
-                       "sharded input_ids of " + rank);
-      if (!geometry) continue;  // the context's answers below would be read out of its bounds
-      local_ids.push_back(ctx.local_doc_ids());
-      for (std::int64_t row = 0; row < B; ++row) {
-        const auto padded_ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
-        const FlaCpContext want = reference_cp_context(padded_ids, c.cp, r);
-        t.expect(ctx.row_cu_seqlens(static_cast<int>(row)) == want.cu_seqlens,
-                 "row_cu_seqlens of " + rank + " row " + std::to_string(row));
-        const FlaCpContext got = build_fla_cp_context(ctx, static_cast<int>(row));
-        t.expect(got.cu_seqlens == want.cu_seqlens && got.pre_num_conv_tokens == want.pre_num_conv_tokens &&
-                     got.pre_num_ranks == want.pre_num_ranks && got.post_num_ranks == want.post_num_ranks &&
-                     got.is_first_rank == want.is_first_rank && got.is_last_rank == want.is_last_rank,
-                 "CP context of " + rank + " row " + std::to_string(row));
-      }
-    }
-    for (const auto& [key, shards] : parts)
-      if (static_cast<int>(shards.size()) == c.cp) t.expect_equal(ref.at(key), cat(shards, 1), "concatenated " + key);
-    if (static_cast<int>(local_ids.size()) == c.cp) {
-      Tensor ref_ids({B, g.padded_len}, DType::i64);
-      for (std::int64_t row = 0; row < B; ++row) {
-        const auto ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
-        std::copy(ids.begin(), ids.end(), ref_ids.data<std::int64_t>() + row * g.padded_len);
-      }
-      t.expect_equal(ref_ids, cat(local_ids, 1), "concatenated local doc ids");
-    }
-  } catch (...) {
-    return threw("shard", c.cp);
-  }
-  return t.result();
+  return run_row(kShard.name, c.cp, [&] { return shard_of(c, shard); });
 }
-
 
 namespace rows {
 
 std::vector<PropertyRow> layout_rows() {
-  const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
-  (void)none;
-  std::vector<PropertyRow> t;
-    t.push_back({"layout", "doc ids, padding and positions of the layout (docs/layout.md); round trips; unpack_row_layout",
-                 Comparison::bitwise, 0, false, none,
-                 [](Prepared& p, const CheckOptions&) { return check_layout(p.c); }});
-    t.push_back({"shard", "shards concatenate to the padded global tensors; contexts tile each shard",
-                 Comparison::bitwise, 0, false, none, [](Prepared& p, const CheckOptions&) { return check_shard(p.c); }});
-  return t;
+  return {kLayout.with(no_bytes, [](Prepared& p, const CheckOptions&) { return layout_of(p.c, default_layout()); }),
+          kShard.with(no_bytes, [](Prepared& p, const CheckOptions&) { return shard_of(p.c, default_shard()); })};
 }
 
 }  // namespace rows

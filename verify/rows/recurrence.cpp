@@ -15,6 +15,11 @@ struct RecurrenceRun {
 
 namespace {
 
+const RowHead kRecurrenceForward{"recurrence_forward", "the CP gated delta rule matches the unsharded recurrence (o)",
+                                 Comparison::tolerance, kRecurrenceTolerance, true};
+const RowHead kRecurrenceBackward{"recurrence_backward", "gradients of q, k, v, beta, g match the unsharded recurrence",
+                                  Comparison::tolerance, kRecurrenceTolerance, true};
+
 // out[:, i] = t[:, perm[i]].
 Tensor permute_sequence(const Tensor& t, const std::vector<std::int64_t>& perm) {
   std::vector<Tensor> cols;
@@ -89,56 +94,51 @@ std::shared_ptr<const RecurrenceRun> recurrence_run(Prepared& s, const CheckOpti
 }  // namespace
 
 PropertyResult recurrence_forward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
-  const LayoutCase& c = s.c;
-  ErrorTally t{"recurrence_forward", c.cp};
-  try {
-    const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
-    const RecurrenceRun& run = *held;
-    t.expect_close(run.ref.o, run.o, kRecurrenceTolerance, "recurrence output o");
-  } catch (...) {
-    return threw("recurrence_forward", c.cp);
-  }
+  ErrorTally t;
+  const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
+  const RecurrenceRun& run = *held;
+  t.expect_close(run.ref.o, run.o, kRecurrenceTolerance, "recurrence output o");
   return t.result(kRecurrenceTolerance);
 }
 
 PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
-  const LayoutCase& c = s.c;
-  ErrorTally t{"recurrence_backward", c.cp};
-  try {
-    const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
-    const RecurrenceRun& run = *held;
-    t.expect_close(run.ref.dq, run.dq, kRecurrenceTolerance, "dq");
-    t.expect_close(run.ref.dk, run.dk, kRecurrenceTolerance, "dk");
-    t.expect_close(run.ref.dv, run.dv, kRecurrenceTolerance, "dv");
-    t.expect_close(run.ref.dbeta, run.dbeta, kRecurrenceTolerance, "dbeta");
-    t.expect_close(run.ref.dg, run.dg, kRecurrenceTolerance, "dg");
-    s.runs->recurrence.reset();  // the last row of the pair: its memory goes before the next row's
-  } catch (...) {
-    return threw("recurrence_backward", c.cp);
-  }
+  ErrorTally t;
+  const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
+  const RecurrenceRun& run = *held;
+  t.expect_close(run.ref.dq, run.dq, kRecurrenceTolerance, "dq");
+  t.expect_close(run.ref.dk, run.dk, kRecurrenceTolerance, "dk");
+  t.expect_close(run.ref.dv, run.dv, kRecurrenceTolerance, "dv");
+  t.expect_close(run.ref.dbeta, run.dbeta, kRecurrenceTolerance, "dbeta");
+  t.expect_close(run.ref.dg, run.dg, kRecurrenceTolerance, "dg");
+  s.runs->recurrence.reset();  // the last row of the pair: its memory goes before the next row's
   return t.result(kRecurrenceTolerance);
 }
 
 
+PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
+                                        Sharding sharding) {
+  return run_on_case(c, kRecurrenceForward.name, [&](Prepared& p) { return recurrence_forward_of(p, o, fn, sharding); });
+}
+PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
+                                         Sharding sharding) {
+  return run_on_case(c, kRecurrenceBackward.name,
+                     [&](Prepared& p) { return recurrence_backward_of(p, o, fn, sharding); });
+}
+
 namespace rows {
 
 std::vector<PropertyRow> recurrence_rows() {
-  const auto none = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 0; };
-  (void)none;
-  std::vector<PropertyRow> t;
-    t.push_back({"recurrence_forward", "the CP gated delta rule matches the unsharded recurrence (o)",
-                 Comparison::tolerance, kRecurrenceTolerance, true,
-                 [](const Prepared& p, const CheckOptions& o) {
-                   return recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
-                 },
-                 [](Prepared& p, const CheckOptions& o) { return recurrence_forward_of(p, o, {}, Sharding::contiguous); }});
-    t.push_back({"recurrence_backward", "gradients of q, k, v, beta, g match the unsharded recurrence",
-                 Comparison::tolerance, kRecurrenceTolerance, true,
-                 [](const Prepared& p, const CheckOptions& o) {
-                   return 2 * recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
-                 },
-                 [](Prepared& p, const CheckOptions& o) { return recurrence_backward_of(p, o, {}, Sharding::contiguous); }});
-  return t;
+  const auto states = [](const Prepared& p, const CheckOptions& o) {
+    return recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
+  };
+  return {kRecurrenceForward.with(states,
+                                  [](Prepared& p, const CheckOptions& o) {
+                                    return recurrence_forward_of(p, o, {}, Sharding::contiguous);
+                                  }),
+          kRecurrenceBackward.with([=](const Prepared& p, const CheckOptions& o) { return 2 * states(p, o); },
+                                   [](Prepared& p, const CheckOptions& o) {
+                                     return recurrence_backward_of(p, o, {}, Sharding::contiguous);
+                                   })};
 }
 
 }  // namespace rows

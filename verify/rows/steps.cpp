@@ -16,6 +16,10 @@ using namespace rows;
 
 namespace {
 
+const RowHead kTwoSteps{"two_steps",
+                        "rank objects reused across steps (the packed context reassigned) keep no state from the last batch",
+                        Comparison::tolerance, kRecurrenceTolerance, true};
+
 // The second step's batch: the rows of the case, as documents of three tokens.
 Batch second_step(const Prepared& s) {
   const std::int64_t B = s.shape.rows, S = s.shape.seq_len, D = (S + 2) / 3;
@@ -33,63 +37,60 @@ Batch second_step(const Prepared& s) {
 
 PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn) {
   const LayoutCase& c = s.c;
-  ErrorTally t{"two_steps", c.cp};
-  try {
-    LayoutCase c2 = c;
-    c2.batch = second_step(s);
-    c2.truth.reset();
-    const Prepared s2(c2);
-    const Prepared* steps[] = {&s, &s2, &s};
-    struct Step {
-      RecurrenceInputs in;
-      Tensor ids;
-      Tensor ref;
-    };
-    std::vector<Step> data;
-    for (int k = 0; k < 2; ++k) {
-      const Prepared& p = *steps[k];
-      Step d{random_recurrence_inputs(p.shape.rows, p.g.padded_len, o.heads, o.key_dim, o.value_dim,
-                                      mix_seed(c.seed, 101 + k)),
-             reference_padded_doc_ids(p.truth, p.g.padded_len), Tensor()};
-      d.ref = reference_recurrence(d.in, d.ids, Tensor()).o;
-      data.push_back(std::move(d));
-    }
-    std::vector<std::vector<Tensor>> outs(3, std::vector<Tensor>(c.cp));
-    run_ranks(c.cp, [&](Communicator& comm) {
-      const int r = comm.rank();
-      PackedContext ctx;  // one object, reassigned every step
-      for (int k = 0; k < 3; ++k) {
-        ctx = steps[k]->context(r);
-        const RecurrenceInputs& in = data[k % 2].in;
-        auto mine = [&](const Tensor& x) { return Var(on(comm, local(x, ctx)), false); };
-        const Var out = fn(mine(in.q), mine(in.k), mine(in.v), mine(in.beta), mine(in.g), ctx, &comm);
-        outs[k][r] = host(out.value());
-      }
-    }, run_options(o), {&outs[0], &outs[1], &outs[2]});
-    const char* what[] = {"step 1 (the case)", "step 2 (documents of 3 tokens)", "step 3 (the case again)"};
+  ErrorTally t;
+  LayoutCase c2 = c;
+  c2.batch = second_step(s);
+  c2.truth.reset();
+  const Prepared s2(c2);
+  const Prepared* steps[] = {&s, &s2, &s};
+  struct Step {
+    RecurrenceInputs in;
+    Tensor ids;
+    Tensor ref;
+  };
+  std::vector<Step> data;
+  for (int k = 0; k < 2; ++k) {
+    const Prepared& p = *steps[k];
+    Step d{random_recurrence_inputs(p.shape.rows, p.g.padded_len, o.heads, o.key_dim, o.value_dim,
+                                    mix_seed(c.seed, 101 + k)),
+           reference_padded_doc_ids(p.truth, p.g.padded_len), Tensor()};
+    d.ref = reference_recurrence(d.in, d.ids, Tensor()).o;
+    data.push_back(std::move(d));
+  }
+  std::vector<std::vector<Tensor>> outs(3, std::vector<Tensor>(c.cp));
+  run_ranks(c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    PackedContext ctx;  // one object, reassigned every step
     for (int k = 0; k < 3; ++k) {
-      bool all = true;
-      for (const Tensor& x : outs[k]) all = all && x.defined();
-      t.expect_close(data[k % 2].ref, all ? cat(outs[k], 1) : Tensor(), kRecurrenceTolerance,
-                     std::string(what[k]) + ": recurrence o");
+      ctx = steps[k]->context(r);
+      const RecurrenceInputs& in = data[k % 2].in;
+      auto mine = [&](const Tensor& x) { return Var(on(comm, local(x, ctx)), false); };
+      const Var out = fn(mine(in.q), mine(in.k), mine(in.v), mine(in.beta), mine(in.g), ctx, &comm);
+      outs[k][r] = host(out.value());
     }
-  } catch (...) {
-    return threw("two_steps", c.cp);
+  }, run_options(o), {&outs[0], &outs[1], &outs[2]});
+  const char* what[] = {"step 1 (the case)", "step 2 (documents of 3 tokens)", "step 3 (the case again)"};
+  for (int k = 0; k < 3; ++k) {
+    bool all = true;
+    for (const Tensor& x : outs[k]) all = all && x.defined();
+    t.expect_close(data[k % 2].ref, all ? cat(outs[k], 1) : Tensor(), kRecurrenceTolerance,
+                   std::string(what[k]) + ": recurrence o");
   }
   return t.result(kRecurrenceTolerance);
+}
+
+PropertyResult check_two_steps(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn) {
+  return run_on_case(c, kTwoSteps.name, [&](Prepared& p) { return two_steps_of(p, o, fn ? fn : default_recurrence()); });
 }
 
 namespace rows {
 
 std::vector<PropertyRow> step_rows() {
-  std::vector<PropertyRow> t;
-  t.push_back({"two_steps", "rank objects reused across steps (the packed context reassigned) keep no state from the last batch",
-               Comparison::tolerance, kRecurrenceTolerance, true,
-               [](const Prepared& p, const CheckOptions& o) {
-                 return 3 * recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
-               },
-               [](Prepared& p, const CheckOptions& o) { return two_steps_of(p, o, default_recurrence()); }});
-  return t;
+  return {kTwoSteps.with(
+      [](const Prepared& p, const CheckOptions& o) {
+        return 3 * recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
+      },
+      [](Prepared& p, const CheckOptions& o) { return two_steps_of(p, o, default_recurrence()); })};
 }
 
 }  // namespace rows

@@ -1,0 +1,207 @@
+// Unsharded references of the operators (docs/operators.md): the halo, the packed
+// causal conv, the gated delta rule and the gather's backward, token by token.
+#include <cmath>
+
+#include "verify/reference.hpp"
+#include "verify/random.hpp"
+
+namespace cpsim::verify {
+
+Tensor reference_padded_doc_ids(const LayoutTruth& t, std::int64_t P) {
+  const std::int64_t B = t.doc_ids.dim(0);
+  Tensor out({B, P}, DType::i64);
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto row = reference_padded_doc_ids_row(t, static_cast<int>(b), P);
+    for (std::int64_t s = 0; s < P; ++s) out.data<std::int64_t>()[b * P + s] = row[s];
+  }
+  return out;
+}
+
+Tensor masked_activation(const LayoutTruth& t, std::int64_t P, std::int64_t C, std::uint64_t seed) {
+  const std::int64_t B = t.padding.dim(0), S = t.padding.dim(1);
+  Tensor x = random_tensor({B, P, C}, DType::f64, seed);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t s = 0; s < P; ++s)
+      if (s >= S || t.padding.get_int(b * S + s))
+        for (std::int64_t k = 0; k < C; ++k) x.set((b * P + s) * C + k, 0.0);
+  return x;
+}
+
+Tensor reference_history(const Tensor& g, std::int64_t start, std::int64_t L, int width) {
+  const std::int64_t B = g.dim(0), P = g.dim(1), C = g.dim(2), H = width - 1;
+  Tensor out({B, L + H, C}, g.dtype());
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < L + H; ++i) {
+      const std::int64_t p = start - H + i;
+      if (p < 0 || p >= P) continue;
+      for (std::int64_t k = 0; k < C; ++k) out.set((b * (L + H) + i) * C + k, g.get((b * P + p) * C + k));
+    }
+  return out;
+}
+
+ConvReference reference_conv(const Tensor& x, const Tensor& ids, const Tensor& w, const Tensor& bias, const Tensor& gy) {
+  const std::int64_t B = x.dim(0), P = x.dim(1), C = x.dim(2), W = w.dim(1);
+  ConvReference r{Tensor({B, P, C}, DType::f64), Tensor({B, P, C}, DType::f64), Tensor({C, W}, DType::f64),
+                  Tensor({C}, DType::f64)};
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::int64_t seg = 0;  // start of t's segment, carried along the row (linear in P)
+    for (std::int64_t t = 0; t < P; ++t) {
+      if (t > 0 && ids.get_int(b * P + t) != ids.get_int(b * P + t - 1)) seg = t;
+      for (std::int64_t c = 0; c < C; ++c) {
+        double acc = bias.defined() ? bias.get(c) : 0.0;
+        const double g = gy.defined() ? gy.get((b * P + t) * C + c) : 0.0;
+        if (bias.defined()) r.dbias.set(c, r.dbias.get(c) + g);
+        for (std::int64_t j = 0; j < W; ++j) {
+          const std::int64_t p = t - (W - 1) + j;
+          if (p < seg) continue;
+          acc += w.get(c * W + j) * x.get((b * P + p) * C + c);
+          r.dx.set((b * P + p) * C + c, r.dx.get((b * P + p) * C + c) + w.get(c * W + j) * g);
+          r.dw.set(c * W + j, r.dw.get(c * W + j) + x.get((b * P + p) * C + c) * g);
+        }
+        r.y.set((b * P + t) * C + c, acc);
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace cpsim::verify
+
+namespace cpsim::verify {
+
+RecurrenceInputs random_recurrence_inputs(std::int64_t B, std::int64_t P, std::int64_t H, std::int64_t K,
+                                          std::int64_t V, std::uint64_t seed) {
+  RecurrenceInputs in{random_tensor({B, P, H, K}, DType::f64, mix_seed(seed, 1)),
+                      random_tensor({B, P, H, K}, DType::f64, mix_seed(seed, 2)),
+                      random_tensor({B, P, H, V}, DType::f64, mix_seed(seed, 3)),
+                      random_tensor({B, P, H}, DType::f64, mix_seed(seed, 4)),
+                      random_tensor({B, P, H, K}, DType::f64, mix_seed(seed, 5))};
+  // Keys normalised (as KDA does), beta in (0, 1), log-decay g in [-1, 0].
+  for (std::int64_t i = 0; i < B * P * H; ++i) {
+    double n = 0;
+    for (std::int64_t a = 0; a < K; ++a) n += in.k.get(i * K + a) * in.k.get(i * K + a);
+    n = std::sqrt(n) + 1e-6;
+    for (std::int64_t a = 0; a < K; ++a) in.k.set(i * K + a, in.k.get(i * K + a) / n);
+    in.beta.set(i, 0.05 + 0.45 * (in.beta.get(i) + 1.0));
+    for (std::int64_t a = 0; a < K; ++a) in.g.set(i * K + a, -0.5 * (in.g.get(i * K + a) + 1.0));
+  }
+  return in;
+}
+
+RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tensor& ids, const Tensor& d_o) {
+  const std::int64_t B = in.q.dim(0), P = in.q.dim(1), H = in.q.dim(2), K = in.q.dim(3), V = in.v.dim(3);
+  RecurrenceReference r{Tensor({B, P, H, V}, DType::f64), Tensor(in.q.shape(), DType::f64),
+                        Tensor(in.k.shape(), DType::f64), Tensor(in.v.shape(), DType::f64),
+                        Tensor(in.beta.shape(), DType::f64), Tensor(in.g.shape(), DType::f64)};
+  auto Q = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.q.get(((b * P + t) * H + h) * K + a); };
+  auto Kk = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.k.get(((b * P + t) * H + h) * K + a); };
+  auto Vv = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.v.get(((b * P + t) * H + h) * V + a); };
+  auto Bt = [&](std::int64_t b, std::int64_t t, std::int64_t h) { return in.beta.get((b * P + t) * H + h); };
+  auto Gg = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.g.get(((b * P + t) * H + h) * K + a); };
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h) {
+      // Forward, keeping S_t for every t (S[t+1] is the state after token t).
+      std::vector<std::vector<double>> S(P + 1, std::vector<double>(K * V, 0.0));
+      std::vector<bool> starts(P, false);
+      for (std::int64_t t = 0; t < P; ++t) {
+        starts[t] = t == 0 || ids.get_int(b * P + t) != ids.get_int(b * P + t - 1);
+        const std::vector<double> prev = starts[t] ? std::vector<double>(K * V, 0.0) : S[t];
+        std::vector<double> A(K * V), u(V, 0.0);
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < V; ++j) A[i * V + j] = std::exp(Gg(b, t, h, i)) * prev[i * V + j];
+        for (std::int64_t j = 0; j < V; ++j)
+          for (std::int64_t i = 0; i < K; ++i) u[j] += Kk(b, t, h, i) * A[i * V + j];
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < V; ++j)
+            S[t + 1][i * V + j] = A[i * V + j] + Bt(b, t, h) * Kk(b, t, h, i) * (Vv(b, t, h, j) - u[j]);
+        for (std::int64_t j = 0; j < V; ++j) {
+          double o = 0;
+          for (std::int64_t i = 0; i < K; ++i) o += S[t + 1][i * V + j] * Q(b, t, h, i);
+          r.o.set(((b * P + t) * H + h) * V + j, o);
+        }
+      }
+      if (!d_o.defined()) continue;
+      // Backward, token by token from the end; dS is the gradient of S_t.
+      std::vector<double> dS(K * V, 0.0);
+      for (std::int64_t t = P - 1; t >= 0; --t) {
+        const std::vector<double> prev = starts[t] ? std::vector<double>(K * V, 0.0) : S[t];
+        const double beta = Bt(b, t, h);
+        std::vector<double> A(K * V), u(V, 0.0), e(V, 0.0);
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < V; ++j) A[i * V + j] = std::exp(Gg(b, t, h, i)) * prev[i * V + j];
+        for (std::int64_t j = 0; j < V; ++j)
+          for (std::int64_t i = 0; i < K; ++i) u[j] += Kk(b, t, h, i) * A[i * V + j];
+        for (std::int64_t i = 0; i < K; ++i) {
+          double dq = 0;
+          for (std::int64_t j = 0; j < V; ++j) {
+            const double g_o = d_o.get(((b * P + t) * H + h) * V + j);
+            dq += S[t + 1][i * V + j] * g_o;
+            dS[i * V + j] += Q(b, t, h, i) * g_o;
+          }
+          r.dq.set(((b * P + t) * H + h) * K + i, dq);
+        }
+        for (std::int64_t j = 0; j < V; ++j)
+          for (std::int64_t i = 0; i < K; ++i) e[j] += Kk(b, t, h, i) * dS[i * V + j];
+        double dbeta = 0;
+        for (std::int64_t j = 0; j < V; ++j) {
+          dbeta += e[j] * (Vv(b, t, h, j) - u[j]);
+          r.dv.set(((b * P + t) * H + h) * V + j, beta * e[j]);
+        }
+        r.dbeta.set((b * P + t) * H + h, dbeta);
+        std::vector<double> dprev(K * V);
+        for (std::int64_t i = 0; i < K; ++i) {
+          double dk = 0, dg = 0;
+          for (std::int64_t j = 0; j < V; ++j) {
+            const double du = -beta * e[j];
+            dk += beta * dS[i * V + j] * (Vv(b, t, h, j) - u[j]) + A[i * V + j] * du;
+            const double dA = dS[i * V + j] + Kk(b, t, h, i) * du;
+            dg += dA * A[i * V + j];
+            dprev[i * V + j] = starts[t] ? 0.0 : std::exp(Gg(b, t, h, i)) * dA;
+          }
+          r.dk.set(((b * P + t) * H + h) * K + i, dk);
+          r.dg.set(((b * P + t) * H + h) * K + i, dg);
+        }
+        dS = dprev;
+      }
+    }
+  return r;
+}
+
+namespace {
+
+// Plain rank-order sum of upstream slices in the element type: the reference reduce-scatter.
+template <class T>
+Tensor gather_backward_as(const std::vector<Tensor>& upstream, const std::vector<bool>& contributes,
+                             const ReferenceGeometry& g, int rank) {
+  const Tensor& u0 = upstream[0];
+  Shape shape = u0.shape();
+  shape[1] = g.local_len;
+  Tensor out(shape, u0.dtype());
+  const std::int64_t B = shape[0], inner = u0.numel() / (B * g.padded_len);
+  bool first = true;
+  for (std::size_t q = 0; q < upstream.size(); ++q) {
+    if (!contributes[q]) continue;
+    const T* u = upstream[q].data<T>();
+    T* o = out.data<T>();
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t s = 0; s < g.local_len; ++s)
+        for (std::int64_t k = 0; k < inner; ++k) {
+          const T v = u[(b * g.padded_len + g.start(rank) + s) * inner + k];
+          T& dst = o[(b * g.local_len + s) * inner + k];
+          dst = first ? v : static_cast<T>(dst + v);
+        }
+    first = false;
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor reference_gather_backward(DType dt, const std::vector<Tensor>& upstream, const std::vector<bool>& contributes,
+                      const ReferenceGeometry& g, int rank) {
+  return dt == DType::f64 ? gather_backward_as<double>(upstream, contributes, g, rank)
+                          : gather_backward_as<float>(upstream, contributes, g, rank);
+}
+
+
+}  // namespace cpsim::verify
