@@ -52,7 +52,9 @@ class Golden:
         self.reference = load_safetensors(os.path.join(folder, "reference.safetensors"))
         self.cp = self.manifest["cp"]
         self.ranks = [load_safetensors(os.path.join(folder, "rank_%d.safetensors" % r)) for r in range(self.cp)]
-        self.batch = {k[len("batch."):]: v for k, v in self.inputs.items() if k.startswith("batch.")}
+        # The batch as the file gave it (inputs.<key>), with cpsim's stand-ins for keys it did not give.
+        self.batch = {k.split(".", 1)[1]: v for k, v in self.inputs.items()
+                      if k.startswith("inputs.") or k.startswith("stand_in.")}
 
 
 def load_golden(folder):
@@ -88,11 +90,28 @@ def compare(name, got, want, tolerance=None):
     return err
 
 
-def check(golden, shard=None, halo=None, gather=None, rope=None, attention=None, targets=None, loss=None,
-          log=print):
+def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=None, gather_backward=None, conv=None,
+          recurrence=None, rope=None, attention=None, targets=None, loss=None, log=print):
     """Compares the given functions with every rank's expected values.
 
+    layout(batch) -> (doc_ids, padding, position_ids), each [B, S]: the layout of
+        the raw batch (docs/layout.md)
     shard(batch, rank, cp, pad_token_id) -> dict: the local batch after shard_batch
+    cp_context(doc_ids, cp) -> list: for every rank a dict with "local_doc_ids"
+        [B, L], "row_cu_seqlens" (one list per row) and the recurrent CP context
+        fields "pre_num_conv_tokens", "pre_num_ranks", "post_num_ranks",
+        "is_first_rank", "is_last_rank" (one value per row); doc_ids: the global
+        padded doc ids [B, P]
+    gather_backward(upstream) -> list: every rank's gradient [B, L, C] of its x
+        shard through gather_sequence, upstream[q] being rank q's [B, P] gradient
+    conv(x, doc_ids, weight, bias, grad_y) -> list of dicts with "y", "dx" (the
+        x shard's gradient, halo returns included), "dw_partial", "dbias_partial"
+        (before the sum over ranks) and "halo_grad" [B, L+W-1, C]: the packed
+        causal depthwise conv (manifest["conventions"]["conv_taps"]) and its
+        backward for grad_y; doc_ids: each rank's local doc ids
+    recurrence(q, k, v, beta, g, doc_ids, grad_o) -> list of dicts with "o",
+        "dq", "dk", "dv", "dbeta", "dg": the gated delta rule (no q scaling,
+        manifest["conventions"]["recurrence"]) and its gradients
     halo(shards, width) -> list: every rank's convolution history [B, L+W-1, C]
     gather(shards) -> list: every rank's gathered tensor [B, P, C]
     (shards: the list of every rank's [B, L, C] shard of the activation x)
@@ -128,6 +147,52 @@ def check(golden, shard=None, halo=None, gather=None, rope=None, attention=None,
         return [t[:, r * L:(r + 1) * L] for r in range(golden.cp)]
 
     positions, doc_ids, padding = per_rank("batch.position_ids"), per_rank("local_doc_ids"), per_rank("batch.padding_mask")
+    ref = golden.reference
+    S, cp = m["S"], golden.cp
+
+    def tolerance(r, key):
+        return golden.manifest["files"]["rank_%d.safetensors" % r][key]["tolerance"] or None
+
+    def against(r, key, got):
+        compare("rank %d %s" % (r, key), got, golden.ranks[r][key], tolerance(r, key))
+
+    if layout is not None:
+        ids, pad, pos = layout(golden.batch)
+        compare("layout doc_ids", ids, ref["doc_ids"][:, :S])
+        compare("layout padding", pad, ref["padding"])
+        compare("layout position_ids", pos, ref["position_ids"])
+        checked += 3
+    if cp_context is not None:
+        for r, got in enumerate(cp_context(ref["doc_ids"], cp)):
+            against(r, "local_doc_ids", got["local_doc_ids"])
+            for b, cu in enumerate(got["row_cu_seqlens"]):
+                against(r, "row_cu_seqlens.%d" % b, np.asarray(cu, dtype=np.int64))
+            for field in ("pre_num_conv_tokens", "pre_num_ranks", "post_num_ranks", "is_first_rank", "is_last_rank"):
+                want = golden.ranks[r]["cp_context." + field]
+                against(r, "cp_context." + field, np.asarray(got[field], dtype=want.dtype))
+            checked += 7
+    if gather_backward is not None:
+        upstream = [golden.inputs["gather_grad.%d" % q] for q in range(cp)]
+        for r, got in enumerate(gather_backward(upstream)):
+            against(r, "gather_grad_x", got)
+            checked += 1
+    if conv is not None:
+        parts = conv(shards, doc_ids, golden.inputs["conv_weight"], golden.inputs["conv_bias"], split("conv_grad_y"))
+        for r, got in enumerate(parts):
+            for name, key in (("y", "conv_y"), ("dx", "conv_dx"), ("dw_partial", "conv_dw_partial"),
+                              ("dbias_partial", "conv_dbias_partial"), ("halo_grad", "halo_grad")):
+                against(r, key, got[name])
+                checked += 1
+        compare("conv_dw (the partials summed)", sum(_numpy(p["dw_partial"]) for p in parts), ref["conv_dw"],
+                m["tolerance"]["relative_rmse_conv"])
+        checked += 1
+    if recurrence is not None:
+        got = recurrence(split("q"), split("k"), split("v"), split("beta"), split("g"), doc_ids,
+                         split("recurrence_grad_o"))
+        for r, out in enumerate(got):
+            for key in ("o", "dq", "dk", "dv", "dbeta", "dg"):
+                against(r, key, out[key])
+                checked += 1
     if shard is not None:
         for r in range(golden.cp):
             local = shard(golden.batch, r, golden.cp, m["pad_token_id"])
@@ -177,26 +242,82 @@ def check(golden, shard=None, halo=None, gather=None, rope=None, attention=None,
 # A reference implementation in numpy: how a training step's CP code behaves.
 
 _FILL = {"input_ids": None, "labels": -100, "padding_mask": True, "loss_mask": 0, "attention_mask": 0}
+_LENGTH_KEYS = ("seq_lens", "seq_lens_padded", "cu_seqlens", "cu_seqlens_padded")
+
+
+def _rows(t):
+    return t.reshape(1, -1) if t.ndim == 1 else t
+
+
+def numpy_layout(batch):
+    """docs/layout.md from the raw batch: doc ids (i + 1 over document i's
+    occupied span, 0 beyond), padding (decided from lengths, never token ids) and
+    positions (given, or the offset inside the occupied span; tail padding
+    continues the last position)."""
+    tokens = _rows(batch["input_ids"] if "input_ids" in batch
+                   else next(v for k, v in sorted(batch.items()) if k not in _LENGTH_KEYS))
+    B, S = tokens.shape
+    ids, pad = np.zeros((B, S), np.int64), np.ones((B, S), bool)
+
+    def cu_lengths(key):
+        cu = batch[key].reshape(-1).astype(np.int64)
+        return list(np.diff(cu[cu >= 0]))
+
+    given_pos = _rows(batch["position_ids"]).astype(np.int64) if "position_ids" in batch else None
+    for b in range(B):
+        if "seq_lens" in batch:
+            real = [int(n) for n in _rows(batch["seq_lens"])[b] if n >= 0]
+            occupied = [int(n) for n in _rows(batch["seq_lens_padded"])[b] if n >= 0] \
+                if "seq_lens_padded" in batch else real
+        elif "cu_seqlens" in batch or "cu_seqlens_padded" in batch:
+            real = cu_lengths("cu_seqlens" if "cu_seqlens" in batch else "cu_seqlens_padded")
+            occupied = cu_lengths("cu_seqlens_padded" if "cu_seqlens_padded" in batch else "cu_seqlens")
+        else:
+            real = None
+        if real is not None:
+            start = 0
+            for i, (n, span) in enumerate(zip(real, occupied)):
+                end = min(start + span, S)
+                ids[b, start:end] = i + 1
+                pad[b, start:end] = np.arange(end - start) >= n
+                start += span
+        else:  # unpacked: a document per row, or one per reset of the given positions to 0
+            if "padding_mask" in batch:
+                pad[b] = _rows(batch["padding_mask"])[b] != 0
+            elif "attention_mask" in batch:
+                pad[b] = _rows(batch["attention_mask"])[b] == 0
+            else:
+                pad[b] = False
+            documents = 0
+            for s in np.flatnonzero(~pad[b]):
+                if documents == 0 or (given_pos is not None and given_pos[b, s] == 0):
+                    documents += 1
+                ids[b, s] = documents if given_pos is not None else 1
+    if given_pos is not None:
+        return ids, pad, given_pos
+    pos = np.zeros((B, S), np.int64)
+    for b in range(B):
+        real_end = (np.flatnonzero(ids[b]) + 1).max(initial=0)
+        for s in range(1, S):
+            pos[b, s] = pos[b, s - 1] + 1 if (ids[b, s] == ids[b, s - 1] or s >= real_end) else 0
+    return ids, pad, pos
 
 
 def numpy_shard(golden):
-    """shard_batch (docs/sharding.md), from the reference layout the folder carries."""
+    """shard_batch (docs/sharding.md): the layout derived from the raw batch, every
+    key padded to P with its fill value, this rank's slice (input_ids stay global)."""
     m = golden.manifest
     S, P, L = m["S"], m["P"], m["L"]
-    ref = golden.reference
 
     def shard(batch, rank, cp, pad_token_id):
+        ids, padding, positions = numpy_layout(batch)
+        rows = ids.shape[0]
         out = {}
-        rows = ref["padding"].shape[0]
-        keys = [k for k in batch if k not in ("seq_lens", "seq_lens_padded", "cu_seqlens", "cu_seqlens_padded")]
-        keys += ["padding_mask", "position_ids"]
+        keys = [k for k in batch if k not in _LENGTH_KEYS] + ["padding_mask", "position_ids"]
         for key in set(keys):
-            if key == "padding_mask":
-                src = ref["padding"]
-            elif key == "position_ids":
-                src = ref["position_ids"]
-            else:
-                src = batch[key].reshape(rows, S)
+            src = {"padding_mask": padding, "position_ids": positions}.get(key)
+            if src is None:
+                src = batch[key].reshape(rows, S).astype(np.int64)
             fill = pad_token_id if key == "input_ids" else _FILL.get(key, 0)
             padded = np.empty((rows, P), dtype=src.dtype)
             padded[:, :S] = src
@@ -208,6 +329,143 @@ def numpy_shard(golden):
         return out
 
     return shard
+
+
+def _runs(row):
+    """Boundaries of the runs of equal ids of a row: [0, ..., len(row)]."""
+    change = np.flatnonzero(row[1:] != row[:-1]) + 1
+    return [0] + [int(c) for c in change] + [len(row)]
+
+
+def numpy_cp_context(doc_ids, cp):
+    """Every rank's local doc ids, local segments and recurrent CP context (the
+    segments are the runs of equal ids, padding runs included)."""
+    B, P = doc_ids.shape
+    L = P // cp
+    out = []
+    for r in range(cp):
+        lo, hi = r * L, (r + 1) * L
+        ctx = {"local_doc_ids": doc_ids[:, lo:hi], "row_cu_seqlens": [], "pre_num_conv_tokens": [],
+               "pre_num_ranks": [], "post_num_ranks": []}
+        for b in range(B):
+            ctx["row_cu_seqlens"].append(_runs(doc_ids[b, lo:hi]))
+            cuts = _runs(doc_ids[b])
+            first_start = max(c for c in cuts if c <= lo)           # the segment holding position lo
+            last_end = min(c for c in cuts if c >= hi)              # the segment holding position hi - 1
+            ctx["pre_num_conv_tokens"].append(lo - first_start)
+            ctx["pre_num_ranks"].append(r - first_start // L)
+            ctx["post_num_ranks"].append((last_end - 1) // L - r)
+        ctx["is_first_rank"] = [n == 0 for n in ctx["pre_num_ranks"]]
+        ctx["is_last_rank"] = [n == 0 for n in ctx["post_num_ranks"]]
+        out.append(ctx)
+    return out
+
+
+def numpy_gather_backward(upstream):
+    cp, P = len(upstream), upstream[0].shape[1]
+    L = P // cp
+    out = []
+    for r in range(cp):
+        grad = upstream[0][:, r * L:(r + 1) * L].copy()
+        for q in range(1, cp):  # in rank order
+            grad = grad + upstream[q][:, r * L:(r + 1) * L]
+        out.append(grad)
+    return out
+
+
+def _segment_starts(ids):
+    """For every position of every row, where its run of equal ids starts."""
+    B, P = ids.shape
+    start = np.zeros((B, P), np.int64)
+    for b in range(B):
+        for t in range(1, P):
+            start[b, t] = start[b, t - 1] if ids[b, t] == ids[b, t - 1] else t
+    return start
+
+
+def numpy_conv(x, doc_ids, weight, bias, grad_y):
+    """The packed causal depthwise conv over the joined shards; each rank's part of
+    the backward is that of its own outputs."""
+    cp, L = len(x), x[0].shape[1]
+    X, ids, GY = np.concatenate(x, axis=1), np.concatenate(doc_ids, axis=1), np.concatenate(grad_y, axis=1)
+    B, P, C = X.shape
+    W = weight.shape[1]
+    start = _segment_starts(ids)
+    Y = np.broadcast_to(bias, X.shape).copy()
+    for t in range(P):
+        for j in range(W):
+            p = t - (W - 1) + j
+            if p < 0:
+                continue
+            live = (p >= start[:, t])[:, None]
+            Y[:, t] += np.where(live, weight[:, j] * X[:, p], 0.0)
+    out = []
+    for r in range(cp):
+        dX, dw, db = np.zeros_like(X), np.zeros_like(weight), GY[:, r * L:(r + 1) * L].sum(axis=(0, 1))
+        for t in range(r * L, (r + 1) * L):
+            for j in range(W):
+                p = t - (W - 1) + j
+                if p < 0:
+                    continue
+                live = (p >= start[:, t])[:, None]
+                dX[:, p] += np.where(live, weight[:, j] * GY[:, t], 0.0)
+                dw[:, j] += np.where(live, X[:, p] * GY[:, t], 0.0).sum(axis=0)
+        lo = r * L - (W - 1)
+        halo = np.zeros((B, L + W - 1, C))
+        halo[:, max(0, -lo):] = dX[:, max(lo, 0):(r + 1) * L]
+        out.append({"y": Y[:, r * L:(r + 1) * L], "dw_partial": dw, "dbias_partial": db, "halo_grad": halo,
+                    "dX": dX})
+    total = sum(o.pop("dX") for o in out)
+    for r, o in enumerate(out):
+        o["dx"] = total[:, r * L:(r + 1) * L]
+    return out
+
+
+def numpy_recurrence(q, k, v, beta, g, doc_ids, grad_o):
+    """The gated delta rule token by token over the joined shards (S = 0 at every
+    segment start), and its backward by hand."""
+    cp, L = len(q), q[0].shape[1]
+    join = lambda parts: np.concatenate(parts, axis=1)
+    Q, K, V, Bt, G, ids, DO = join(q), join(k), join(v), join(beta), join(g), join(doc_ids), join(grad_o)
+    B, P, H, Kd = Q.shape
+    grads = {name: np.zeros_like(t) for name, t in (("dq", Q), ("dk", K), ("dv", V), ("dbeta", Bt), ("dg", G))}
+    O = np.zeros_like(V)
+    eye = np.eye(Kd)
+    for b in range(B):
+        for h in range(H):
+            states, prevs, mats = [], [], []
+            S = None
+            for t in range(P):
+                if t == 0 or ids[b, t] != ids[b, t - 1]:
+                    S = np.zeros((Kd, V.shape[-1]))
+                kk, e, bt = K[b, t, h], np.exp(G[b, t, h]), Bt[b, t, h]
+                A = (eye - bt * np.outer(kk, kk)) * e[None, :]
+                prevs.append(S)
+                mats.append(A)
+                S = A @ S + bt * np.outer(kk, V[b, t, h])
+                states.append(S)
+                O[b, t, h] = S.T @ Q[b, t, h]
+            dS = np.zeros_like(S)
+            for t in reversed(range(P)):
+                if t == P - 1 or ids[b, t + 1] != ids[b, t]:
+                    dS = np.zeros_like(dS)  # nothing flows back from the next segment
+                kk, vv, e, bt, A, prev = K[b, t, h], V[b, t, h], np.exp(G[b, t, h]), Bt[b, t, h], mats[t], prevs[t]
+                dS = dS + np.outer(Q[b, t, h], DO[b, t, h])
+                grads["dq"][b, t, h] = states[t] @ DO[b, t, h]
+                dA = dS @ prev.T
+                ke = kk * e
+                grads["dbeta"][b, t, h] = np.sum(dS * np.outer(kk, vv)) - kk @ dA @ ke
+                grads["dk"][b, t, h] = bt * (dS @ vv) - bt * (dA @ ke + e * (dA.T @ kk))
+                grads["dv"][b, t, h] = bt * (dS.T @ kk)
+                grads["dg"][b, t, h] = (np.diag(dA) - bt * kk * (dA.T @ kk)) * e
+                dS = A.T @ dS
+    out = []
+    for r in range(cp):
+        cut = slice(r * L, (r + 1) * L)
+        one = {"o": O[:, cut]}
+        one.update({name: t[:, cut] for name, t in grads.items()})
+        out.append(one)
+    return out
 
 
 def numpy_halo(shards, width):
@@ -305,6 +563,14 @@ def numpy_loss(logits, targets):
     return [(np.array([total / count if count else 0.0]), g / count if count else g) for g in grads]
 
 
+def numpy_functions(golden):
+    """Every hook of check(), from the numpy implementation above."""
+    return {"layout": numpy_layout, "shard": numpy_shard(golden), "cp_context": numpy_cp_context,
+            "halo": numpy_halo, "gather": numpy_gather, "gather_backward": numpy_gather_backward,
+            "conv": numpy_conv, "recurrence": numpy_recurrence, "rope": numpy_rope,
+            "attention": numpy_attention, "targets": numpy_targets, "loss": numpy_loss}
+
+
 def torch_functions():
     import torch  # optional
 
@@ -330,8 +596,7 @@ def main(argv):
         halo, gather = torch_functions()
         check(golden, shard=numpy_shard(golden), halo=halo, gather=gather)
     else:
-        check(golden, shard=numpy_shard(golden), halo=numpy_halo, gather=numpy_gather, rope=numpy_rope,
-              attention=numpy_attention, targets=numpy_targets, loss=numpy_loss)
+        check(golden, **numpy_functions(golden))
     return 0
 
 

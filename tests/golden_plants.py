@@ -5,8 +5,8 @@ reported by check() at the key it breaks, with a rank and a position.
     /usr/bin/python3 tests/golden_plants.py GOLDEN_DIR
 
 GOLDEN_DIR holds `cpsim golden` vectors of a batch whose documents cross shard
-edges at CP > 1 (tests/test_golden.cpp writes examples/packed_two_rows.json at
-CP 3). Prints one line per plant; exits 1 when a plant passes or is reported at
+edges at CP > 1, some across three ranks, with interior padding
+(tests/test_golden.cpp writes examples/thd_cu_seqlens.json at CP 8). Prints one line per plant; exits 1 when a plant passes or is reported at
 another key.
 """
 import os
@@ -57,7 +57,7 @@ def attention_ties_by_larger_position(q, k, v, positions, doc_ids, padding, grad
 
 
 def targets_after_sharding(tokens, doc_ids, padding):
-    cp_l = tokens.shape[1] // 3
+    cp_l = tokens.shape[1] // 8
     parts = [gc.numpy_targets(tokens[:, c:c + cp_l], doc_ids[:, c:c + cp_l], padding[:, c:c + cp_l])
              for c in range(0, tokens.shape[1], cp_l)]
     return np.concatenate(parts, axis=1)
@@ -77,7 +77,45 @@ def halo_of_zeros(shards, width):
     return [np.concatenate([np.zeros((B, width - 1, C)), s], axis=1) for s in shards]
 
 
+def layout_interior_padding_as_real(batch):
+    ids, pad, pos = gc.numpy_layout(batch)
+    return ids, pad & (ids == 0), pos  # padding only after the last document
+
+
+def context_without_reaching_back(doc_ids, cp):
+    out = gc.numpy_cp_context(doc_ids, cp)
+    for ctx in out:
+        ctx["pre_num_ranks"] = [min(n, 1) for n in ctx["pre_num_ranks"]]  # a segment never spans 3 ranks
+        ctx["is_first_rank"] = [n == 0 for n in ctx["pre_num_ranks"]]
+    return out
+
+
+def gather_backward_own_slice(upstream):
+    cp, P = len(upstream), upstream[0].shape[1]
+    L = P // cp
+    return [upstream[r][:, r * L:(r + 1) * L] for r in range(cp)]
+
+
+def conv_across_documents(x, doc_ids, weight, bias, grad_y):
+    one = [np.ones_like(d) for d in doc_ids]  # every tap kept: documents leak into each other
+    return gc.numpy_conv(x, one, weight, bias, grad_y)
+
+
+def recurrence_scaled_q(q, k, v, beta, g, doc_ids, grad_o):
+    scale = q[0].shape[-1] ** -0.5
+    out = gc.numpy_recurrence([t * scale for t in q], k, v, beta, g, doc_ids, grad_o)
+    for one in out:
+        one["dq"] = one["dq"] * scale
+    return out
+
+
 PLANTS = [
+    ("interior padding taken as real", {"layout": layout_interior_padding_as_real}, "layout padding"),
+    ("a segment reaching back one rank at most", {"cp_context": context_without_reaching_back},
+     "cp_context.pre_num_ranks"),
+    ("a gather backward keeping only its own slice", {"gather_backward": gather_backward_own_slice}, "gather_grad_x"),
+    ("conv taps across documents", {"conv": conv_across_documents}, "conv_dx"),
+    ("q scaled by K^-0.5", {"recurrence": recurrence_scaled_q}, "o"),
     ("rope by 0..L-1", {"rope": rope_by_local_index}, "rope_q"),
     ("attention without the gathered keys", {"attention": attention_without_gather}, "attention_dk"),
     ("top-k ties to the larger position", {"attention": attention_ties_by_larger_position}, "sparse_attention_kept"),
@@ -89,8 +127,8 @@ PLANTS = [
 
 def main(folder):
     golden = gc.load_golden(folder)
-    if golden.cp != 3:
-        print("golden_plants: needs vectors written at --cp 3", file=sys.stderr)
+    if golden.cp != 8:
+        print("golden_plants: needs vectors written at --cp 8", file=sys.stderr)
         return 2
     missed = 0
     for what, hooks, key in PLANTS:

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "core/shard.hpp"
 #include "tests/subprocess.hpp"
@@ -119,22 +120,96 @@ TEST(Golden, AnIndependentNumpyImplementationAgrees) {
   }
 }
 
-// Planted bugs in that numpy implementation (tests/golden_plants.py: RoPE by local
-// index, attention without the gathered keys, top-k ties to the later key, targets
-// aligned after sharding, a mean of rank means, a halo of zeros) are each reported
-// at the key they break, with its rank and first position.
+// Planted bugs in that numpy implementation, one per hook (tests/golden_plants.py:
+// interior padding taken as real, a segment reaching back one rank at most, a
+// gather backward keeping only its own slice, conv taps across documents, q scaled
+// by K^-0.5, RoPE by local index, attention without the gathered keys, top-k ties
+// to the later key, targets aligned after sharding, a mean of rank means, a halo
+// of zeros) are each reported at the key they break, with its rank and first
+// position.
 TEST(Golden, PlantedBugsInTheNumpyImplementationAreReportedAtTheirKey) {
   if (std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "needs numpy for /usr/bin/python3 (Debian's python3-numpy; make deps installs it)";
   const auto dir = fresh_dir("cpsim-golden-plants");
   const auto g = cpsim::testing::run_process(
-      {CPSIM_BINARY, "golden", kExamples + "thd_cu_seqlens.json", "--cp", "3", "--out", dir.string()}, 60s);
+      {CPSIM_BINARY, "golden", kExamples + "thd_cu_seqlens.json", "--cp", "8", "--out", dir.string()}, 60s);
   ASSERT_EQ(g.status, 0) << g.err;
   const auto r = cpsim::testing::run_process(
       {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/tests/golden_plants.py", dir.string()}, 60s);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
-  for (const char* key : {"rope_q", "attention_dk", "sparse_attention_kept", "targets", "loss", "halo"})
+  for (const char* key : {"layout padding", "cp_context.pre_num_ranks", "gather_grad_x", "conv_dx", "o", "rope_q",
+                          "attention_dk", "sparse_attention_kept", "targets", "loss", "halo"})
     EXPECT_THAT(r.out, HasSubstr(std::string(key) + ": ")) << r.out;
   EXPECT_THAT(r.out, ::testing::Not(HasSubstr("MISSED"))) << r.out;
+  std::filesystem::remove_all(dir);
+}
+
+namespace {
+// Each tensor's absolute file offset is a multiple of its element size.
+void expect_aligned(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+  const auto header = nlohmann::json::parse(bytes.substr(8, n));
+  const std::map<std::string, int> width = {{"F64", 8}, {"I64", 8}, {"F32", 4}, {"I32", 4}, {"BF16", 2},
+                                            {"I16", 2}, {"U8", 1},  {"I8", 1},  {"BOOL", 1}};
+  for (const auto& [key, e] : header.items()) {
+    if (key == "__metadata__") continue;
+    const std::uint64_t at = 8 + n + e.at("data_offsets")[0].get<std::uint64_t>();
+    EXPECT_EQ(at % width.at(e.at("dtype").get<std::string>()), 0u) << path << " " << key;
+  }
+}
+}  // namespace
+
+// The inputs are stored as the file gave them: a safetensors batch of int32 and
+// uint8 1-D keys keeps dtype, shape and bytes; a lengths-only batch's input_ids
+// are marked as cpsim's stand-ins. Every tensor of every file is aligned to its
+// element size, and (with PyTorch) loads in place with torch.frombuffer.
+TEST(Golden, InputsAreStoredAsGivenAndEveryTensorLoadsInPlace) {
+  const auto dir = fresh_dir("cpsim-golden-given");
+  std::filesystem::create_directories(dir);
+  const std::vector<std::int64_t> ids = {7, 7, 7, 0, 8, 8, 8, 8, 0};
+  std::map<std::string, RawTensor> file;
+  file["input_ids"] = raw_tensor(Tensor::from<std::int64_t>({9}, ids), {"I32", {9}});
+  file["cu_seqlens"] = raw_tensor(Tensor::from<std::int64_t>({3}, {0, 3, 8}), {"I32", {3}});
+  file["cu_seqlens_padded"] = raw_tensor(Tensor::from<std::int64_t>({3}, {0, 4, 9}), {"I32", {3}});
+  file["loss_mask"] = raw_tensor(Tensor::from<std::int64_t>({9}, {1, 1, 1, 0, 1, 1, 1, 1, 0}), {"U8", {9}});
+  const auto batch = dir / "batch.safetensors";
+  std::ofstream(batch, std::ios::binary) << write_safetensors(file, {{"pad_token_id", "0"}});
+  const auto out = dir / "golden";
+  auto g = cpsim::testing::run_process({CPSIM_BINARY, "golden", batch.string(), "--cp", "3", "--out", out.string()}, 60s);
+  ASSERT_EQ(g.status, 0) << g.err;
+  const MappedFile inputs_file((out / "inputs.safetensors").string());
+  const SafetensorsFile inputs = parse_safetensors(inputs_file.bytes(), "inputs", true);
+  EXPECT_EQ(inputs.dtypes.at("inputs.input_ids"), "I32");
+  EXPECT_EQ(inputs.dtypes.at("inputs.loss_mask"), "U8");
+  EXPECT_EQ(inputs.tensors.at("inputs.input_ids").shape(), (Shape{9}));
+  EXPECT_EQ(inputs.tensors.at("inputs.input_ids").get_int(4), 8);
+  EXPECT_EQ(inputs.tensors.at("inputs.cu_seqlens").shape(), (Shape{3}));
+  for (const char* name : {"inputs.safetensors", "reference.safetensors", "rank_0.safetensors", "rank_2.safetensors"})
+    expect_aligned(out / name);
+
+  const auto lengths = dir / "lengths";
+  g = cpsim::testing::run_process(
+      {CPSIM_BINARY, "golden", kExamples + "lengths_only.json", "--cp", "2", "--out", lengths.string()}, 60s);
+  ASSERT_EQ(g.status, 0) << g.err;
+  const MappedFile stand_file((lengths / "inputs.safetensors").string());
+  const SafetensorsFile stand = parse_safetensors(stand_file.bytes(), "inputs", true);
+  EXPECT_TRUE(stand.tensors.count("stand_in.input_ids"));
+  EXPECT_FALSE(stand.tensors.count("inputs.input_ids"));
+  EXPECT_TRUE(stand.tensors.count("inputs.seq_lens"));
+  std::ifstream manifest(lengths / "manifest.json");
+  const auto m = nlohmann::json::parse(manifest);
+  EXPECT_EQ(m["files"]["inputs.safetensors"]["stand_in.input_ids"]["origin"], "stand-in");
+  EXPECT_EQ(m["conventions"]["q_scale"], 1.0);
+  EXPECT_TRUE(m["files"]["rank_0.safetensors"]["conv_dw_partial"].contains("tolerance"));
+
+  if (std::system("/usr/bin/python3 -c 'import torch, numpy' >/dev/null 2>&1") == 0) {
+    const auto r = cpsim::testing::run_process({"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) +
+                                                "/tests/golden_frombuffer.py", out.string(), lengths.string()}, 120s);
+    EXPECT_EQ(r.status, 0) << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr("load in place"));
+  }
   std::filesystem::remove_all(dir);
 }

@@ -199,6 +199,7 @@ BatchFile parse_batch_json(std::string_view text, const std::string& source) {
       seq_len = it->get<std::int64_t>();
     } else {
       out.batch[key] = tensor_from_json(*it, key);
+      out.given[key] = {is_bool_key(key) ? "BOOL" : "I64", out.batch[key].shape()};
     }
   }
   normalize_batch_axis(out.batch);

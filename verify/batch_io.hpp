@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -16,8 +17,23 @@ namespace cpsim::verify {
 // token ids; at most this many (512 MiB of int64), since the file does not bound them.
 inline constexpr std::int64_t kMaxStandInTokens = std::int64_t{1} << 26;
 
+// A tensor exactly as a file stored it: its safetensors dtype name ("I32", "U8",
+// "I64", "BOOL", ...), its shape and its little-endian bytes.
+struct RawTensor {
+  std::string dtype;
+  Shape shape;
+  std::string bytes;
+};
+
 struct BatchFile {
   Batch batch;
+  // How the file gave each key (before 1-D keys are normalised and integer dtypes
+  // widened to int64): a JSON file's keys are I64 (BOOL for bool keys).
+  struct Form {
+    std::string dtype;
+    Shape shape;
+  };
+  std::map<std::string, Form> given;
   std::int64_t pad_token_id = 0;
   // The file gave no input_ids: the batch holds stand-ins (token ids never decide
   // padding, so every property still checks the layout the file gives).

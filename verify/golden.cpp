@@ -18,15 +18,28 @@ namespace {
 
 using nlohmann::json;
 
+// The torch name of a safetensors dtype ("I32" -> "int32").
+std::string torch_dtype(const std::string& st) {
+  static const std::map<std::string, std::string> names = {
+      {"F64", "float64"}, {"F32", "float32"}, {"BF16", "bfloat16"}, {"I64", "int64"}, {"I32", "int32"},
+      {"I16", "int16"},   {"I8", "int8"},     {"U8", "uint8"},      {"U16", "uint16"}, {"U32", "uint32"},
+      {"U64", "uint64"},  {"BOOL", "bool"}};
+  const auto it = names.find(st);
+  return it == names.end() ? st : it->second;
+}
+
 // One file being assembled: its tensors and, for the manifest, what each means.
 struct GoldenFile {
-  std::map<std::string, Tensor> tensors;
+  std::map<std::string, RawTensor> tensors;
   json keys = json::object();
   // `section`: where the user's guide defines it (§1 the layout, §2 sharding, §3 the operators).
-  void add(const std::string& key, const Tensor& t, const std::string& meaning, const std::string& section) {
+  json& add(const std::string& key, const RawTensor& t, const std::string& meaning, const std::string& section) {
     tensors[key] = t;
     const std::string page = section == "§1" ? "docs/layout.md" : section == "§2" ? "docs/sharding.md" : "docs/operators.md";
-    keys[key] = {{"shape", t.shape()}, {"dtype", dtype_name(t.dtype())}, {"meaning", meaning}, {"see", page}};
+    return keys[key] = {{"shape", t.shape}, {"dtype", torch_dtype(t.dtype)}, {"meaning", meaning}, {"see", page}};
+  }
+  json& add(const std::string& key, const Tensor& t, const std::string& meaning, const std::string& section) {
+    return add(key, raw_tensor(t), meaning, section);
   }
 };
 
@@ -39,16 +52,29 @@ Tensor i64_vector(const std::vector<std::int64_t>& v) {
 }  // namespace
 
 std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o, const std::string& dir,
-                                      const std::string& batch_name) {
+                                      const std::string& batch_name, const GivenBatch& given) {
   const ReferenceShape shape = reference_shape(c.batch);
   const ReferenceGeometry g = reference_geometry(shape.seq_len, c.cp);
   const LayoutTruth truth = reference_layout(c.batch);
   const std::int64_t B = shape.rows, P = g.padded_len, L = g.local_len, C = o.channels, W = o.conv_width;
   const Tensor ids = reference_padded_doc_ids(truth, P);
 
-  // The batch as given, and the seeded inputs, drawn as `cpsim check --seed` draws them.
+  // The batch as given (dtype and shape as the file had them), stand-ins marked,
+  // and the seeded inputs, drawn as `cpsim check --seed` draws them.
   GoldenFile inputs;
-  for (const auto& [key, t] : c.batch) inputs.add("batch." + key, t, "the batch's " + key + ", as given", "§1");
+  for (const auto& [key, t] : c.batch) {
+    const auto form = given.forms.find(key);
+    if (form != given.forms.end()) {
+      inputs.add("inputs." + key, raw_tensor(t, form->second), "the batch's " + key + ", as given", "§1")["origin"] =
+          "given";
+    } else if (given.forms.empty()) {
+      inputs.add("inputs." + key, t, "the batch's " + key, "§1")["origin"] = "given";
+    } else {
+      inputs.add("stand_in." + key, t,
+                 key + " the file did not give: cpsim's stand-in (token ids never decide the layout)", "§1")["origin"] =
+          "stand-in";
+    }
+  }
   const Tensor x = masked_activation(truth, P, C, mix_seed(c.seed, 41));
   const Tensor w = random_tensor({C, W}, DType::f64, mix_seed(c.seed, 42));
   const Tensor bias = random_tensor({C}, DType::f64, mix_seed(c.seed, 43));
@@ -159,13 +185,49 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                    {"topk", o.topk},
                    {"index_dim", o.index_dim},
                    {"vocab", o.vocab},
-                   {"tolerance", {{"bitwise", "batch, doc ids, contexts, halo, gathered, sparse_attention_kept, targets"},
+                   {"conventions",
+                    {{"q_scale", 1.0},
+                     {"q_scale_note", "the recurrence does not scale q (FLA defaults to K^-0.5: pass scale=1.0)"},
+                     {"conv_taps", "y[b,t,c] = bias[c] + sum_j w[c,j] * x[b, t-(W-1)+j, c]: w[:, W-1] multiplies x[t], "
+                                   "w[:, 0] the oldest tap; a tap before t's segment start is dropped"},
+                     {"activation", "none: the conv output is not passed through SiLU or any activation"},
+                     {"loss", "every gradient in these files is that of sum(output * upstream) for the upstream "
+                              "gradient the inputs give (conv_grad_y, recurrence_grad_o, attention_grad_o, "
+                              "gather_grad.q); the loss keys are the token-mean cross entropy"},
+                     {"recurrence", "S_t = (I - beta k k^T) Diag(exp g) S_{t-1} + beta k v^T, o_t = S_t^T q_t, "
+                                    "S = 0 at every segment start (q, k, g: [K], v: [V], per head)"},
+                     {"doc_ids_vs_padding", "doc_ids and padded.* are [B, P] (padded to the CP size); padding and "
+                                            "position_ids are [B, S] (the batch's own length)"}}},
+                   {"cp_context",
+                    {{"row_cu_seqlens.<b>", "boundaries of the segments of row b inside this rank's shard, clipped to "
+                                            "it, from 0 to L (flash-linear-attention's cu_seqlens)"},
+                     {"pre_num_conv_tokens", "r*L minus the global start of the segment that contains position r*L"},
+                     {"pre_num_ranks", "how many earlier ranks the first local segment reaches back into"},
+                     {"post_num_ranks", "how many later ranks the last local segment reaches into"},
+                     {"is_first_rank", "pre_num_ranks == 0"},
+                     {"is_last_rank", "post_num_ranks == 0"}}},
+                   {"tolerance", {{"note", "each key's own tolerance is in files.<file>.<key>.tolerance"},
+                                  {"bitwise", "batch, doc ids, contexts, halo, gathered, gather_grad_x (summed in rank "
+                                              "order), sparse_attention_kept, targets"},
                                   {"relative_rmse_conv", kConvTolerance},
                                   {"relative_rmse_recurrence", kRecurrenceTolerance},
                                   {"relative_rmse_layers", kAttentionTolerance}}},
                    {"files", json::object()}};
   std::vector<std::string> written;
-  auto save = [&](const std::string& name, const GoldenFile& f) {
+  // Every reference key's tolerance (relative RMSE; 0: bitwise).
+  const auto tolerance_of = [](const std::string& key, const json& entry) -> double {
+    const std::string dtype = entry.at("dtype");
+    const auto starts = [&](const char* p) { return key.rfind(p, 0) == 0; };
+    if (dtype.find("float") == std::string::npos || key == "halo" || key == "gathered" || key == "gather_grad_x" ||
+        starts("batch.") || starts("padded."))
+      return 0;
+    if (starts("conv_") || key == "halo_grad") return kConvTolerance;
+    if (starts("rope_") || starts("attention_") || starts("sparse_attention_") || starts("loss")) return kAttentionTolerance;
+    return kRecurrenceTolerance;
+  };
+  auto save = [&](const std::string& name, GoldenFile f) {
+    if (name != "inputs.safetensors")
+      for (auto& [key, entry] : f.keys.items()) entry["tolerance"] = tolerance_of(key, entry);
     const std::string path = (std::filesystem::path(dir) / name).string();
     std::ofstream out(path, std::ios::binary);
     if (!out) throw Aborted(path + ": cannot write (" + std::string(std::strerror(errno)) + ")");
@@ -218,6 +280,20 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
     rank.add("gather_grad_x", grad,
              "gradient of the x shard through gather_sequence: sum over ranks q, in rank order, of gather_grad.q "
              "sliced to this shard [B, L, C]",
+             "§3");
+    // This rank's part of the conv backward: the unsharded conv under the upstream
+    // gradient of this rank's outputs only.
+    Tensor gy_mine = Tensor::full(gy.shape(), DType::f64, 0.0);
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = start; t < start + L; ++t)
+        for (std::int64_t ch = 0; ch < C; ++ch) gy_mine.set((b * P + t) * C + ch, gy.get((b * P + t) * C + ch));
+    const ConvReference part = reference_conv(x, ids, w, bias, gy_mine);
+    rank.add("conv_dw_partial", part.dw,
+             "this rank's dw [C, W] before the sum over ranks (its outputs' taps only); conv_dw is the sum", "§3");
+    rank.add("conv_dbias_partial", part.dbias, "this rank's dbias [C] before the sum over ranks", "§3");
+    rank.add("halo_grad", reference_history(part.dx, start, L, static_cast<int>(W)),
+             "gradient of this rank's halo window [B, L+W-1, C] (its conv's input gradient): the first W-1 "
+             "positions go back to the ranks that own them",
              "§3");
     rank.add("conv_y", slice(conv.y, start, L), "this rank's conv output [B, L, C]", "§3");
     rank.add("conv_dx", slice(conv.dx, start, L), "gradient of this rank's x shard, halo returns included [B, L, C]",

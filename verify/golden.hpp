@@ -11,14 +11,22 @@
 #include <cstdint>
 #include <string>
 
+#include "verify/batch_io.hpp"
 #include "verify/cases.hpp"
 #include "verify/properties.hpp"
 
 namespace cpsim::verify {
 
+// How the batch file gave its keys (BatchFile::given): inputs.safetensors stores
+// each as given; a key of the case the file did not give (stand-in input_ids) is
+// stored as stand_in.<key>. Empty: every key of the case, as it is.
+struct GivenBatch {
+  std::map<std::string, BatchFile::Form> forms;
+};
+
 // Writes DIR/inputs.safetensors, DIR/reference.safetensors, DIR/rank_<r>.safetensors
 // and DIR/manifest.json; returns the files written.
 std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o, const std::string& dir,
-                                      const std::string& batch_name);
+                                      const std::string& batch_name, const GivenBatch& given = {});
 
 }  // namespace cpsim::verify

@@ -145,6 +145,7 @@ SafetensorsFile parse_safetensors(std::string_view bytes, const std::string& sou
     ranges.push_back({begin, end});
     range_keys.push_back(key);
     const char* p = data.data() + begin;
+    out.dtypes[key] = dtype;
     if (!d.integer) {  // floating: kept as they are (little-endian, like cpsim's tensors)
       Tensor t(dims, dtype == "F64" ? DType::f64 : dtype == "F32" ? DType::f32 : DType::bf16);
       if (numel) std::memcpy(t.raw(), p, numel * d.bytes);
@@ -178,6 +179,7 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
   for (auto& [key, t] : f.tensors) {
     if (t.ndim() < 1 || t.ndim() > 2) CPSIM_INVALID(key, ": shape must be [S] or [B, S] (got ", shape_str(t.shape()), ")");
     out.batch[key] = t;
+    out.given[key] = {f.dtypes.at(key), t.shape()};
   }
   if (f.metadata.count("pad_token_id")) {
     const std::string& v = f.metadata.at("pad_token_id");
@@ -208,17 +210,51 @@ const char* safetensors_dtype(DType dt) {
 }
 }  // namespace
 
+RawTensor raw_tensor(const Tensor& t0) {
+  const Tensor t = t0.is_cpu() ? t0 : t0.to(Device::host());
+  return {safetensors_dtype(t.dtype()), t.shape(), std::string(static_cast<const char*>(t.raw()), t.nbytes())};
+}
+
+RawTensor raw_tensor(const Tensor& t, const BatchFile::Form& given) {
+  DtypeInfo d{};
+  if (!dtype_info(given.dtype, d) || !d.integer) return raw_tensor(t);
+  RawTensor out{given.dtype, given.shape, std::string()};
+  const Tensor host = t.is_cpu() ? t : t.to(Device::host());
+  for (std::int64_t i = 0; i < host.numel(); ++i) {
+    const auto v = static_cast<std::uint64_t>(host.get_int(i));
+    for (std::size_t b = 0; b < d.bytes; ++b) out.bytes.push_back(static_cast<char>((v >> (8 * b)) & 0xFF));
+  }
+  return out;
+}
+
 std::string write_safetensors(const std::map<std::string, Tensor>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  std::map<std::string, RawTensor> raw;
+  for (const auto& [key, t] : tensors) raw[key] = raw_tensor(t);
+  return write_safetensors(raw, metadata);
+}
+
+std::string write_safetensors(const std::map<std::string, RawTensor>& tensors,
                               const std::map<std::string, std::string>& metadata) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
+  // Widest elements first, then by name: every tensor's data starts at a multiple
+  // of its element size (the data starts 8-byte aligned), so a reader can view the
+  // file's bytes in place (torch.frombuffer, numpy) without a copy.
+  const auto width = [](const RawTensor& t) {
+    DtypeInfo d{};
+    return dtype_info(t.dtype, d) ? d.bytes : std::size_t{1};
+  };
+  std::vector<const std::pair<const std::string, RawTensor>*> order;
+  for (const auto& entry : tensors) order.push_back(&entry);
+  std::stable_sort(order.begin(), order.end(), [&](auto* a, auto* b) { return width(a->second) > width(b->second); });
   std::uint64_t at = 0;
   std::string data;
-  for (const auto& [key, t0] : tensors) {
-    const Tensor t = t0.is_cpu() ? t0 : t0.to(Device::host());
-    header[key] = {{"dtype", safetensors_dtype(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {at, at + t.nbytes()}}};
-    data.append(static_cast<const char*>(t.raw()), t.nbytes());
-    at += t.nbytes();
+  for (const auto* entry : order) {
+    const RawTensor& t = entry->second;
+    header[entry->first] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes.size()}}};
+    data += t.bytes;
+    at += t.bytes.size();
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // the data starts 8-byte aligned, as safetensors writes it

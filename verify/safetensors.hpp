@@ -19,6 +19,7 @@ namespace cpsim::verify {
 
 struct SafetensorsFile {
   std::map<std::string, Tensor> tensors;
+  std::map<std::string, std::string> dtypes;  // each tensor's dtype as stored ("I32", "U8", ...)
   std::map<std::string, std::string> metadata;
 };
 
@@ -32,9 +33,17 @@ SafetensorsFile parse_safetensors(std::string_view bytes, const std::string& sou
 BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& source);
 
 // The bytes of a safetensors file holding `tensors` (host copies of device ones),
-// as safetensors.torch.save_file writes them.
+// as safetensors.torch.save_file writes them: the widest elements first, then by
+// name, so that every tensor's data is aligned to its element size.
 std::string write_safetensors(const std::map<std::string, Tensor>& tensors,
                               const std::map<std::string, std::string>& metadata = {});
+std::string write_safetensors(const std::map<std::string, RawTensor>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
+// A tensor's safetensors form (a host copy of a device one); with a form, an
+// integer tensor reshaped and narrowed back to the dtype a file gave it in (its
+// values came from that dtype, so nothing is lost).
+RawTensor raw_tensor(const Tensor& t);
+RawTensor raw_tensor(const Tensor& t, const BatchFile::Form& given);
 
 // Whether bytes look like a safetensors file (a plausible header length, then '{').
 bool looks_like_safetensors(std::string_view bytes);
