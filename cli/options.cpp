@@ -88,6 +88,13 @@ Parsed parse_options(int argc, char** argv) {
   gd->add_option("batch", golden.batch, "BATCH file (JSON or safetensors)")->required()->check(CLI::ExistingFile);
   gd->add_option("--cp", golden.cp, "CP size")->required()->check(CLI::Range(1, 1024));
   gd->add_option("--out", golden.out, "folder to write")->required();
+  gd->add_flag("--shard-primary", golden.shard_primary,
+               "input_ids sharded like the other keys (a language-only model; default: global, as a "
+               "vision-language model keeps them)");
+  gd->add_option("--index-dtype", golden.index_dtype, "dtype of row_cu_seqlens: int32 (as FLA takes) or int64")
+      ->check(CLI::IsMember({"int32", "int64"}));
+  gd->add_option("--pad-multiple", golden.pad_multiple, "pad the sequence to a multiple of cp * M")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
   add_model_options(gd, golden.model, "seed of the inputs (the same inputs cpsim check --seed draws)");
   gd->footer("Example:\n  cpsim golden examples/spec_example.json --cp 3 --out golden/\n"
              "  python3 examples/golden_check.py golden/   (compares a PyTorch or numpy implementation)");

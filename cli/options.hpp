@@ -68,6 +68,9 @@ struct ShowArgs {
 struct GoldenArgs {
   std::string batch, out;
   int cp = 2;
+  bool shard_primary = false;
+  std::string index_dtype = "int64";
+  std::int64_t pad_multiple = 1;
   ModelArgs model;
 };
 

@@ -111,7 +111,10 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
         backward for grad_y; doc_ids: each rank's local doc ids
     recurrence(q, k, v, beta, g, doc_ids, grad_o) -> list of dicts with "o",
         "dq", "dk", "dv", "dbeta", "dg": the gated delta rule (no q scaling,
-        manifest["conventions"]["recurrence"]) and its gradients
+        manifest["conventions"]["recurrence"]) and its gradients; optionally the
+        intermediates "initial_state" (the folded state the rank's first token
+        starts from), "final_state", and the transition of its last local
+        segment "transition_m" [B, H, K, K], "transition_s_ext" [B, H, K, V]
     halo(shards, width) -> list: every rank's convolution history [B, L+W-1, C]
     gather(shards) -> list: every rank's gathered tensor [B, P, C]
     (shards: the list of every rank's [B, L, C] shard of the activation x)
@@ -193,6 +196,10 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
             for key in ("o", "dq", "dk", "dv", "dbeta", "dg"):
                 against(r, key, out[key])
                 checked += 1
+            for key in ("initial_state", "final_state", "transition_m", "transition_s_ext"):
+                if key in out:  # the intermediates, when the hook gives them
+                    against(r, "recurrence_" + key, out[key])
+                    checked += 1
     if shard is not None:
         for r in range(golden.cp):
             local = shard(golden.batch, r, golden.cp, m["pad_token_id"])
@@ -325,7 +332,8 @@ def numpy_shard(golden):
                 padded[:, S:] = src[:, S - 1:S] + np.arange(1, P - S + 1)
             else:
                 padded[:, S:] = fill
-            out[key] = padded if key == "input_ids" else padded[:, rank * L:(rank + 1) * L]
+            keep_global = key == "input_ids" and not m.get("shard_primary", False)
+            out[key] = padded if keep_global else padded[:, rank * L:(rank + 1) * L]
         return out
 
     return shard
@@ -431,6 +439,9 @@ def numpy_recurrence(q, k, v, beta, g, doc_ids, grad_o):
     grads = {name: np.zeros_like(t) for name, t in (("dq", Q), ("dk", K), ("dv", V), ("dbeta", Bt), ("dg", G))}
     O = np.zeros_like(V)
     eye = np.eye(Kd)
+    Vd = V.shape[-1]
+    inter = {name: np.zeros((cp, B, H, Kd, n)) for name, n in (("initial_state", Vd), ("final_state", Vd),
+                                                                  ("transition_m", Kd), ("transition_s_ext", Vd))}
     for b in range(B):
         for h in range(H):
             states, prevs, mats = [], [], []
@@ -445,6 +456,17 @@ def numpy_recurrence(q, k, v, beta, g, doc_ids, grad_o):
                 S = A @ S + bt * np.outer(kk, V[b, t, h])
                 states.append(S)
                 O[b, t, h] = S.T @ Q[b, t, h]
+            for r in range(cp):
+                lo, hi = r * L, (r + 1) * L
+                starts_here = lo == 0 or ids[b, lo] != ids[b, lo - 1]
+                inter["initial_state"][r, b, h] = 0 if starts_here else states[lo - 1]
+                inter["final_state"][r, b, h] = states[hi - 1]
+                first = max([t for t in range(lo, hi) if t == 0 or ids[b, t] != ids[b, t - 1]], default=lo)
+                M, ext = eye.copy(), np.zeros((Kd, Vd))
+                for t in range(first, hi):
+                    M = mats[t] @ M
+                    ext = mats[t] @ ext + Bt[b, t, h] * np.outer(K[b, t, h], V[b, t, h])
+                inter["transition_m"][r, b, h], inter["transition_s_ext"][r, b, h] = M, ext
             dS = np.zeros_like(S)
             for t in reversed(range(P)):
                 if t == P - 1 or ids[b, t + 1] != ids[b, t]:
@@ -464,6 +486,7 @@ def numpy_recurrence(q, k, v, beta, g, doc_ids, grad_o):
         cut = slice(r * L, (r + 1) * L)
         one = {"o": O[:, cut]}
         one.update({name: t[:, cut] for name, t in grads.items()})
+        one.update({name: t[r] for name, t in inter.items()})
         out.append(one)
     return out
 

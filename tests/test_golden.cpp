@@ -118,6 +118,20 @@ TEST(Golden, AnIndependentNumpyImplementationAgrees) {
       std::filesystem::remove_all(dir);
     }
   }
+  // The options: input_ids sharded, int32 row_cu_seqlens, a pad multiple.
+  const auto dir = fresh_dir("cpsim-golden-py-options");
+  const auto g = cpsim::testing::run_process({CPSIM_BINARY, "golden", kExamples + "packed_two_rows.json", "--cp", "3",
+                                              "--out", dir.string(), "--shard-primary", "--index-dtype", "int32",
+                                              "--pad-multiple", "4"},
+                                             60s);
+  ASSERT_EQ(g.status, 0) << g.err;
+  const SafetensorsFile rank = read(dir / "rank_1.safetensors");
+  EXPECT_EQ(rank.tensors.at("batch.input_ids").shape(), (Shape{2, 8}));  // P = roundup(13, 3 * 4) = 24, L = 8
+  EXPECT_EQ(rank.dtypes.at("row_cu_seqlens.0"), "I32");
+  const auto r = cpsim::testing::run_process(
+      {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/examples/golden_check.py", dir.string()}, 60s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  std::filesystem::remove_all(dir);
 }
 
 // Planted bugs in that numpy implementation, one per hook (tests/golden_plants.py:

@@ -52,9 +52,9 @@ Tensor i64_vector(const std::vector<std::int64_t>& v) {
 }  // namespace
 
 std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o, const std::string& dir,
-                                      const std::string& batch_name, const GivenBatch& given) {
+                                      const std::string& batch_name, const GoldenOptions& given) {
   const ReferenceShape shape = reference_shape(c.batch);
-  const ReferenceGeometry g = reference_geometry(shape.seq_len, c.cp);
+  const ReferenceGeometry g = reference_geometry(shape.seq_len, c.cp, given.pad_multiple);
   const LayoutTruth truth = reference_layout(c.batch);
   const std::int64_t B = shape.rows, P = g.padded_len, L = g.local_len, C = o.channels, W = o.conv_width;
   const Tensor ids = reference_padded_doc_ids(truth, P);
@@ -173,6 +173,9 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                    {"L", L},
                    {"rows", B},
                    {"pad_token_id", c.pad_token_id},
+                   {"pad_multiple", given.pad_multiple},
+                   {"shard_primary", given.shard_primary},
+                   {"index_dtype", given.index_int32 ? "int32" : "int64"},
                    {"seed", c.seed},
                    {"conv_width", W},
                    {"channels", C},
@@ -243,16 +246,20 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
     GoldenFile rank;
     const std::int64_t start = g.start(r);
     for (const auto& [key, t] : padded)
-      rank.add("batch." + key, key == "input_ids" ? t : slice(t, start, L),
-               key == "input_ids" ? "input_ids after shard_batch: global, padded to P [B, P] (shard_primary false)"
-                                  : key + " after shard_batch: this rank's slice [B, L]",
+    {
+      const bool global = key == "input_ids" && !given.shard_primary;
+      rank.add("batch." + key, global ? t : slice(t, start, L),
+               global ? "input_ids after shard_batch: global, padded to P [B, P] (shard_primary false)"
+                      : key + " after shard_batch: this rank's slice [B, L]",
                "§2");
+    }
     rank.add("local_doc_ids", slice(ids, start, L), "PackedContext.local_doc_ids() [B, L]", "§2");
     std::vector<std::int64_t> pre_tokens, pre_ranks, post_ranks;
     std::vector<bool> first, last;
     for (std::int64_t b = 0; b < B; ++b) {
       const FlaCpContext ctx = reference_cp_context(reference_padded_doc_ids_row(truth, static_cast<int>(b), P), c.cp, r);
-      rank.add("row_cu_seqlens." + std::to_string(b), i64_vector(ctx.cu_seqlens),
+      const Tensor cu = i64_vector(ctx.cu_seqlens);
+      rank.add("row_cu_seqlens." + std::to_string(b), given.index_int32 ? cu.to(DType::i32) : cu,
                "PackedContext.row_cu_seqlens(" + std::to_string(b) + "), also the FLA CP context's cu_seqlens", "§2");
       pre_tokens.push_back(ctx.pre_num_conv_tokens);
       pre_ranks.push_back(ctx.pre_num_ranks);
@@ -302,6 +309,17 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
     for (const auto& [name, t] : std::vector<std::pair<std::string, Tensor>>{
              {"dq", rec.dq}, {"dk", rec.dk}, {"dv", rec.dv}, {"dbeta", rec.dbeta}, {"dg", rec.dg}})
       rank.add(name, slice(t, start, L), "this rank's recurrence gradient " + name, "§3");
+    const RecurrenceStates states = reference_recurrence_states(in, ids, start, L);
+    rank.add("recurrence_initial_state", states.initial,
+             "the state [B, H, K, V] this rank's first token starts from: the fold of the earlier ranks' transitions "
+             "over pre_num_ranks (0 where a segment starts at the shard)",
+             "§3");
+    rank.add("recurrence_final_state", states.final_state, "the state [B, H, K, V] after this rank's last token", "§3");
+    rank.add("recurrence_transition_m", states.m,
+             "M [B, H, K, K] of this rank's last local segment (from its first local token, from a zero state): "
+             "S_out = M S_in + S_ext, what the rank publishes in the all-gather",
+             "§3");
+    rank.add("recurrence_transition_s_ext", states.s_ext, "S_ext [B, H, K, V] of this rank's last local segment", "§3");
     rank.add("rope_q", slice(rq, start, L), "this rank's attention_q rotated by its position_ids", "§3b");
     rank.add("rope_k", slice(rk, start, L), "this rank's attention_k rotated by its position_ids", "§3b");
     for (const auto& [key, t, meaning] : layers) rank.add(key, slice(t, start, L), "this rank's slice: " + meaning, "§3b");

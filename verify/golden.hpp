@@ -17,16 +17,19 @@
 
 namespace cpsim::verify {
 
-// How the batch file gave its keys (BatchFile::given): inputs.safetensors stores
-// each as given; a key of the case the file did not give (stand-in input_ids) is
-// stored as stand_in.<key>. Empty: every key of the case, as it is.
-struct GivenBatch {
+struct GoldenOptions {
+  // How the batch file gave its keys (BatchFile::given): inputs.safetensors stores
+  // each as given; a key of the case the file did not give (stand-in input_ids) is
+  // stored as stand_in.<key>. Empty: every key of the case, as it is.
   std::map<std::string, BatchFile::Form> forms;
+  bool shard_primary = false;     // input_ids sharded like the other keys (a language-only model)
+  bool index_int32 = false;       // row_cu_seqlens as int32 (flash-linear-attention's cu_seqlens)
+  std::int64_t pad_multiple = 1;  // P = roundup(S, cp * pad_multiple)
 };
 
 // Writes DIR/inputs.safetensors, DIR/reference.safetensors, DIR/rank_<r>.safetensors
 // and DIR/manifest.json; returns the files written.
 std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o, const std::string& dir,
-                                      const std::string& batch_name, const GivenBatch& given = {});
+                                      const std::string& batch_name, const GoldenOptions& given = {});
 
 }  // namespace cpsim::verify

@@ -85,6 +85,18 @@ struct RecurrenceReference {
 // [B, P]; backward for upstream d_o (undefined: forward only).
 RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tensor& doc_ids, const Tensor& d_o);
 
+// What the CP recurrence passes between ranks, for the rank whose shard is
+// [start, start + L) ([B, H, ...], per row and head, from the unsharded run):
+// the state its first token starts from (the state after token start-1, or 0
+// where a segment starts at `start`); the state after its last token; and the
+// transition of its last local segment (from that segment's first local token to
+// the shard's end, from a zero state): S_out = M S_in + S_ext, M [K, K].
+struct RecurrenceStates {
+  Tensor initial, final_state, m, s_ext;
+};
+RecurrenceStates reference_recurrence_states(const RecurrenceInputs& in, const Tensor& doc_ids, std::int64_t start,
+                                             std::int64_t L);
+
 // The gather's backward, unsharded: rank `rank`'s gradient is the rank-order sum,
 // over the ranks q with contributes[q], of upstream[q][:, start(rank) : +L]
 // (float32 or float64, added in that type).

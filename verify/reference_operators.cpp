@@ -167,6 +167,51 @@ RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tenso
   return r;
 }
 
+RecurrenceStates reference_recurrence_states(const RecurrenceInputs& in, const Tensor& ids, std::int64_t start,
+                                             std::int64_t L) {
+  const std::int64_t B = in.q.dim(0), P = in.q.dim(1), H = in.q.dim(2), K = in.q.dim(3), V = in.v.dim(3);
+  RecurrenceStates r{Tensor::full({B, H, K, V}, DType::f64, 0.0), Tensor::full({B, H, K, V}, DType::f64, 0.0),
+                     Tensor::full({B, H, K, K}, DType::f64, 0.0), Tensor::full({B, H, K, V}, DType::f64, 0.0)};
+  const auto starts = [&](std::int64_t b, std::int64_t t) {
+    return t == 0 || ids.get_int(b * P + t) != ids.get_int(b * P + t - 1);
+  };
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h) {
+      // One token: X <- (I - beta k k^T) Diag(exp g) X (+ beta k v^T when `add_kv`), X [K, cols].
+      const auto step = [&](std::int64_t t, std::vector<double>& X, std::int64_t cols, bool add_kv) {
+        const std::int64_t at = (b * P + t) * H + h;
+        const double beta = in.beta.get(at);
+        std::vector<double> D(K * cols), u(cols, 0.0);
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < cols; ++j) D[i * cols + j] = std::exp(in.g.get(at * K + i)) * X[i * cols + j];
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < cols; ++j) u[j] += in.k.get(at * K + i) * D[i * cols + j];
+        for (std::int64_t i = 0; i < K; ++i)
+          for (std::int64_t j = 0; j < cols; ++j)
+            X[i * cols + j] = D[i * cols + j] + beta * in.k.get(at * K + i) * ((add_kv ? in.v.get(at * V + j) : 0.0) - u[j]);
+      };
+      const auto put = [&](Tensor& t, const std::vector<double>& X) {
+        for (std::size_t i = 0; i < X.size(); ++i) t.set(static_cast<std::int64_t>((b * H + h) * X.size() + i), X[i]);
+      };
+      std::vector<double> S(K * V, 0.0);
+      for (std::int64_t t = 0; t < start + L; ++t) {
+        if (starts(b, t)) std::fill(S.begin(), S.end(), 0.0);
+        if (t == start) put(r.initial, S);
+        step(t, S, V, true);
+      }
+      put(r.final_state, S);
+      std::int64_t first = start;  // the last local segment's first local token
+      for (std::int64_t t = start; t < start + L; ++t)
+        if (starts(b, t)) first = t;
+      std::vector<double> M(K * K, 0.0), ext(K * V, 0.0);
+      for (std::int64_t i = 0; i < K; ++i) M[i * K + i] = 1;
+      for (std::int64_t t = first; t < start + L; ++t) step(t, M, K, false), step(t, ext, V, true);
+      put(r.m, M);
+      put(r.s_ext, ext);
+    }
+  return r;
+}
+
 namespace {
 
 // Plain rank-order sum of upstream slices in the element type: the reference reduce-scatter.
