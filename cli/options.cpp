@@ -93,6 +93,9 @@ Parsed parse_options(int argc, char** argv) {
                "vision-language model keeps them)");
   gd->add_option("--index-dtype", golden.index_dtype, "dtype of row_cu_seqlens: int32 (as FLA takes) or int64")
       ->check(CLI::IsMember({"int32", "int64"}));
+  gd->add_option("--dtype", golden.dtype,
+                 "dtype of every floating input and expected value: f64, f32 or bf16 (tolerances in the manifest)")
+      ->check(CLI::IsMember({"f64", "f32", "bf16"}));
   gd->add_option("--pad-multiple", golden.pad_multiple, "pad the sequence to a multiple of cp * M")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
   add_model_options(gd, golden.model, "seed of the inputs (the same inputs cpsim check --seed draws)");

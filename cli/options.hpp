@@ -71,6 +71,7 @@ struct GoldenArgs {
   bool shard_primary = false;
   std::string index_dtype = "int64";
   std::int64_t pad_multiple = 1;
+  std::string dtype = "f64";
   ModelArgs model;
 };
 

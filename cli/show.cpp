@@ -64,7 +64,8 @@ int run_golden(const GoldenArgs& a) {
   derive_layout(f.batch);
   verify::LayoutCase c{f.batch, f.pad_token_id, a.cp, a.model.seed, std::nullopt};
   const verify::CheckOptions o = check_options(a.model);
-  for (const auto& path : verify::write_golden(c, o, a.out, a.batch, {f.given, a.shard_primary, a.index_dtype == "int32", a.pad_multiple})) std::cout << "wrote " << path << "\n";
+  for (const auto& path : verify::write_golden(c, o, a.out, a.batch, {f.given, a.shard_primary, a.index_dtype == "int32", a.pad_multiple,
+                                                 a.dtype == "f32" ? DType::f32 : a.dtype == "bf16" ? DType::bf16 : DType::f64})) std::cout << "wrote " << path << "\n";
   return kExitOk;
 }
 

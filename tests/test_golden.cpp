@@ -118,6 +118,21 @@ TEST(Golden, AnIndependentNumpyImplementationAgrees) {
       std::filesystem::remove_all(dir);
     }
   }
+  // In float32 and bfloat16, computing in float32, within the manifest's tolerances
+  // (scripts/measure-golden-tolerances.py measures them over every example at CP 1-8).
+  for (const char* dtype : {"f32", "bf16"})
+    for (const char* cp : {"1", "4", "8"}) {
+      const auto dir = fresh_dir("cpsim-golden-py-dtype");
+      const auto g = cpsim::testing::run_process({CPSIM_BINARY, "golden", kExamples + "token_type_ids.json", "--cp",
+                                                  cp, "--out", dir.string(), "--dtype", dtype},
+                                                 60s);
+      ASSERT_EQ(g.status, 0) << g.err;
+      EXPECT_EQ(read(dir / "rank_0.safetensors").dtypes.at("o"), std::string(dtype) == "f32" ? "F32" : "BF16");
+      const auto r = cpsim::testing::run_process(
+          {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/examples/golden_check.py", dir.string()}, 60s);
+      EXPECT_EQ(r.status, 0) << dtype << " cp=" << cp << "\n" << r.out << r.err;
+      std::filesystem::remove_all(dir);
+    }
   // The options: input_ids sharded, int32 row_cu_seqlens, a pad multiple.
   const auto dir = fresh_dir("cpsim-golden-py-options");
   const auto g = cpsim::testing::run_process({CPSIM_BINARY, "golden", kExamples + "packed_two_rows.json", "--cp", "3",

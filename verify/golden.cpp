@@ -32,6 +32,7 @@ std::string torch_dtype(const std::string& st) {
 struct GoldenFile {
   std::map<std::string, RawTensor> tensors;
   json keys = json::object();
+  DType floating = DType::f64;  // the dtype floating tensors are stored in
   // `section`: where the user's guide defines it (§1 the layout, §2 sharding, §3 the operators).
   json& add(const std::string& key, const RawTensor& t, const std::string& meaning, const std::string& section) {
     tensors[key] = t;
@@ -39,7 +40,7 @@ struct GoldenFile {
     return keys[key] = {{"shape", t.shape}, {"dtype", torch_dtype(t.dtype)}, {"meaning", meaning}, {"see", page}};
   }
   json& add(const std::string& key, const Tensor& t, const std::string& meaning, const std::string& section) {
-    return add(key, raw_tensor(t), meaning, section);
+    return add(key, raw_tensor(is_floating(t.dtype()) && t.dtype() != floating ? t.to(floating) : t), meaning, section);
   }
 };
 
@@ -50,6 +51,19 @@ Tensor i64_vector(const std::vector<std::int64_t>& v) {
 }
 
 }  // namespace
+
+GoldenTolerances golden_tolerances(DType dt) {
+  // float64: the properties' own. float32 and bfloat16: about 4x the worst
+  // relative RMSE scripts/measure-golden-tolerances.py measured (golden_check's
+  // numpy implementation in float32, every example at CP 1-8): float32 conv
+  // 1.4e-6, recurrence 2.3e-6, layers 1.1e-6; bfloat16 conv 6.5e-3 (the gather's
+  // rank-order sum), recurrence 3.5e-3, layers 3.5e-3.
+  switch (dt) {
+    case DType::f32: return {5e-6, 1e-5, 5e-6};
+    case DType::bf16: return {3e-2, 2e-2, 2e-2};
+    default: return {kConvTolerance, kRecurrenceTolerance, kAttentionTolerance};
+  }
+}
 
 std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o, const std::string& dir,
                                       const std::string& batch_name, const GoldenOptions& given) {
@@ -75,12 +89,19 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
           "stand-in";
     }
   }
-  const Tensor x = masked_activation(truth, P, C, mix_seed(c.seed, 41));
-  const Tensor w = random_tensor({C, W}, DType::f64, mix_seed(c.seed, 42));
-  const Tensor bias = random_tensor({C}, DType::f64, mix_seed(c.seed, 43));
-  const Tensor gy = random_tensor({B, P, C}, DType::f64, mix_seed(c.seed, 44));
-  const RecurrenceInputs in = random_recurrence_inputs(B, P, o.heads, o.key_dim, o.value_dim, mix_seed(c.seed, 51));
-  const Tensor d_o = random_tensor({B, P, o.heads, o.value_dim}, DType::f64, mix_seed(c.seed, 52));
+  // In --dtype f32 or bf16, every floating input is rounded to it first; the
+  // references run in float64 on the rounded values, and every floating tensor is
+  // stored in the dtype (GoldenFile::floating).
+  const DType dt = given.dtype;
+  const auto low = [&](const Tensor& t) { return dt == DType::f64 ? t : t.to(dt).to(DType::f64); };
+  inputs.floating = dt;
+  const Tensor x = low(masked_activation(truth, P, C, mix_seed(c.seed, 41)));
+  const Tensor w = low(random_tensor({C, W}, DType::f64, mix_seed(c.seed, 42)));
+  const Tensor bias = low(random_tensor({C}, DType::f64, mix_seed(c.seed, 43)));
+  const Tensor gy = low(random_tensor({B, P, C}, DType::f64, mix_seed(c.seed, 44)));
+  RecurrenceInputs in = random_recurrence_inputs(B, P, o.heads, o.key_dim, o.value_dim, mix_seed(c.seed, 51));
+  for (Tensor* t : {&in.q, &in.k, &in.v, &in.beta, &in.g}) *t = low(*t);
+  const Tensor d_o = low(random_tensor({B, P, o.heads, o.value_dim}, DType::f64, mix_seed(c.seed, 52)));
   inputs.add("x", x, "activation [B, P, C], zero at padding: the conv and halo input, and what gather_sequence gathers",
              "§3");
   inputs.add("conv_weight", w, "depthwise conv weight [C, W]", "§3");
@@ -94,13 +115,14 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
   inputs.add("recurrence_grad_o", d_o, "upstream gradient of o [B, P, H, V]", "§3");
   std::vector<Tensor> upstream;
   for (int q = 0; q < c.cp; ++q) {
-    upstream.push_back(random_tensor({B, P, C}, DType::f64, mix_seed(c.seed, 100 + q)));
+    upstream.push_back(low(random_tensor({B, P, C}, DType::f64, mix_seed(c.seed, 100 + q))));
     inputs.add("gather_grad." + std::to_string(q), upstream.back(),
                "upstream gradient of rank " + std::to_string(q) + "'s gathered tensor [B, P, C]", "§3");
   }
 
   // The unsharded references.
   GoldenFile ref;
+  ref.floating = dt;
   ref.add("doc_ids", ids, "global document ids [B, P]: i+1 over document i, 0 beyond", "§1, §2");
   ref.add("padding", truth.padding, "padding [B, S]: true where padding (decided from lengths)", "§1");
   ref.add("position_ids", truth.positions, "positions [B, S] (given, or derived)", "§1");
@@ -122,15 +144,16 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
   const std::int64_t D = o.rope_dim();
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const Tensor &pos = padded.at("position_ids"), &pad = padded.at("padding_mask");
-  const AttentionInputs at =
-      random_attention_inputs(B, P, o.heads, D, o.value_dim, o.index_dim, mix_seed(c.seed, 70));
+  AttentionInputs at = random_attention_inputs(B, P, o.heads, D, o.value_dim, o.index_dim, mix_seed(c.seed, 70));
+  for (Tensor* t : {&at.q, &at.k, &at.v, &at.grad_o, &at.index_q, &at.index_k}) *t = low(*t);
   inputs.add("attention_q", at.q, "attention queries [B, P, H, D] before RoPE (D: key_dim rounded up to even)", "§3b");
   inputs.add("attention_k", at.k, "attention keys [B, P, H, D] before RoPE", "§3b");
   inputs.add("attention_v", at.v, "attention values [B, P, H, Dv]", "§3b");
   inputs.add("attention_grad_o", at.grad_o, "upstream gradient of the attention output [B, P, H, Dv]", "§3b");
   inputs.add("index_q", at.index_q, "sparse indexer query [B, P, Di], integer-valued", "§3b");
   inputs.add("index_k", at.index_k, "sparse indexer key [B, P, Di], integer-valued", "§3b");
-  const LossInputs li = random_loss_inputs(padded.at("input_ids"), o.vocab, mix_seed(c.seed, 91));
+  LossInputs li = random_loss_inputs(padded.at("input_ids"), o.vocab, mix_seed(c.seed, 91));
+  li.logits = low(li.logits);
   inputs.add("loss_tokens", li.tokens, "padded input_ids mod vocab [B, P]: the ids the targets are aligned from", "§3b");
   inputs.add("logits", li.logits, "logits [B, P, vocab]", "§3b");
   const Tensor rq = reference_rope(at.q, pos), rk = reference_rope(at.k, pos);
@@ -160,7 +183,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
        "next-token targets aligned on whole rows: loss_tokens[t+1] within t's document, else -100 [B, P]"},
       {"loss_grad_logits", loss.grad, "gradient of the token-mean loss for logits [B, P, vocab]"}};
   for (const auto& [key, t, meaning] : layers) ref.add(key, t, meaning, "§3b");
-  const Tensor loss_value = Tensor::from<double>({1}, {loss.loss}), loss_count = Tensor::from<double>({1}, {loss.count});
+  const Tensor loss_value = Tensor::from<double>({1}, {loss.loss}), loss_count = Tensor::from<std::int64_t>({1}, {static_cast<std::int64_t>(loss.count)});
   ref.add("loss", loss_value, "the token-mean cross entropy over every rank's targets [1]", "§3b");
   ref.add("loss_count", loss_count, "the number of targets (the all-reduced count) [1]", "§3b");
 
@@ -174,6 +197,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                    {"rows", B},
                    {"pad_token_id", c.pad_token_id},
                    {"pad_multiple", given.pad_multiple},
+                   {"dtype", dtype_name(dt)},
                    {"shard_primary", given.shard_primary},
                    {"index_dtype", given.index_int32 ? "int32" : "int64"},
                    {"seed", c.seed},
@@ -212,21 +236,25 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                    {"tolerance", {{"note", "each key's own tolerance is in files.<file>.<key>.tolerance"},
                                   {"bitwise", "batch, doc ids, contexts, halo, gathered, gather_grad_x (summed in rank "
                                               "order), sparse_attention_kept, targets"},
-                                  {"relative_rmse_conv", kConvTolerance},
-                                  {"relative_rmse_recurrence", kRecurrenceTolerance},
-                                  {"relative_rmse_layers", kAttentionTolerance}}},
+                                  {"relative_rmse_conv", golden_tolerances(dt).conv},
+                                  {"relative_rmse_recurrence", golden_tolerances(dt).recurrence},
+                                  {"relative_rmse_layers", golden_tolerances(dt).layers}}},
                    {"files", json::object()}};
   std::vector<std::string> written;
   // Every reference key's tolerance (relative RMSE; 0: bitwise).
-  const auto tolerance_of = [](const std::string& key, const json& entry) -> double {
+  const auto tolerance_of = [dt](const std::string& key, const json& entry) -> double {
     const std::string dtype = entry.at("dtype");
     const auto starts = [&](const char* p) { return key.rfind(p, 0) == 0; };
-    if (dtype.find("float") == std::string::npos || key == "halo" || key == "gathered" || key == "gather_grad_x" ||
-        starts("batch.") || starts("padded."))
+    if (dtype.find("float") == std::string::npos || key == "halo" || key == "gathered" || starts("batch.") ||
+        starts("padded."))
       return 0;
-    if (starts("conv_") || key == "halo_grad") return kConvTolerance;
-    if (starts("rope_") || starts("attention_") || starts("sparse_attention_") || starts("loss")) return kAttentionTolerance;
-    return kRecurrenceTolerance;
+    const GoldenTolerances tol = golden_tolerances(dt);
+    // A rank-order sum: bitwise in float64; in a narrower dtype, a reduce-scatter
+    // in another order rounds differently.
+    if (key == "gather_grad_x") return dt == DType::f64 ? 0 : tol.conv;
+    if (starts("conv_") || key == "halo_grad") return tol.conv;
+    if (starts("rope_") || starts("attention_") || starts("sparse_attention_") || starts("loss")) return tol.layers;
+    return tol.recurrence;
   };
   auto save = [&](const std::string& name, GoldenFile f) {
     if (name != "inputs.safetensors")
@@ -244,6 +272,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
   // Each rank: what it must hold after shard_batch and after each operator.
   for (int r = 0; r < c.cp; ++r) {
     GoldenFile rank;
+    rank.floating = dt;
     const std::int64_t start = g.start(r);
     for (const auto& [key, t] : padded)
     {
@@ -279,7 +308,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
              "[B, L+W-1, C]",
              "§3");
     rank.add("gathered", x, "gather_sequence(x shard): the global tensor [B, P, C]", "§3");
-    Tensor grad({B, L, C}, DType::f64);
+    Tensor grad = Tensor::full({B, L, C}, dt, 0.0);  // summed in rank order, in the dtype
     for (int q = 0; q < c.cp; ++q) {
       const Tensor part = slice(upstream[q], start, L);
       for (std::int64_t i = 0; i < grad.numel(); ++i) grad.set(i, grad.get(i) + part.get(i));

@@ -25,7 +25,16 @@ struct GoldenOptions {
   bool shard_primary = false;     // input_ids sharded like the other keys (a language-only model)
   bool index_int32 = false;       // row_cu_seqlens as int32 (flash-linear-attention's cu_seqlens)
   std::int64_t pad_multiple = 1;  // P = roundup(S, cp * pad_multiple)
+  // The dtype of every floating tensor (inputs rounded to it before the references
+  // run in float64 on them; expected values rounded to it): f64, f32 or bf16.
+  DType dtype = DType::f64;
 };
+
+// The relative-RMSE tolerance of the expected values in a dtype, by family.
+struct GoldenTolerances {
+  double conv, recurrence, layers;
+};
+GoldenTolerances golden_tolerances(DType dtype);
 
 // Writes DIR/inputs.safetensors, DIR/reference.safetensors, DIR/rank_<r>.safetensors
 // and DIR/manifest.json; returns the files written.
