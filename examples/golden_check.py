@@ -147,7 +147,6 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
     x = golden.inputs["x"]
     shards = [x[:, r * L:(r + 1) * L] for r in range(golden.cp)]
     checked = 0
-    tol = m["tolerance"]["relative_rmse_layers"]
 
     def per_rank(key):
         return [golden.ranks[r][key] for r in range(golden.cp)]
@@ -164,13 +163,24 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
         return golden.manifest["files"]["rank_%d.safetensors" % r][key]["tolerance"] or None
 
     def against(r, key, got):
-        compare("rank %d %s" % (r, key), got, golden.ranks[r][key], tolerance(r, key))
+        try:
+            compare("rank %d %s" % (r, key), got, golden.ranks[r][key], tolerance(r, key))
+        except AssertionError as e:
+            see = golden.manifest["files"]["rank_%d.safetensors" % r][key]["see"]
+            raise AssertionError("%s (%s)" % (e, see)) from None
+
+    def against_reference(name, got, key, view=lambda t: t):
+        entry = golden.manifest["files"]["reference.safetensors"][key]
+        try:
+            compare(name, got, view(ref[key]), entry["tolerance"] or None)
+        except AssertionError as e:
+            raise AssertionError("%s (%s)" % (e, entry["see"])) from None
 
     if layout is not None:
         ids, pad, pos = layout(golden.batch)
-        compare("layout doc_ids", ids, ref["doc_ids"][:, :S])
-        compare("layout padding", pad, ref["padding"])
-        compare("layout position_ids", pos, ref["position_ids"])
+        against_reference("layout doc_ids", ids, "doc_ids", lambda t: t[:, :S])
+        against_reference("layout padding", pad, "padding")
+        against_reference("layout position_ids", pos, "position_ids")
         checked += 3
     if cp_context is not None:
         for r, got in enumerate(cp_context(ref["doc_ids"], cp)):
@@ -193,8 +203,7 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
                               ("dbias_partial", "conv_dbias_partial"), ("halo_grad", "halo_grad")):
                 against(r, key, got[name])
                 checked += 1
-        compare("conv_dw (the partials summed)", sum(_numpy(p["dw_partial"]) for p in parts), ref["conv_dw"],
-                m["tolerance"]["relative_rmse_conv"])
+        against_reference("conv_dw (the partials summed)", sum(_numpy(p["dw_partial"]) for p in parts), "conv_dw")
         checked += 1
     if recurrence is not None:
         got = recurrence(split("q"), split("k"), split("v"), split("beta"), split("g"), doc_ids,
@@ -212,20 +221,20 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
             local = shard(golden.batch, r, golden.cp, m["pad_token_id"])
             for key, want in golden.ranks[r].items():
                 if key.startswith("batch."):
-                    compare("rank %d %s" % (r, key), local[key[len("batch."):]], want)
+                    against(r, key, local[key[len("batch."):]])
                     checked += 1
     if halo is not None:
         for r, got in enumerate(halo(shards, width)):
-            compare("rank %d halo" % r, got, golden.ranks[r]["halo"])
+            against(r, "halo", got)
             checked += 1
     if gather is not None:
         for r, got in enumerate(gather(shards)):
-            compare("rank %d gathered" % r, got, golden.ranks[r]["gathered"])
+            against(r, "gathered", got)
             checked += 1
     if rope is not None:
         for key in ("q", "k"):
             for r, got in enumerate(rope(split("attention_" + key), positions)):
-                compare("rank %d rope_%s" % (r, key), got, golden.ranks[r]["rope_" + key], tol)
+                against(r, "rope_" + key, got)
                 checked += 1
     if attention is not None:
         for prefix, topk in (("attention_", None), ("sparse_attention_", m["topk"])):
@@ -234,19 +243,19 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
                             padding, split("attention_grad_o"), **extra)
             for r, out in enumerate(got):
                 if topk is not None:
-                    compare("rank %d %skept" % (r, prefix), out["kept"], golden.ranks[r][prefix + "kept"])
+                    against(r, prefix + "kept", out["kept"])
                 for name in ("o", "dq", "dk", "dv"):
-                    compare("rank %d %s%s" % (r, prefix, name), out[name], golden.ranks[r][prefix + name], tol)
+                    against(r, prefix + name, out[name])
                 checked += 5 if topk is not None else 4
     if targets is not None:
         whole_ids = np.concatenate(doc_ids, axis=1)
         whole_padding = np.concatenate(padding, axis=1)
-        compare("targets", targets(golden.inputs["loss_tokens"], whole_ids, whole_padding), golden.reference["targets"])
+        against_reference("targets", targets(golden.inputs["loss_tokens"], whole_ids, whole_padding), "targets")
         checked += 1
     if loss is not None:
         for r, (value, grad) in enumerate(loss(split("logits"), per_rank("targets"))):
-            compare("rank %d loss" % r, np.reshape(_numpy(value), (1,)), golden.ranks[r]["loss"], tol)
-            compare("rank %d loss_grad_logits" % r, grad, golden.ranks[r]["loss_grad_logits"], tol)
+            against(r, "loss", np.reshape(_numpy(value), (1,)))
+            against(r, "loss_grad_logits", grad)
             checked += 2
     log("golden_check: %d comparisons hold (cp=%d, batch %s)" % (checked, golden.cp, m["batch"]))
     return checked

@@ -109,6 +109,26 @@ def recurrence_scaled_q(q, k, v, beta, g, doc_ids, grad_o):
     return out
 
 
+def shard_labels_filled_with_zero(golden):
+    right = gc.numpy_shard(golden)
+
+    def shard(batch, rank, cp, pad_token_id):
+        out = right(batch, rank, cp, pad_token_id)
+        if "labels" in out:
+            S, L = golden.manifest["S"], golden.manifest["L"]
+            lo = rank * L
+            out["labels"] = out["labels"].copy()
+            out["labels"][:, max(S - lo, 0):] = 0  # the padded tail filled with 0, not -100
+        return out
+
+    return shard
+
+
+def gather_in_reverse_rank_order(shards):
+    whole = np.concatenate(list(reversed(shards)), axis=1)
+    return [whole for _ in shards]
+
+
 PLANTS = [
     ("interior padding taken as real", {"layout": layout_interior_padding_as_real}, "layout padding"),
     ("a segment reaching back one rank at most", {"cp_context": context_without_reaching_back},
@@ -122,6 +142,8 @@ PLANTS = [
     ("targets aligned after sharding", {"targets": targets_after_sharding}, "targets"),
     ("a mean of rank means", {"loss": loss_mean_of_rank_means}, "loss"),
     ("a halo of zeros", {"halo": halo_of_zeros}, "halo"),
+    ("a gather in reverse rank order", {"gather": gather_in_reverse_rank_order}, "gathered"),
+    ("labels padded with 0", {"shard": shard_labels_filled_with_zero}, "batch.labels"),
 ]
 
 
@@ -132,6 +154,7 @@ def main(folder):
         return 2
     missed = 0
     for what, hooks, key in PLANTS:
+        hooks = {name: (hook(golden) if name == "shard" else hook) for name, hook in hooks.items()}
         try:
             gc.check(golden, log=lambda *_: None, **hooks)
         except AssertionError as e:

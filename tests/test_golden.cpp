@@ -154,7 +154,7 @@ TEST(Golden, AnIndependentNumpyImplementationAgrees) {
 // gather backward keeping only its own slice, conv taps across documents, q scaled
 // by K^-0.5, RoPE by local index, attention without the gathered keys, top-k ties
 // to the later key, targets aligned after sharding, a mean of rank means, a halo
-// of zeros) are each reported at the key they break, with its rank and first
+// of zeros, a gather in reverse rank order, labels padded with 0) are each reported at the key they break, with its rank and first
 // position.
 TEST(Golden, PlantedBugsInTheNumpyImplementationAreReportedAtTheirKey) {
   if (std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") != 0)
@@ -167,7 +167,7 @@ TEST(Golden, PlantedBugsInTheNumpyImplementationAreReportedAtTheirKey) {
       {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/tests/golden_plants.py", dir.string()}, 60s);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   for (const char* key : {"layout padding", "cp_context.pre_num_ranks", "gather_grad_x", "conv_dx", "o", "rope_q",
-                          "attention_dk", "sparse_attention_kept", "targets", "loss", "halo"})
+                          "attention_dk", "sparse_attention_kept", "targets", "loss", "halo", "gathered", "batch.labels"})
     EXPECT_THAT(r.out, HasSubstr(std::string(key) + ": ")) << r.out;
   EXPECT_THAT(r.out, ::testing::Not(HasSubstr("MISSED"))) << r.out;
   std::filesystem::remove_all(dir);
