@@ -9,6 +9,7 @@
 #include "cli/job.hpp"
 #include "core/comm/registry.hpp"
 #include "verify/batch_io.hpp"
+#include "verify/family.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
 #include "verify/property_runner.hpp"
@@ -80,7 +81,9 @@ int run_fuzz(FuzzArgs a) {
   settings.cases = a.cases;
   settings.seed = a.seed;
   Progress progress(a.cases, a.job.rank == 0);
-  const auto gen = gen_layout_case(a.max_cp);
+  std::optional<LayoutFamily> family;
+  if (!a.family.empty()) family = read_family(a.family);  // invalid: exit 2, naming the field
+  const auto gen = family ? gen_family_case(*family, a.max_cp) : gen_layout_case(a.max_cp);
   const PropertyOutcome result = run_property(settings, [&] { property(*gen); }, &progress);
   if (!aborted.empty() && !smallest) {
     // A job that broke says why itself (finish_job), once.
@@ -88,7 +91,10 @@ int run_fuzz(FuzzArgs a) {
     return finish_job(a.job, kExitAborted);
   }
   if (result.ok) {
-    std::cout << "fuzz: " << a.cases << " random layouts (seed " << a.seed << ", cp 1-" << a.max_cp << ", backend "
+    std::cout << "fuzz: " << a.cases
+              << (family ? " members of family " + family->name : std::string(" random layouts")) << " (seed "
+              << a.seed << ", cp " << (family ? std::min(family->cp.min, a.max_cp) : 1) << "-"
+              << (family ? std::min(family->cp.max, a.max_cp) : a.max_cp) << ", backend "
               << a.job.backend << (a.job.multi ? ", " + std::to_string(a.job.size) + " processes" : std::string())
               << "): every property holds\n";
     std::size_t width = 0;

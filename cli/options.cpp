@@ -73,11 +73,22 @@ Parsed parse_options(int argc, char** argv) {
   add_job_options(f, fuzz.job);
   f->add_option("--conv-width", fuzz.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
   f->add_option("--out", fuzz.out, "where the smallest failing batch is saved");
+  f->add_option("--family", fuzz.family,
+                "a layout family file: draw only what that packer can emit, and shrink within it "
+                "(examples/families/)")
+      ->check(CLI::ExistingFile);
   f->footer("Example:\n  cpsim fuzz --cases 300 --seed 7 --max-cp 8\n"
+            "  cpsim fuzz --family examples/families/te_thd_2cp.json --cases 500\n"
             "  then replay a failure: cpsim check cpsim-counterexample.json --cp N --seed S");
   ShowArgs& show = o.show;
   auto* s = app.add_subcommand("show", "draw a batch's layout: documents, padding, shard cuts, halos");
-  s->add_option("batch", show.batch, "BATCH file (JSON or safetensors)")->required()->check(CLI::ExistingFile);
+  auto* batch_arg = s->add_option("batch", show.batch, "BATCH file (JSON or safetensors)")->check(CLI::ExistingFile);
+  auto* family_arg = s->add_option("--family", show.family, "draw members of a layout family instead of a batch")
+                         ->check(CLI::ExistingFile)
+                         ->excludes(batch_arg);
+  batch_arg->excludes(family_arg);
+  s->add_option("--samples", show.samples, "members drawn with --family")->check(CLI::Range(1, 100));
+  s->add_option("--seed", show.seed, "seed of the members drawn with --family");
   s->add_option("--cp", show.cp, "CP size")->check(CLI::Range(1, 4096));
   s->add_option("--conv-width", show.conv_width, "convolution taps W (halo of W-1 positions)")->check(CLI::Range(1, 64));
   s->add_option("--svg", show.svg, "also write the picture as an SVG file");

@@ -55,10 +55,14 @@ struct FuzzArgs {
   JobArgs job;
   int conv_width = 4;
   std::string out = "cpsim-counterexample.json";
+  std::string family;  // draw only members of this layout family (a family file)
 };
 
 struct ShowArgs {
   std::string batch;
+  std::string family;  // instead of a batch: draw members of this family
+  int samples = 3;
+  std::uint64_t seed = 1;
   int cp = 1;
   int conv_width = 4;
   std::string svg;            // write an SVG here as well

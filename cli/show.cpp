@@ -8,6 +8,7 @@
 
 #include "cli/job.hpp"
 #include "verify/batch_io.hpp"
+#include "verify/family.hpp"
 #include "verify/show.hpp"
 
 namespace cpsim::cli {
@@ -33,7 +34,29 @@ bool use_color(const std::string& mode) {
 
 }  // namespace
 
+// A few members of a layout family, each drawn at its CP size.
+int show_family(const ShowArgs& a) {
+  const verify::LayoutFamily family = verify::read_family(a.family);
+  const auto gen = verify::gen_family_case(family);
+  std::cout << "family " << family.name << (family.description.empty() ? "" : ": " + family.description) << "\n";
+  for (int k = 0; k < a.samples; ++k) {
+    const verify::LayoutCase c = gen(rc::Random(a.seed * 1000003 + k), 30).value();
+    verify::ShowOptions o;
+    o.cp = c.cp;
+    o.conv_width = a.conv_width;
+    o.columns = terminal_columns();
+    o.color = use_color(a.color);
+    o.title = "member " + std::to_string(k + 1) + " (cp=" + std::to_string(c.cp) + ")";
+    std::cout << verify::show_text(c.batch, o) << "  " << verify::batch_to_json(c.batch, c.pad_token_id) << "\n";
+    const std::string off = verify::family_violation(family, c);
+    if (!off.empty()) throw Error("internal: a drawn member is outside its family: " + off);
+  }
+  return kExitOk;
+}
+
 int run_show(const ShowArgs& a) {
+  if (!a.family.empty()) return show_family(a);
+  if (a.batch.empty()) throw UsageError("cpsim show: give a BATCH file, or --family FILE");
   const verify::BatchFile f = verify::read_batch_file(a.batch);
   derive_layout(f.batch);  // invalid input is exit 2 before anything is drawn
   verify::ShowOptions o;

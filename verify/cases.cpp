@@ -68,7 +68,9 @@ LayoutCase build_case(const LayoutSpec& spec) {
     std::int64_t pos = 0;
     const auto& row = r < static_cast<std::int64_t>(spec.rows.size()) ? spec.rows[r] : std::vector<DocSpec>{};
     for (const DocSpec& d : row) {
-      if (pos >= S) break;
+      // A full row takes no more documents; a zero-length entry (a static-graph
+      // packer's placeholder) still follows.
+      if (pos >= S && (d.real > 0 || d.extra > 0)) break;
       DocSpec c = d;
       if (one_key) c.extra = 0;
       c.real = static_cast<int>(std::min<std::int64_t>(std::max(0, c.real), S - pos));
