@@ -35,5 +35,6 @@ int run_check(CheckArgs a);
 int run_fuzz(FuzzArgs a);
 int run_show(const ShowArgs& a);
 int run_golden(const GoldenArgs& a);
+int run_plan(const PlanArgs& a);
 
 }  // namespace cpsim::cli

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
       case Command::fuzz: return run_fuzz(o.fuzz);
       case Command::show: return run_show(o.show);
       case Command::golden: return run_golden(o.golden);
+      case Command::plan: return run_plan(o.plan);
       case Command::bench: return run_bench(o.bench);
       case Command::launch: {
         sim::LaunchOptions launch = o.launch.launch;

@@ -113,6 +113,29 @@ Parsed parse_options(int argc, char** argv) {
   gd->footer("Example:\n  cpsim golden examples/spec_example.json --cp 3 --out golden/\n"
              "  python3 examples/golden_check.py golden/   (compares a PyTorch or numpy implementation)");
   LaunchArgs& launch = o.launch;
+  PlanArgs& plan = o.plan;
+  auto* pl = app.add_subcommand("plan", "each shard plan's per-rank cost, imbalance and bytes moved, side by side");
+  auto* plan_batch = pl->add_option("batch", plan.batch, "BATCH file (JSON or safetensors)")->check(CLI::ExistingFile);
+  auto* plan_family = pl->add_option("--family", plan.family, "the imbalance over members of a layout family instead")
+                          ->check(CLI::ExistingFile)
+                          ->excludes(plan_batch);
+  plan_batch->excludes(plan_family);
+  pl->add_option("--cp", plan.cp, "CP size")->required()->check(CLI::Range(1, 1024));
+  pl->add_option("--cost", plan.cost,
+                 "the per-token cost balanced: attention (t - doc_start + 1 per real token), linear (1), or "
+                 "attention=A,linear=B");
+  pl->add_option("--samples", plan.samples, "members drawn with --family")->check(CLI::Range(1, 100000));
+  pl->add_option("--seed", plan.seed, "seed of the members drawn with --family");
+  pl->add_flag("--json", plan.json, "JSON instead of the table");
+  pl->add_option("--svg", plan.svg, "also draw per-rank cost bars under the layout picture");
+  pl->add_option("--conv-width", plan.model.conv_width, "convolution taps W (the halo's reach)")->check(CLI::Range(1, 64));
+  pl->add_option("--channels", plan.model.channels, "channels of the float32 activation whose bytes are counted")
+      ->check(CLI::Range(1, 1 << 20));
+  pl->add_option("--heads", plan.model.heads, "heads of the recurrent state")->check(CLI::Range(1, 1024));
+  pl->add_option("--key-dim", plan.model.key_dim, "key size K of the recurrent state")->check(CLI::Range(1, 4096));
+  pl->add_option("--value-dim", plan.model.value_dim, "value size V of the recurrent state")->check(CLI::Range(1, 4096));
+  pl->footer("Example:\n  cpsim plan examples/packed_two_rows.json --cp 4\n"
+             "  cpsim plan --family examples/families/nemo_automodel_seq_lens.json --cp 8 --cost attention=1,linear=64");
   auto* l = app.add_subcommand("launch", "start N processes of one Gloo job on this host: launch -n N -- cpsim ...");
   l->add_option("-n,--nproc", launch.launch.processes, "processes (ranks)")->required()->check(CLI::Range(1, 1024));
   l->add_option("--store", launch.launch.store,
@@ -159,6 +182,7 @@ Parsed parse_options(int argc, char** argv) {
               : f->parsed()  ? Command::fuzz
               : s->parsed()  ? Command::show
               : gd->parsed() ? Command::golden
+              : pl->parsed() ? Command::plan
               : b->parsed()  ? Command::bench
                              : Command::launch;
   return {o, kExitOk};

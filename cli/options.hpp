@@ -97,7 +97,18 @@ struct BenchArgs {
   JobArgs job;  // in a multi-process job: gloo or nccl, one rank per process
 };
 
-enum class Command { check, fuzz, show, golden, launch, bench };
+struct PlanArgs {
+  std::string batch, family;
+  int cp = 2;
+  std::string cost = "attention";
+  int samples = 200;
+  std::uint64_t seed = 1;
+  bool json = false;
+  std::string svg;
+  ModelArgs model;
+};
+
+enum class Command { check, fuzz, show, golden, plan, launch, bench };
 
 struct Options {
   Command command = Command::check;
@@ -105,6 +116,7 @@ struct Options {
   FuzzArgs fuzz;
   ShowArgs show;
   GoldenArgs golden;
+  PlanArgs plan;
   LaunchArgs launch;
   BenchArgs bench;
 };

@@ -1,0 +1,97 @@
+// Shard plans (SPEC §2) and `cpsim plan`: the per-token cost, the equal and the
+// balanced cut (checked against its definition by brute force), and the report.
+#include <gmock/gmock.h>
+#include <rapidcheck.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/shard_plan.hpp"
+#include "tests/property_harness.hpp"
+#include "tests/subprocess.hpp"
+
+using namespace cpsim;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+TEST(ShardPlan, TokenCostsFollowTheSpecExample) {
+  // seq_lens [[3, 2]], seq_lens_padded [[4, 2]], S = 8: ids [1,1,1,1,2,2,0,0], padding [F,F,F,T,F,F,T,T].
+  Batch b;
+  b["seq_lens"] = Tensor::from<std::int64_t>({1, 2}, {3, 2});
+  b["seq_lens_padded"] = Tensor::from<std::int64_t>({1, 2}, {4, 2});
+  b["input_ids"] = Tensor::from<std::int64_t>({1, 8}, {5, 5, 5, 0, 6, 6, 0, 0});
+  const Layout l = derive_layout(b);
+  EXPECT_EQ(token_costs(l, 8, {1, 0})[0], (std::vector<std::int64_t>{1, 2, 3, 0, 1, 2, 0, 0}));
+  EXPECT_EQ(token_costs(l, 10, {0, 1})[0], (std::vector<std::int64_t>{1, 1, 1, 0, 1, 1, 0, 0, 0, 0}));
+  EXPECT_EQ(token_costs(l, 8, {2, 3})[0], (std::vector<std::int64_t>{5, 7, 9, 0, 5, 7, 0, 0}));
+  EXPECT_EQ(equal_plan(8, 4).cuts, (std::vector<std::int64_t>{0, 2, 4, 6, 8}));
+  // Total 9 at cp 3: cost[0, t) must reach 3 and 6: [1, 3, 6, ...] -> cuts 2 and 3.
+  EXPECT_EQ(balanced_plan(token_costs(l, 8, {1, 0}), 8, 3).cuts, (std::vector<std::int64_t>{0, 2, 3, 8}));
+  EXPECT_EQ(balanced_plan({{0, 0, 0, 0}}, 4, 2).cuts, (std::vector<std::int64_t>{0, 2, 4}));  // all padding: equal
+  EXPECT_EQ(token_cost_name(parse_token_cost("attention=2,linear=3")), "attention=2,linear=3");
+  EXPECT_THROW(parse_token_cost("attention=-1"), InvalidInput);
+  EXPECT_THROW(parse_token_cost("attention=0,linear=0"), InvalidInput);
+  EXPECT_THROW(parse_token_cost("quadratic"), InvalidInput);
+}
+
+// Every balanced cut is the smallest t with c * cost[0, t) >= r * total, by brute force.
+TEST(ShardPlan, TheBalancedCutIsTheSmallestThatReachesItsShare) {
+  cpsim::testing::check_property([] {
+    const int cp = *rc::gen::inRange(1, 17);
+    const int rows = *rc::gen::inRange(1, 4);
+    const std::int64_t P = cp * *rc::gen::inRange(1, 12);
+    std::vector<std::vector<std::int64_t>> costs(rows);
+    for (auto& row : costs) row = *rc::gen::container<std::vector<std::int64_t>>(P, rc::gen::inRange<std::int64_t>(0, 9));
+    const ShardPlan plan = balanced_plan(costs, P, cp);
+    RC_ASSERT(plan.ranks() == cp);
+    RC_ASSERT(plan.cuts.front() == 0 && plan.cuts.back() == P);
+    std::int64_t total = 0;
+    for (const auto& row : costs)
+      for (auto v : row) total += v;
+    const auto prefix = [&](std::int64_t t) {
+      std::int64_t s = 0;
+      for (const auto& row : costs)
+        for (std::int64_t i = 0; i < t; ++i) s += row[i];
+      return s;
+    };
+    for (int r = 1; r < cp; ++r) {
+      RC_ASSERT(plan.cuts[r] >= plan.cuts[r - 1]);
+      if (total == 0) {
+        RC_ASSERT(plan.cuts[r] == P / cp * r);
+        continue;
+      }
+      std::int64_t want = 0;
+      while (cp * prefix(want) < r * total) ++want;
+      RC_ASSERT(plan.cuts[r] == want);
+    }
+  });
+}
+
+TEST(ShardPlan, PlanShowsTheBalancedPlanAgainstTheEqualOne) {
+  const std::string examples = std::string(CPSIM_SOURCE_DIR) + "/examples/";
+  for (const char* example : {"packed_two_rows.json", "lengths_only.json", "thd_cu_seqlens.json"}) {
+    const auto r = cpsim::testing::run_process({CPSIM_BINARY, "plan", examples + example, "--cp", "4", "--json"}, 60s);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    const double equal = j["plans"]["equal"]["imbalance"], balanced = j["plans"]["balanced"]["imbalance"];
+    EXPECT_LE(balanced, equal + 1e-12) << example;
+    EXPECT_EQ(j["plans"]["balanced"]["ranks"].size(), 4u);
+    std::int64_t tokens = 0;
+    for (const auto& rank : j["plans"]["balanced"]["ranks"]) tokens += rank["tokens"].get<std::int64_t>();
+    std::int64_t equal_tokens = 0;
+    for (const auto& rank : j["plans"]["equal"]["ranks"]) equal_tokens += rank["tokens"].get<std::int64_t>();
+    EXPECT_EQ(tokens, equal_tokens) << "a plan moves tokens, it never loses them";
+  }
+  const auto t = cpsim::testing::run_process({CPSIM_BINARY, "plan", examples + "lengths_only.json", "--cp", "8"}, 60s);
+  EXPECT_EQ(t.status, 0) << t.err;
+  EXPECT_THAT(t.out, HasSubstr("imbalance (max / mean cost): equal"));
+  const auto f = cpsim::testing::run_process({CPSIM_BINARY, "plan", "--family", examples + "families/interior_padding.json",
+                                              "--cp", "4", "--samples", "30"},
+                                             60s);
+  EXPECT_EQ(f.status, 0) << f.err;
+  EXPECT_THAT(f.out, HasSubstr("balanced imbalance mean"));
+  const auto bad = cpsim::testing::run_process({CPSIM_BINARY, "plan", examples + "lengths_only.json", "--cp", "2",
+                                                "--cost", "cubic"},
+                                               30s);
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--cost cubic"));
+}
