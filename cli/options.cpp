@@ -23,6 +23,16 @@ void add_job_options(CLI::App* cmd, JobArgs& job) {
 }
 
 // Shapes and seed of the seeded inputs.
+// A BATCH argument, or --family FILE (one of them) with the members' count and seed.
+void add_batch_or_family(CLI::App* cmd, std::string& batch, std::string& family, int& samples, std::uint64_t& seed,
+                         const std::string& family_help) {
+  auto* batch_arg = cmd->add_option("batch", batch, "BATCH file (JSON or safetensors)")->check(CLI::ExistingFile);
+  auto* family_arg = cmd->add_option("--family", family, family_help)->check(CLI::ExistingFile)->excludes(batch_arg);
+  batch_arg->excludes(family_arg);
+  cmd->add_option("--samples", samples, "members drawn with --family")->check(CLI::Range(1, 100000));
+  cmd->add_option("--seed", seed, "seed of the members drawn with --family");
+}
+
 void add_model_options(CLI::App* cmd, ModelArgs& m, const std::string& seed_help) {
   cmd->add_option("--conv-width", m.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
   cmd->add_option("--channels", m.channels, "activation channels")->check(CLI::Range(1, 4096));
@@ -82,13 +92,8 @@ Parsed parse_options(int argc, char** argv) {
             "  then replay a failure: cpsim check cpsim-counterexample.json --cp N --seed S");
   ShowArgs& show = o.show;
   auto* s = app.add_subcommand("show", "draw a batch's layout: documents, padding, shard cuts, halos");
-  auto* batch_arg = s->add_option("batch", show.batch, "BATCH file (JSON or safetensors)")->check(CLI::ExistingFile);
-  auto* family_arg = s->add_option("--family", show.family, "draw members of a layout family instead of a batch")
-                         ->check(CLI::ExistingFile)
-                         ->excludes(batch_arg);
-  batch_arg->excludes(family_arg);
-  s->add_option("--samples", show.samples, "members drawn with --family")->check(CLI::Range(1, 100));
-  s->add_option("--seed", show.seed, "seed of the members drawn with --family");
+  add_batch_or_family(s, show.batch, show.family, show.samples, show.seed,
+                      "draw members of a layout family instead of a batch");
   s->add_option("--cp", show.cp, "CP size")->check(CLI::Range(1, 4096));
   s->add_option("--conv-width", show.conv_width, "convolution taps W (halo of W-1 positions)")->check(CLI::Range(1, 64));
   s->add_option("--svg", show.svg, "also write the picture as an SVG file");
@@ -115,17 +120,12 @@ Parsed parse_options(int argc, char** argv) {
   LaunchArgs& launch = o.launch;
   PlanArgs& plan = o.plan;
   auto* pl = app.add_subcommand("plan", "each shard plan's per-rank cost, imbalance and bytes moved, side by side");
-  auto* plan_batch = pl->add_option("batch", plan.batch, "BATCH file (JSON or safetensors)")->check(CLI::ExistingFile);
-  auto* plan_family = pl->add_option("--family", plan.family, "the imbalance over members of a layout family instead")
-                          ->check(CLI::ExistingFile)
-                          ->excludes(plan_batch);
-  plan_batch->excludes(plan_family);
+  add_batch_or_family(pl, plan.batch, plan.family, plan.samples, plan.seed,
+                      "the imbalance over members of a layout family instead");
   pl->add_option("--cp", plan.cp, "CP size")->required()->check(CLI::Range(1, 1024));
   pl->add_option("--cost", plan.cost,
                  "the per-token cost balanced: attention (t - doc_start + 1 per real token), linear (1), or "
                  "attention=A,linear=B");
-  pl->add_option("--samples", plan.samples, "members drawn with --family")->check(CLI::Range(1, 100000));
-  pl->add_option("--seed", plan.seed, "seed of the members drawn with --family");
   pl->add_flag("--json", plan.json, "JSON instead of the table");
   pl->add_option("--svg", plan.svg, "also draw per-rank cost bars under the layout picture");
   pl->add_option("--conv-width", plan.model.conv_width, "convolution taps W (the halo's reach)")->check(CLI::Range(1, 64));
