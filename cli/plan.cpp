@@ -3,6 +3,8 @@
 // collective moves and the halo's and fold's reach; or, with --family, the
 // imbalance of each plan over members of a layout family.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -134,10 +136,16 @@ std::string svg_of(const Batch& batch, int cp, const std::vector<PlanLoad>& plan
     }
     y += 8;
   }
+  // The layout picture's own size (its first width= and height= attributes).
+  const auto attribute = [&](const char* name) {
+    const auto at = layout.find(name);
+    return at == std::string::npos ? 0 : std::atoi(layout.c_str() + at + std::strlen(name));
+  };
+  const int layout_w = attribute("width=\""), layout_h = attribute("height=\"");
   std::ostringstream out;
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << 420 + y << "\">\n"
-      << "<svg x=\"0\" y=\"0\" width=\"" << width << "\" height=\"400\" overflow=\"visible\">" << layout << "</svg>\n"
-      << "<g transform=\"translate(0, 410)\">\n" << bars.str() << "</g>\n</svg>\n";
+  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << std::max(width, layout_w) << "\" height=\""
+      << layout_h + 10 + y << "\">\n"
+      << layout << "\n<g transform=\"translate(0, " << layout_h + 10 << ")\">\n" << bars.str() << "</g>\n</svg>\n";
   return out.str();
 }
 
@@ -175,6 +183,7 @@ int plan_family(const PlanArgs& a, const TokenCost& cost) {
 
 int run_plan(const PlanArgs& a) {
   const TokenCost cost = parse_token_cost(a.cost);
+  if (!a.family.empty() && !a.svg.empty()) throw UsageError("cpsim plan: --svg draws one batch, not a --family");
   if (!a.family.empty()) return plan_family(a, cost);
   if (a.batch.empty()) throw UsageError("cpsim plan: give a BATCH file, or --family FILE");
   const verify::BatchFile f = verify::read_batch_file(a.batch);

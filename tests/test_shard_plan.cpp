@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <rapidcheck.h>
 
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/shard_plan.hpp"
@@ -84,6 +86,18 @@ TEST(ShardPlan, PlanShowsTheBalancedPlanAgainstTheEqualOne) {
   const auto t = cpsim::testing::run_process({CPSIM_BINARY, "plan", examples + "lengths_only.json", "--cp", "8"}, 60s);
   EXPECT_EQ(t.status, 0) << t.err;
   EXPECT_THAT(t.out, HasSubstr("imbalance (max / mean cost): equal"));
+  const auto svg = std::filesystem::temp_directory_path() / ("cpsim-plan-" + std::to_string(::getpid()) + ".svg");
+  const auto drawn = cpsim::testing::run_process(
+      {CPSIM_BINARY, "plan", examples + "packed_two_rows.json", "--cp", "3", "--svg", svg.string()}, 60s);
+  EXPECT_EQ(drawn.status, 0) << drawn.err;
+  std::ifstream in(svg);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("balanced (imbalance "));
+  EXPECT_THAT(text, HasSubstr("<g transform"));  // the bars, under the layout picture
+  std::size_t svgs = 0;
+  for (auto at = text.find("<svg"); at != std::string::npos; at = text.find("<svg", at + 1)) ++svgs;
+  EXPECT_EQ(svgs, 2u);
+  std::filesystem::remove(svg);
   const auto f = cpsim::testing::run_process({CPSIM_BINARY, "plan", "--family", examples + "families/interior_padding.json",
                                               "--cp", "4", "--samples", "30"},
                                              60s);
