@@ -83,6 +83,9 @@ int run_fuzz(FuzzArgs a) {
   Progress progress(a.cases, a.job.rank == 0);
   std::optional<LayoutFamily> family;
   if (!a.family.empty()) family = read_family(a.family);  // invalid: exit 2, naming the field
+  if (family && a.max_cp < family->cp.min)
+    throw UsageError("cpsim fuzz: family " + family->name + " runs at cp " + std::to_string(family->cp.min) + "-" +
+                     std::to_string(family->cp.max) + "; --max-cp " + std::to_string(a.max_cp) + " leaves none");
   const auto gen = family ? gen_family_case(*family, a.max_cp) : gen_layout_case(a.max_cp);
   const PropertyOutcome result = run_property(settings, [&] { property(*gen); }, &progress);
   if (!aborted.empty() && !smallest) {

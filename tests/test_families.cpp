@@ -78,6 +78,10 @@ TEST(Families, FuzzDrawsAFamilyAndShowDrawsItsMembers) {
       {CPSIM_BINARY, "fuzz", "--family", kFamilies + "te_thd_2cp.json", "--cases", "20", "--max-cp", "8"}, 120s);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("20 members of family te_thd_2cp"));
+  const auto none = cpsim::testing::run_process(
+      {CPSIM_BINARY, "fuzz", "--family", kFamilies + "fewer_tokens_than_ranks.json", "--max-cp", "2"}, 60s);
+  EXPECT_EQ(none.status, 2);
+  EXPECT_THAT(none.err, HasSubstr("--max-cp 2 leaves none"));
   const auto s = cpsim::testing::run_process(
       {CPSIM_BINARY, "show", "--family", kFamilies + "static_graph_thd.json", "--samples", "2", "--color", "never"},
       60s);

@@ -246,7 +246,7 @@ rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& f, int max_cp) {
   });
   const Range rows = thd(f.form) ? Range{1, 1} : f.rows;
   return gen::mapcat(gen::pair(gen::inRange(lo, hi + 1), in(rows)), [=](std::pair<int, int> cp_rows) {
-    const auto [cp, B] = cp_rows;
+    const int cp = cp_rows.first, B = cp_rows.second;
     const std::size_t n = static_cast<std::size_t>(B);
     return gen::map(gen::tuple(gen::container<std::vector<std::vector<std::pair<int, int>>>>(n, row),
                                gen::container<std::vector<int>>(n, in(f.zero_length_placeholders)),
