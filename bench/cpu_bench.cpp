@@ -155,7 +155,7 @@ void register_operators(const std::string& backend) {
           const int W = 4;
           Tensor ids({1, n * L}, DType::i64);
           for (std::int64_t i = 0; i < n * L; ++i) ids.data<std::int64_t>()[i] = 1 + i / 300;
-          auto ctx = std::make_shared<PackedContext>(ids, comm.rank() * L, n, n * L);
+          auto ctx = std::make_shared<PackedContext>(ids, equal_plan(n * L, n), comm.rank(), n * L);
           const Device d = comm.device();
           auto put = [d](Tensor t) { return d.is_cpu() ? t : t.to(d); };
           auto x = std::make_shared<Var>(put(verify::random_tensor({1, L, C}, DType::f64, 3)), true);
@@ -176,7 +176,7 @@ void register_operators(const std::string& backend) {
                   [=](Communicator& comm) {
                     Tensor ids({1, n * L}, DType::i64);
                     for (std::int64_t i = 0; i < n * L; ++i) ids.data<std::int64_t>()[i] = 1 + i / (3 * L / 2);
-                    auto ctx = std::make_shared<PackedContext>(ids, comm.rank() * L, n, n * L);
+                    auto ctx = std::make_shared<PackedContext>(ids, equal_plan(n * L, n), comm.rank(), n * L);
                     const Device d = comm.device();
                     auto in = [&](Shape sh, std::uint64_t seed, double scale) {
                       Tensor t = verify::random_tensor(sh, DType::f64, seed + comm.rank());
@@ -210,7 +210,7 @@ void register_layers(const std::string& backend) {
           Tensor ids({1, n * L}, DType::i64), pos({1, L}, DType::i64);
           for (std::int64_t i = 0; i < n * L; ++i) ids.data<std::int64_t>()[i] = 1 + i / doc;
           for (std::int64_t i = 0; i < L; ++i) pos.data<std::int64_t>()[i] = (comm.rank() * L + i) % doc;
-          const PackedContext ctx(ids, comm.rank() * L, n, n * L);
+          const PackedContext ctx(ids, equal_plan(n * L, n), comm.rank(), n * L);
           const Tensor visible = visible_doc_ids(ctx, Tensor::full({1, L}, DType::b8, 0.0));
           const Device d = comm.device();
           auto put = [d](Tensor t) { return d.is_cpu() ? t : t.to(d); };
@@ -222,9 +222,9 @@ void register_layers(const std::string& backend) {
           auto indexer = std::make_shared<SparseIndexer>(SparseIndexer{
               put(verify::random_tensor({1, L, 4}, DType::f64, 5)), put(verify::random_tensor({1, L, 4}, DType::f64, 6)),
               topk});
-          const std::int64_t start = ctx.seq_start();
+          auto plan = std::make_shared<ShardPlan>(ctx.plan());
           return [=, &comm] {
-            const CpAttention a = cp_document_attention(rope(*q, pos), rope(*k, pos), *v, visible, start, &comm,
+            const CpAttention a = cp_document_attention(rope(*q, pos), rope(*k, pos), *v, visible, plan.get(), &comm,
                                                         topk < 0 ? nullptr : indexer.get());
             backward(add(dot(a.out, *up), a.anchor));
           };

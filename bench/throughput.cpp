@@ -22,8 +22,7 @@ Throughput property_throughput(const std::string& backend, int cp, bool gather_h
   t.gather_halo_only = gather_halo_only;
   const auto start = Clock::now();
   while (t.cases < 3 || std::chrono::duration<double>(Clock::now() - start).count() < seconds) {
-    verify::LayoutCase c = gen(rc::Random(1000 + t.cases), 30).value();
-    c.cp = cp;
+    const verify::LayoutCase c = verify::at_cp(gen(rc::Random(1000 + t.cases), 30).value(), cp);
     bool ok = true;
     if (gather_halo_only) {
       verify::Prepared p(c);

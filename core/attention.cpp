@@ -117,15 +117,16 @@ Tensor visible_doc_ids(const PackedContext& context, const Tensor& local_padding
 }
 
 CpAttention cp_document_attention(const Var& q, const Var& k, const Var& v, const Tensor& local_ids,
-                                  std::int64_t seq_start, Communicator* comm, const SparseIndexer* indexer,
+                                  const ShardPlan* plan, Communicator* comm, const SparseIndexer* indexer,
                                   double scale) {
-  const bool sharded = comm && comm->size() > 1;
-  const Var kg = gather_sequence(k, comm, true), vg = gather_sequence(v, comm, true);
+  const bool sharded = is_distributed(comm);
+  const std::int64_t seq_start = !sharded ? 0 : plan ? plan->begin(comm->rank()) : comm->rank() * q.value().dim(1);
+  const Var kg = gather_sequence(k, comm, true, plan), vg = gather_sequence(v, comm, true, plan);
   const Tensor ids = where(local_ids, q.value());
-  const Tensor key_ids = sharded ? all_gather_sequence_tensor(ids, *comm) : ids;
+  const Tensor key_ids = sharded ? all_gather_sequence_tensor(ids, *comm, plan) : ids;
   Tensor kept;
   if (indexer) {
-    const Tensor index_k = sharded ? all_gather_sequence_tensor(where(indexer->k, q.value()), *comm)
+    const Tensor index_k = sharded ? all_gather_sequence_tensor(where(indexer->k, q.value()), *comm, plan)
                                    : where(indexer->k, q.value());
     kept = topk_keep(where(indexer->q, q.value()), index_k, ids, key_ids, seq_start, indexer->topk);
   }

@@ -35,8 +35,9 @@ Tensor topk_keep(const Tensor& index_q, const Tensor& index_k, const Tensor& q_i
 // padding ([B, L], from its packed context and its shard of padding_mask).
 Tensor visible_doc_ids(const PackedContext& context, const Tensor& local_padding);
 
-// The sharded layer on one rank: its q, k, v shards [B, L, H, D]; k and v are
-// gathered (gather_sequence, differentiable), and so are the token ids. With an
+// The sharded layer on one rank: its q, k, v shards [B, L_r, H, D]; k and v are
+// gathered (gather_sequence, differentiable, under `plan`: nullptr is equal
+// intervals), and so are the token ids; the queries start at the rank's cut. With an
 // indexer (its query and key shards, [B, L, Di], and topk), attention runs over
 // the keys it keeps (the indexer key gathered without a gradient). `anchor` is a
 // zero scalar to add to the loss (all_gather_backward_anchor of both gathers), so
@@ -52,7 +53,7 @@ struct CpAttention {
   Tensor kept;  // with an indexer: the keys each local query kept (topk_keep)
 };
 CpAttention cp_document_attention(const Var& q, const Var& k, const Var& v, const Tensor& local_ids,
-                                  std::int64_t seq_start, Communicator* comm, const SparseIndexer* indexer = nullptr,
+                                  const ShardPlan* plan, Communicator* comm, const SparseIndexer* indexer = nullptr,
                                   double scale = 0);
 
 }  // namespace cpsim

@@ -58,7 +58,7 @@ Tensor window_doc_ids(const Tensor& global, std::int64_t start, std::int64_t len
 Var sharded_packed_conv(const Var& x_masked, const PackedContext& context, Communicator* comm, const Var& weight,
                         const Var& bias, HaloExchange exchange) {
   const int width = static_cast<int>(weight.value().dim(1));
-  const Var window = convolution_history(x_masked, comm, width, exchange);
+  const Var window = convolution_history(x_masked, comm, width, exchange, &context.plan());
   // The layout lives on the host (as cu_seqlens do); its window goes where x is.
   const Tensor ids = window_doc_ids(context.doc_ids(), context.seq_start(), context.local_seq_len(), width);
   const Device device = window.value().device();

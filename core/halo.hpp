@@ -5,20 +5,23 @@
 
 #include "core/autograd.hpp"
 #include "core/comm/communicator.hpp"
+#include "core/shard_plan.hpp"
 
 namespace cpsim {
 
 // How the history travels. Both give identical results; the benchmark picks.
 enum class HaloExchange {
-  all_gather,  // one all-gather of every rank's last min(L, W-1) positions (reduce-scatter back)
-  send_recv,   // ceil((W-1)/L) neighbour hops r-k -> r (and back in backward)
+  all_gather,  // one all-gather of every rank's last min(L_r, W-1) positions (reduce-scatter back)
+  send_recv,   // hops r-k -> r for each distance k some earlier rank's positions lie at (and back)
 };
 const char* halo_exchange_name(HaloExchange e);
 
-// [B, L, C] (invalid positions already zeroed) -> [B, L+W-1, C]: the W-1 global
-// positions before r*L, then the shard. Positions before global 0 are zeros.
-// nullptr or one rank: zeros then the shard. W = 1 returns x itself.
+// [B, L_r, C] (invalid positions already zeroed) -> [B, L_r+W-1, C]: the W-1
+// global positions before the rank's interval a_r, then the shard; positions
+// before global 0 are zeros. `plan` gives every rank's interval (nullptr: equal
+// intervals of x's length); the history may span several earlier ranks, empty
+// ones skipped. nullptr or one rank: zeros then the shard. W = 1 returns x itself.
 Var convolution_history(const Var& x_masked, Communicator* comm, int width,
-                        HaloExchange exchange = HaloExchange::send_recv);
+                        HaloExchange exchange = HaloExchange::send_recv, const ShardPlan* plan = nullptr);
 
 }  // namespace cpsim

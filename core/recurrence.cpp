@@ -71,11 +71,12 @@ Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, 
                     Vt.shape() == Shape({B, L, H, V}) && L == context.local_seq_len(),
                 "gated_delta_rule shapes disagree");
   const int c = comm ? comm->size() : 1, r = comm ? comm->rank() : 0;
-  CPSIM_ENFORCE(c == context.cp_size(), "communicator size ", c, " != context cp_size ", context.cp_size());
+  CPSIM_ENFORCE(c == context.cp_size() && r == context.rank(), "communicator rank ", r, " of ", c,
+                " runs the packed context of rank ", context.rank(), " of ", context.cp_size());
 
   std::vector<RecurrencePlan> plans;
   for (std::int64_t b = 0; b < B; ++b) {
-    plans.push_back(recurrence_plan(build_fla_cp_context(context, static_cast<int>(b)), r));
+    plans.push_back(recurrence_plan(build_fla_cp_context(context, static_cast<int>(b)), context.plan(), r));
     if (edit) edit(plans.back(), r, static_cast<int>(b));
   }
   auto plan = std::make_shared<FlatPlan>(plans);

@@ -1,10 +1,46 @@
 #include "core/shard_plan.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 #include "core/error.hpp"
 
 namespace cpsim {
+
+std::int64_t ShardPlan::largest() const {
+  std::int64_t m = 0;
+  for (int r = 0; r < ranks(); ++r) m = std::max(m, size(r));
+  return m;
+}
+
+bool ShardPlan::equal_sizes() const {
+  for (int r = 1; r < ranks(); ++r)
+    if (size(r) != size(0)) return false;
+  return true;
+}
+
+int ShardPlan::owner(std::int64_t p) const {
+  // The last cut at or before p; empty intervals share their cut with the next one.
+  const auto it = std::upper_bound(cuts.begin(), cuts.end() - 1, p);
+  return static_cast<int>(it - cuts.begin()) - 1;
+}
+
+std::string plan_text(const ShardPlan& plan) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < plan.cuts.size(); ++i) s += (i ? ", " : "") + std::to_string(plan.cuts[i]);
+  return s + "]";
+}
+
+void validate_plan(const ShardPlan& plan, std::int64_t P, int cp) {
+  if (static_cast<int>(plan.cuts.size()) != cp + 1)
+    CPSIM_INVALID("plan cuts ", plan_text(plan).substr(0, 80), ": ", plan.cuts.size(), " cuts for cp ", cp,
+                  " (a plan of c ranks has c + 1 cuts)");
+  if (plan.cuts.front() != 0 || plan.cuts.back() != P)
+    CPSIM_INVALID("plan cuts ", plan_text(plan).substr(0, 80), ": must run from 0 to the padded length ", P);
+  for (int r = 0; r < cp; ++r)
+    if (plan.cuts[r + 1] < plan.cuts[r])
+      CPSIM_INVALID("plan cuts index ", r + 1, ": ", plan.cuts[r + 1], " is below the cut before it, ", plan.cuts[r]);
+}
 
 TokenCost parse_token_cost(const std::string& text) {
   if (text == "attention") return {1, 0};
@@ -77,6 +113,35 @@ ShardPlan balanced_plan(const std::vector<std::vector<std::int64_t>>& costs, std
     p.cuts.push_back(t);
   }
   p.cuts.push_back(P);
+  return p;
+}
+
+PlanChoice parse_plan_choice(const std::string& name, const std::string& cost) {
+  PlanChoice c;
+  if (name == "equal") return c;
+  if (name != "balanced") CPSIM_INVALID("--plan ", name.substr(0, 64), ": expected equal, balanced or a plan file");
+  c.kind = PlanChoice::Kind::balanced;
+  c.cost = parse_token_cost(cost);
+  return c;
+}
+
+std::string plan_choice_name(const PlanChoice& c) {
+  switch (c.kind) {
+    case PlanChoice::Kind::equal: return "equal";
+    case PlanChoice::Kind::balanced: return "balanced:" + token_cost_name(c.cost);
+    case PlanChoice::Kind::cuts: return "cuts " + plan_text({c.cuts});
+  }
+  return "?";
+}
+
+ShardPlan resolve_plan(const PlanChoice& c, const Layout& layout, std::int64_t P, int cp) {
+  switch (c.kind) {
+    case PlanChoice::Kind::equal: return equal_plan(P, cp);
+    case PlanChoice::Kind::balanced: return balanced_plan(token_costs(layout, P, c.cost), P, cp);
+    case PlanChoice::Kind::cuts: break;
+  }
+  ShardPlan p{c.cuts};
+  validate_plan(p, P, cp);
   return p;
 }
 

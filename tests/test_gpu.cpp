@@ -241,7 +241,7 @@ void property_table_holds(const std::string& backend, int max_cp, int cases) {
   o.backend = backend;
   for (int i = 0; i < cases; ++i) {
     LayoutCase c = gen(rc::Random(4242 + i), 40).value();
-    c.cp = 1 + i % max_cp;
+    c = at_cp(c, 1 + i % max_cp);
     for (const auto& r : check_all(c, o)) EXPECT_TRUE(r.ok) << backend << " " << r.property << ": " << r.detail << "\n" << c;
   }
 }

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 
 #include "core/attention.hpp"
+#include "core/gather.hpp"
 #include "core/loss.hpp"
 #include "tests/property_harness.hpp"
 #include "verify/batch_io.hpp"
@@ -34,7 +35,19 @@ Var rope_by_local_index(const Var& x, const Tensor& positions) {
 // Causality by local index: query t sees keys 0..t of the gathered sequence.
 CpAttention attention_by_local_index(const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
                                      const Tensor& padding, Communicator* comm, const SparseIndexer* indexer) {
-  return cp_document_attention(q, k, v, visible_doc_ids(ctx, padding), 0, comm, indexer);
+  // The layer's own steps (gathers, indexer), with every query placed at local index t.
+  const ShardPlan* plan = &ctx.plan();
+  const Tensor ids = visible_doc_ids(ctx, padding);
+  const bool sharded = is_distributed(comm);
+  const Var kg = gather_sequence(k, comm, true, plan), vg = gather_sequence(v, comm, true, plan);
+  const Tensor key_ids = sharded ? all_gather_sequence_tensor(ids, *comm, plan) : ids;
+  CpAttention out;
+  if (indexer)
+    out.kept = topk_keep(indexer->q, sharded ? all_gather_sequence_tensor(indexer->k, *comm, plan) : indexer->k, ids,
+                         key_ids, 0, indexer->topk);
+  out.out = document_attention(q, kg, vg, ids, key_ids, 0, 0, out.kept);
+  out.anchor = add(all_gather_backward_anchor(kg), all_gather_backward_anchor(vg));
+  return out;
 }
 
 // Doc ids numbered per shard (from 1 at the rank's first document), as a mask
@@ -48,7 +61,7 @@ CpAttention attention_by_local_doc_ids(const Var& q, const Var& k, const Var& v,
     for (std::int64_t t = 0; t < L; ++t)
       if (ids.get_int(b * L + t) != 0) ids.set(b * L + t, static_cast<double>(ids.get_int(b * L + t) - first + 1));
   }
-  return cp_document_attention(q, k, v, ids, ctx.seq_start(), comm, indexer);
+  return cp_document_attention(q, k, v, ids, &ctx.plan(), comm, indexer);
 }
 
 // A rank whose queries are all padding skips the layer (zeros, no anchor): its
@@ -58,7 +71,7 @@ CpAttention attention_skipped_on_padding(const Var& q, const Var& k, const Var& 
   const Tensor ids = visible_doc_ids(ctx, padding);
   bool any = false;
   for (std::int64_t i = 0; i < ids.numel(); ++i) any = any || ids.get_int(i) != 0;
-  CpAttention a = cp_document_attention(q, k, v, ids, ctx.seq_start(), comm, indexer);
+  CpAttention a = cp_document_attention(q, k, v, ids, &ctx.plan(), comm, indexer);
   if (!any) {
     const Tensor& o = a.out.value();
     a.out = Var(Tensor::full(o.shape(), o.dtype(), 0.0).to(o.device()));
@@ -141,7 +154,7 @@ TEST(LayerControls, AttentionSkippedWithoutAnAnchorIsANamedMismatch) {
   }));
   LayoutCase c;
   c.batch = parse_batch(R"({"input_ids":[[1,1,1,0]],"seq_lens":[[2]],"seq_lens_padded":[[2]]})", "case").batch;
-  c.cp = 2;  // rank 1 holds positions 2 and 3: padding only
+  c = at_cp(c, 2);  // rank 1 holds positions 2 and 3: padding only
   const auto start = std::chrono::steady_clock::now();
   const auto r = check_attention_backward(c, quick(), attention_skipped_on_padding);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));

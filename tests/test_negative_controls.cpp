@@ -38,11 +38,11 @@ Layout layout_from_token_ids(const Batch& b) {
   return layout;
 }
 
-// Each rank keeps [r*L + 1, (r+1)*L + 1): one token too far right.
-ShardedBatch off_by_one_shard(int rank, int cp, const Batch& b, std::int64_t pad, bool primary) {
-  ShardedBatch mine = shard_batch_at(rank, cp, b, std::nullopt, pad, primary);
+// Each rank keeps [a_r + 1, a_{r+1} + 1): one token too far right.
+ShardedBatch off_by_one_shard(int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
+  ShardedBatch mine = shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
   if (rank + 1 >= cp) return mine;
-  const ShardedBatch next = shard_batch_at(rank + 1, cp, b, std::nullopt, pad, primary);
+  const ShardedBatch next = shard_batch_at(rank + 1, cp, b, std::nullopt, pad, primary, 1, plan);
   for (auto& [key, t] : mine.local) {
     if (!next.local.count(key) || t.ndim() != 2 || t.dim(1) != mine.context.local_seq_len()) continue;
     t = narrow(cat({t, next.local.at(key)}, 1), 1, 1, t.dim(1));
@@ -51,52 +51,55 @@ ShardedBatch off_by_one_shard(int rank, int cp, const Batch& b, std::int64_t pad
 }
 
 // Shards concatenated in reverse rank order.
-Var gather_reversed(const Var& x, Communicator* comm, bool differentiable) {
+Var gather_reversed(const Var& x, Communicator* comm, bool, const ShardPlan* plan) {
   if (!is_distributed(comm)) return x;
-  const Tensor g = all_gather_sequence_tensor(x.value(), *comm);
-  const std::int64_t L = x.value().dim(1);
+  const Tensor g = all_gather_sequence_tensor(x.value(), *comm, plan);
+  const ShardPlan p = plan_for("gather_reversed", plan, *comm, x.value().dim(1));
   std::vector<Tensor> blocks;
-  for (int q = comm->size() - 1; q >= 0; --q) blocks.push_back(narrow(g, 1, q * L, L));
+  for (int q = comm->size() - 1; q >= 0; --q) blocks.push_back(narrow(g, 1, p.begin(q), p.size(q)));
   return Var(cat(blocks, 1), false);
 }
 
 // Backward keeps only this rank's own slice instead of summing every rank's.
-Var gather_backward_slices(const Var& x, Communicator* comm, bool differentiable) {
+Var gather_backward_slices(const Var& x, Communicator* comm, bool, const ShardPlan* plan) {
   if (!is_distributed(comm)) return x;
-  const std::int64_t L = x.value().dim(1);
+  const ShardPlan p = plan_for("gather_backward_slices", plan, *comm, x.value().dim(1));
   const int r = comm->rank();
-  return record(all_gather_sequence_tensor(x.value(), *comm), "gather_backward_slices", {x},
-                [L, r](const Tensor& g) { return std::vector<Tensor>{narrow(g, 1, r * L, L)}; });
+  return record(all_gather_sequence_tensor(x.value(), *comm, plan), "gather_backward_slices", {x},
+                [p, r](const Tensor& g) { return std::vector<Tensor>{narrow(g, 1, p.begin(r), p.size(r))}; });
 }
 
 // A zero with no backward edge: ranks that ignore the gather skip its backward again.
 Var anchor_without_edge(const Var& gathered) { return constant_scalar(0.0, gathered.value().dtype()); }
 
-// History slots hold positions r*L-W .. r*L-2: one position too early.
-Var halo_one_position_off(const Var& x, Communicator* comm, int width, HaloExchange e) {
+// History slots hold positions a_r-W .. a_r-2: one position too early.
+Var halo_one_position_off(const Var& x, Communicator* comm, int width, HaloExchange e, const ShardPlan* plan) {
   const std::int64_t L = x.value().dim(1), H = width - 1;
-  const Tensor wider = convolution_history(Var(x.value()), comm, width + 1, e).value();
+  const Tensor wider = convolution_history(Var(x.value()), comm, width + 1, e, plan).value();
   return Var(cat({narrow(wider, 1, 0, H), narrow(wider, 1, H + 1, L)}, 1));
 }
 
 // Correct forward; backward sends the nearest history gradient two ranks back instead of one.
-Var halo_gradient_to_wrong_rank(const Var& x, Communicator* comm, int width, HaloExchange e) {
+Var halo_gradient_to_wrong_rank(const Var& x, Communicator* comm, int width, HaloExchange e, const ShardPlan* plan) {
   const std::int64_t L = x.value().dim(1), H = width - 1;
-  const Tensor window = convolution_history(Var(x.value()), comm, width, e).value();
-  return record(window, "halo_gradient_to_wrong_rank", {x}, [comm, L, H](const Tensor& g) {
+  const Tensor window = convolution_history(Var(x.value()), comm, width, e, plan).value();
+  if (!is_distributed(comm)) return Var(window);
+  const ShardPlan p = plan_for("halo_gradient_to_wrong_rank", plan, *comm, L);
+  return record(window, "halo_gradient_to_wrong_rank", {x}, [comm, L, H, p](const Tensor& g) {
     Tensor dx = narrow(g, 1, H, L);
-    if (!is_distributed(comm) || H == 0) return std::vector<Tensor>{dx};
-    const std::int64_t n = std::min(L, H);
+    if (H == 0) return std::vector<Tensor>{dx};
     const int r = comm->rank(), c = comm->size();
-    Tensor send = narrow(g, 1, H - n, n), recv(send.shape(), g.dtype());
     const int dst = r - 2 >= 0 ? r - 2 : -1, src = r + 2 < c ? r + 2 : -1;
+    // Each pair agrees on the count: the receiver's min(L, H) tail.
+    const std::int64_t n = dst >= 0 ? std::min(p.size(dst), H) : 0, m = std::min(L, H);
+    Tensor send = narrow(g, 1, H - n, n), recv({g.dim(0), src >= 0 ? m : 0, g.dim(2)}, g.dtype());
     comm->send_recv({send.raw(), static_cast<std::size_t>(send.numel()), dst, recv.raw(),
                      static_cast<std::size_t>(recv.numel()), src},
                     g.dtype());
-    if (src >= 0) {
-      Tensor tail = narrow(dx, 1, L - n, n);
+    if (src >= 0 && m > 0) {
+      Tensor tail = narrow(dx, 1, L - m, m);
       add_inplace(tail, recv);
-      dx = cat({narrow(dx, 1, 0, L - n), tail}, 1);
+      dx = cat({narrow(dx, 1, 0, L - m), tail}, 1);
     }
     return std::vector<Tensor>{dx};
   });
@@ -284,36 +287,36 @@ Layout layout_short(const Batch& b) {
   return l;
 }
 
-ShardedBatch shard_throws(int, int, const Batch&, std::int64_t, bool) { throw Planted(); }
+ShardedBatch shard_throws(int, int, const Batch&, std::int64_t, bool, const PlanChoice&) { throw Planted(); }
 
 // P rounded down instead of up: the context and every local tensor cover
-// floor(S / c) * c positions (which may be none).
-ShardedBatch shard_rounded_down(int rank, int cp, const Batch& b, std::int64_t pad, bool primary) {
+// floor(S / c) * c positions (which may be none), cut equally.
+ShardedBatch shard_rounded_down(int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice&) {
   Batch batch = b;
   normalize_batch_axis(batch);
   const std::int64_t S = sequence_length(batch), P = S / cp * cp, L = P / cp;
   ShardedBatch out = shard_batch_at(rank, cp, batch, std::nullopt, pad, primary);
   for (auto& [key, t] : out.local)
     if (t.dim(1) > L) t = narrow(t, 1, 0, key == "input_ids" && !primary ? P : L);
-  out.context = PackedContext(narrow(out.context.doc_ids(), 1, 0, P), rank * L, cp, S);
+  out.context = PackedContext(narrow(out.context.doc_ids(), 1, 0, P), equal_plan(P, cp), rank, S);
   return out;
 }
 
 // One rank throws before the collective the others enter.
-Var gather_throws_on_rank_0(const Var& x, Communicator* comm, bool differentiable) {
+Var gather_throws_on_rank_0(const Var& x, Communicator* comm, bool differentiable, const ShardPlan* plan) {
   if (!comm || comm->rank() == 0) throw Planted();
-  return gather_sequence(x, comm, differentiable);
+  return gather_sequence(x, comm, differentiable, plan);
 }
 // The local shard comes back as if it were the gathered sequence.
-Var gather_returns_the_shard(const Var& x, Communicator*, bool) { return x; }
+Var gather_returns_the_shard(const Var& x, Communicator*, bool, const ShardPlan*) { return x; }
 
 Var anchor_throws(const Var&) { throw Planted(); }
 
 // The local shard without its history.
-Var halo_without_history(const Var& x, Communicator*, int, HaloExchange) { return x; }
-Var halo_throws_on_last_rank(const Var& x, Communicator* comm, int width, HaloExchange e) {
+Var halo_without_history(const Var& x, Communicator*, int, HaloExchange, const ShardPlan*) { return x; }
+Var halo_throws_on_last_rank(const Var& x, Communicator* comm, int width, HaloExchange e, const ShardPlan* plan) {
   if (!comm || comm->rank() + 1 == comm->size()) throw Planted();
-  return convolution_history(x, comm, width, e);
+  return convolution_history(x, comm, width, e, plan);
 }
 
 // One output position short.

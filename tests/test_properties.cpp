@@ -65,10 +65,28 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
     const LayoutCase c = gen(rc::Random(1234 + i), i % 100).value();
     const LayoutTruth t = *c.truth;
     const std::int64_t B = t.doc_ids.dim(0), S = t.doc_ids.dim(1);
-    const auto g = shard_geometry(S, c.cp);
+    // Shard edges where the case's plan puts them (the reference's cuts).
+    ReferenceGeometry g = reference_geometry(S, c.cp);
+    g.cuts = reference_cuts(t, g.padded_len, c.cp, c.plan);
+    const auto owner = [&](std::int64_t p) {
+      int q = 0;
+      while (!(g.start(q) <= p && p < g.end(q))) ++q;
+      return q;
+    };
+    std::set<std::int64_t> edges;
+    for (int q = 1; q < c.cp; ++q) edges.insert(g.start(q));
     seen["c=" + std::to_string(c.cp)]++;
+    seen[std::string("plan: ") + (c.plan.kind == PlanChoice::Kind::equal      ? "equal"
+                                  : c.plan.kind == PlanChoice::Kind::balanced ? "balanced"
+                                                                              : "drawn cuts")]++;
+    bool unequal = false;
+    for (int q = 0; q < c.cp; ++q) {
+      if (c.cp > 1 && g.size(q) == 0) seen["plan: an empty interval"]++;
+      unequal = unequal || g.size(q) != g.size(0);
+      if (c.cp > 1 && g.size(q) > 0 && g.size(q) < 3) seen["shard shorter than W-1"]++;
+    }
+    if (unequal) seen["plan: unequal intervals"]++;
     if (g.padded_len != S) seen["S not divisible by c"]++;
-    if (c.cp > 1 && g.local_len < 3) seen["shard shorter than W-1"]++;
     std::set<std::int64_t> doc_counts;
     for (std::int64_t r = 0; r < B; ++r) {
       std::vector<std::int64_t> ids(g.padded_len, 0);
@@ -78,18 +96,17 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
       for (std::size_t k = 0; k + 1 < cu.size(); ++k) {
         if (ids[cu[k]] == 0) continue;
         ++docs;
-        const int crossed = g.owner(cu[k + 1] - 1) - g.owner(cu[k]);
+        const int crossed = owner(cu[k + 1] - 1) - owner(cu[k]);
         if (crossed == 1) seen["document crosses one shard edge"]++;
         if (crossed >= 2) seen["document crosses many shard edges"]++;
-        if (c.cp > 1 && cu[k] > 0 && cu[k] % g.local_len == 0) seen["boundary exactly on a shard edge"]++;
-        if (c.cp > 1 && cu[k + 1] - cu[k] == 1 && (cu[k] % g.local_len == 0 || cu[k + 1] % g.local_len == 0))
+        if (edges.count(cu[k])) seen["boundary exactly on a shard edge"]++;
+        if (cu[k + 1] - cu[k] == 1 && (edges.count(cu[k]) || edges.count(cu[k + 1])))
           seen["length-1 document at a shard edge"]++;
       }
       doc_counts.insert(docs);
       for (int q = 0; q < c.cp && c.cp > 1; ++q) {
-        bool all_pad = true;
-        for (std::int64_t s = g.start(q); s < g.start(q) + g.local_len; ++s)
-          all_pad = all_pad && (s >= S || t.padding.get_int(r * S + s));
+        bool all_pad = g.size(q) > 0;
+        for (std::int64_t s = g.start(q); s < g.end(q); ++s) all_pad = all_pad && (s >= S || t.padding.get_int(r * S + s));
         if (all_pad) seen["all-padding shard"]++;
       }
       if (S > 1 && t.padding.get_int(r * S) && !t.padding.get_int(r * S + S - 1)) seen["left padding"]++;
@@ -132,7 +149,8 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
         if (inside) seen["PAD id inside a document"]++;
       }
   }
-  for (const char* k : {"c=1", "c=16", "S not divisible by c", "shard shorter than W-1", "document crosses one shard edge",
+  for (const char* k : {"c=1", "c=16", "plan: equal", "plan: balanced", "plan: drawn cuts", "plan: an empty interval",
+                        "plan: unequal intervals", "S not divisible by c", "shard shorter than W-1", "document crosses one shard edge",
                         "document crosses many shard edges", "boundary exactly on a shard edge",
                         "length-1 document at a shard edge", "all-padding shard", "left padding",
                         "real token equal to PAD", "rows with different document counts",
@@ -207,7 +225,7 @@ TEST(PropertyTable, ARunThatTimesOutIsAbortedNotFailed) {
   cpsim::testing::register_stalling_backend();
   const auto gen = gen_layout_case(4);
   LayoutCase c = gen(rc::Random(5), 30).value();
-  c.cp = 3;
+  c = at_cp(c, 3);
   CheckOptions o;
   o.backend = "stalling";
   o.timeout = std::chrono::milliseconds(150);
@@ -238,7 +256,7 @@ TEST(PropertyTable, EveryRowHoldsWithTensorsOnTheBackendsDevice) {
   o.backend = "host-device";
   for (int i = 0; i < 30; ++i) {
     LayoutCase c = gen(rc::Random(911 + i), 30).value();
-    c.cp = 1 + i % 4;
+    c = at_cp(c, 1 + i % 4);
     const std::int64_t before = cpsim::testing::host_device_allocations;
     for (const auto& r : check_all(c, o)) EXPECT_TRUE(r.ok) << r.property << ": " << r.detail << "\n" << c;
     if (c.cp > 1) {
@@ -270,7 +288,7 @@ TEST(PropertyTable, EveryRowRunsOnceOnASharedPreparedCase) {
   o.backend = "counting";
   for (int i = 0; i < 20; ++i) {
     LayoutCase c = gen(rc::Random(77 + i), 30).value();
-    c.cp = 2 + i % 3;
+    c = at_cp(c, 2 + i % 3);
     cpsim::testing::counting_groups = 0;
     const auto all = check_all(c, o);
     const std::int64_t shared = cpsim::testing::counting_groups;

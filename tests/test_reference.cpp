@@ -64,7 +64,7 @@ TEST(Reference, UnpackedRowsFromMasksAndPositionIdsOnly) {
 TEST(Reference, GeometryRoundsUpToCpTimesPadMultiple) {
   const auto g = reference_geometry(10, 3);
   EXPECT_EQ(g.padded_len, 12);
-  EXPECT_EQ(g.local_len, 4);
+  EXPECT_EQ(g.size(1), 4);
   EXPECT_EQ(g.start(2), 8);
   EXPECT_EQ(reference_geometry(13, 3, 4).padded_len, 24);
   EXPECT_EQ(reference_geometry(8, 1).padded_len, 8);

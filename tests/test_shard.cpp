@@ -25,16 +25,63 @@ TEST(Shard, GeometryPadsToAMultipleOfCpTimesPadMultiple) {
 }
 
 TEST(Shard, SpecKnownAnswerForTheRecurrentContext) {
-  const FlaCpContext c = cp_context_from_global_cu({0, 5, 12}, 3, 1);
+  const FlaCpContext c = cp_context_from_global_cu({0, 5, 12}, equal_plan(12, 3), 1);
   EXPECT_EQ(c.cu_seqlens, (std::vector<std::int64_t>{0, 1, 4}));
   EXPECT_EQ(c.pre_num_conv_tokens, 4);
   EXPECT_EQ(c.pre_num_ranks, 1);
   EXPECT_EQ(c.post_num_ranks, 1);
   EXPECT_FALSE(c.is_first_rank);
   EXPECT_FALSE(c.is_last_rank);
-  const FlaCpContext first = cp_context_from_global_cu({0, 5, 12}, 3, 0);
+  const FlaCpContext first = cp_context_from_global_cu({0, 5, 12}, equal_plan(12, 3), 0);
   EXPECT_TRUE(first.is_first_rank);
   EXPECT_EQ(first.post_num_ranks, 1);
+}
+
+TEST(Shard, TheRecurrentContextUnderAnUnequalPlanCountsOnlyRanksItReaches) {
+  // One document over [0, 12); cuts [0, 3, 3, 10, 12]: rank 1 is empty.
+  const ShardPlan plan{{0, 3, 3, 10, 12}};
+  const FlaCpContext r2 = cp_context_from_global_cu({0, 12}, plan, 2);
+  EXPECT_EQ(r2.cu_seqlens, (std::vector<std::int64_t>{0, 7}));
+  EXPECT_EQ(r2.pre_num_conv_tokens, 3);
+  EXPECT_EQ(r2.pre_num_ranks, 1);  // rank 0 only: the empty rank 1 is not counted
+  EXPECT_EQ(r2.post_num_ranks, 1);
+  const FlaCpContext empty = cp_context_from_global_cu({0, 12}, plan, 1);
+  EXPECT_EQ(empty.cu_seqlens, (std::vector<std::int64_t>{0}));
+  EXPECT_EQ(empty.pre_num_ranks + empty.post_num_ranks + empty.pre_num_conv_tokens, 0);
+  EXPECT_TRUE(empty.is_first_rank && empty.is_last_rank);
+  const RecurrencePlan fold = recurrence_plan(r2, plan, 2);
+  EXPECT_EQ(fold.fold_forward, (std::vector<int>{0}));
+  EXPECT_EQ(fold.fold_backward, (std::vector<int>{3}));
+  const RecurrencePlan last = recurrence_plan(cp_context_from_global_cu({0, 12}, plan, 3), plan, 3);
+  EXPECT_EQ(last.fold_forward, (std::vector<int>{0, 2}));  // left to right, skipping rank 1
+}
+
+TEST(Shard, ShardBatchCutsWhereThePlanSays) {
+  Batch b;
+  b["input_ids"] = Tensor::from<std::int64_t>({1, 10}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
+  b["seq_lens"] = Tensor::from<std::int64_t>({1, 2}, {4, 6});
+  PlanChoice cuts;
+  cuts.kind = PlanChoice::Kind::cuts;
+  cuts.cuts = {0, 7, 7, 12};  // P = roundup(10, 3) = 12
+  const ShardedBatch r0 = shard_batch_at(0, 3, b, std::nullopt, 0, true, 1, cuts);
+  EXPECT_EQ(values(r0.local.at("input_ids")), (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(r0.context.row_cu_seqlens(0), (std::vector<std::int64_t>{0, 4, 7}));
+  const ShardedBatch r1 = shard_batch_at(1, 3, b, std::nullopt, 0, true, 1, cuts);
+  EXPECT_EQ(r1.local.at("input_ids").dim(1), 0);
+  EXPECT_EQ(r1.context.local_seq_len(), 0);
+  EXPECT_EQ(r1.context.seq_start(), 7);
+  EXPECT_EQ(r1.context.row_cu_seqlens(0), (std::vector<std::int64_t>{0}));
+  const ShardedBatch r2 = shard_batch_at(2, 3, b, std::nullopt, 0, true, 1, cuts);
+  EXPECT_EQ(values(r2.local.at("input_ids")), (std::vector<std::int64_t>{8, 9, 10, 0, 0}));
+  // The balanced plan of causal attention: costs 1 2 3 4 | 1 2 3 4 5 6 (total 31):
+  // a_1 is the first t with 2 * cost[0, t) >= 31: cost[0, 7) = 10 + 6 = 16.
+  const ShardedBatch bal = shard_batch_at(1, 2, b, std::nullopt, 0, true, 1, parse_plan_choice("balanced"));
+  EXPECT_EQ(bal.context.plan().cuts, (std::vector<std::int64_t>{0, 7, 10}));
+  // Cuts that do not fit are invalid input naming the plan.
+  cuts.cuts = {0, 11, 10, 12};
+  EXPECT_THROW(shard_batch_at(0, 3, b, std::nullopt, 0, true, 1, cuts), InvalidInput);
+  cuts.cuts = {0, 5, 10};
+  EXPECT_THROW(shard_batch_at(0, 3, b, std::nullopt, 0, true, 1, cuts), InvalidInput);
 }
 
 TEST(Shard, FillValuesAndSlices) {
@@ -128,23 +175,45 @@ TEST(Shard, PackedContextCacheFollowsItsBatchThroughCopyMoveAndReassignment) {
 
 // The CP plan as pure functions (core/plan.hpp).
 TEST(Plan, HaloHopsSpanEarlierRanksWhenTheShardIsShorterThanTheWindow) {
-  const HaloPlan p = halo_plan(/*L=*/2, /*width=*/6, /*rank=*/3, /*ranks=*/5);  // H = 5
+  const HaloPlan p = halo_plan(equal_plan(10, 5), /*width=*/6, /*rank=*/3);  // L = 2, H = 5
   EXPECT_EQ(p.history, 5);
   EXPECT_EQ(p.tail, 2);
   ASSERT_EQ(p.hops.size(), 3u);
-  EXPECT_EQ(p.hops[0].count, 2);
-  EXPECT_EQ(p.hops[1].count, 2);
-  EXPECT_EQ(p.hops[2].count, 1);
+  EXPECT_EQ(p.hops[0].send_count, 2);
+  EXPECT_EQ(p.hops[0].recv_count, 2);
+  EXPECT_EQ(p.hops[1].recv_count, 2);
+  EXPECT_EQ(p.hops[2].recv_count, 1);
   EXPECT_EQ(p.hops[0].dst, 4);
   EXPECT_EQ(p.hops[0].src, 2);
   EXPECT_EQ(p.hops[1].dst, -1);  // rank 5 does not exist
   EXPECT_EQ(p.hops[2].src, 0);
-  EXPECT_TRUE(halo_plan(8, 4, 0, 1).hops.empty());  // one rank: nothing to exchange
+  EXPECT_TRUE(halo_plan(equal_plan(8, 1), 4, 0).hops.empty());  // one rank: nothing to exchange
+}
+
+TEST(Plan, HaloHopsPassOverEmptyRanks) {
+  // cuts [0, 5, 5, 5, 9], W = 4 (H = 3): rank 3's window [2, 5) lies on rank 0, three ranks back.
+  const ShardPlan plan{{0, 5, 5, 5, 9}};
+  const HaloPlan r3 = halo_plan(plan, 4, 3);
+  // The empty ranks 1 and 2 receive their windows too (rank 0's last 3 positions),
+  // at distances 1 and 2; rank 3's comes from distance 3, over them.
+  ASSERT_EQ(r3.hops.size(), 3u);
+  EXPECT_EQ(r3.hops[0].src, -1);  // rank 2 holds nothing
+  EXPECT_EQ(r3.hops[1].src, -1);
+  EXPECT_EQ(r3.hops[2].distance, 3);
+  EXPECT_EQ(r3.hops[2].src, 0);
+  EXPECT_EQ(r3.hops[2].recv_count, 3);
+  const HaloPlan r0 = halo_plan(plan, 4, 0);
+  EXPECT_EQ(r0.hops[2].dst, 3);
+  EXPECT_EQ(r0.hops[2].send_count, 3);
+  EXPECT_EQ(r0.hops[0].dst, 1);
+  EXPECT_EQ(r0.tail, 3);
+  // Rank 1 (empty) sends nothing at any distance.
+  for (const HaloHop& hop : halo_plan(plan, 4, 1).hops) EXPECT_EQ(hop.dst, -1);
 }
 
 TEST(Plan, RecurrenceFoldsFollowTheSpecKnownAnswer) {
   // Global cu [0, 5, 12], c = 3: rank 1 holds [4, 8), local cu [0, 1, 4].
-  const RecurrencePlan p = recurrence_plan(cp_context_from_global_cu({0, 5, 12}, 3, 1), 1);
+  const RecurrencePlan p = recurrence_plan(cp_context_from_global_cu({0, 5, 12}, equal_plan(12, 3), 1), equal_plan(12, 3), 1);
   EXPECT_EQ(p.segments, (std::vector<std::int64_t>{0, 1, 4}));
   EXPECT_EQ(p.fold_forward, (std::vector<int>{0}));
   EXPECT_EQ(p.fold_backward, (std::vector<int>{2}));
@@ -152,7 +221,7 @@ TEST(Plan, RecurrenceFoldsFollowTheSpecKnownAnswer) {
   EXPECT_TRUE(p.publishes_transition);
   EXPECT_TRUE(p.publishes_state_gradient);
   // One document over four ranks: rank 3 folds 0, 1, 2 left to right.
-  const RecurrencePlan last = recurrence_plan(cp_context_from_global_cu({0, 8}, 4, 3), 3);
+  const RecurrencePlan last = recurrence_plan(cp_context_from_global_cu({0, 8}, equal_plan(8, 4), 3), equal_plan(8, 4), 3);
   EXPECT_EQ(last.fold_forward, (std::vector<int>{0, 1, 2}));
   EXPECT_TRUE(last.fold_backward.empty());
   EXPECT_FALSE(last.publishes_transition);

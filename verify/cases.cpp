@@ -8,7 +8,49 @@
 namespace cpsim::verify {
 
 std::ostream& operator<<(std::ostream& os, const LayoutCase& c) {
-  return os << "cp=" << c.cp << " seed=" << c.seed << " batch=" << batch_to_json(c.batch, c.pad_token_id);
+  os << "cp=" << c.cp << " seed=" << c.seed;
+  if (c.plan.kind != PlanChoice::Kind::equal) os << " plan=" << plan_choice_name(c.plan);
+  return os << " batch=" << batch_to_json(c.batch, c.pad_token_id);
+}
+
+LayoutCase at_cp(LayoutCase c, int cp) {
+  if (cp != c.cp && c.plan.kind == PlanChoice::Kind::cuts) c.plan = PlanChoice{};
+  c.cp = cp;
+  return c;
+}
+
+PlanChoice plan_of_spec(const PlanSpec& spec, std::int64_t P, int cp) {
+  PlanChoice out;
+  out.kind = spec.kind;
+  if (spec.kind == PlanChoice::Kind::balanced) {
+    out.cost = {std::max(0, spec.attention), std::max(0, spec.linear)};
+    if (out.cost.attention == 0 && out.cost.linear == 0) out.cost.attention = 1;
+  }
+  if (spec.kind != PlanChoice::Kind::cuts) return out;
+  std::vector<std::int64_t> w(cp, 0);
+  std::int64_t total = 0;
+  for (int r = 0; r < cp && r < static_cast<int>(spec.weights.size()); ++r) total += w[r] = std::max(0, spec.weights[r]);
+  if (total == 0) {
+    out.kind = PlanChoice::Kind::equal;
+    return out;
+  }
+  std::int64_t prefix = 0;
+  out.cuts = {0};
+  for (int r = 0; r < cp; ++r) {
+    prefix += w[r];
+    out.cuts.push_back(r + 1 == cp ? P : P * prefix / total);
+  }
+  return out;
+}
+
+std::ostream& operator<<(std::ostream& os, const PlanSpec& p) {
+  os << (p.kind == PlanChoice::Kind::equal ? "equal" : p.kind == PlanChoice::Kind::balanced ? "balanced" : "cuts");
+  if (p.kind == PlanChoice::Kind::balanced) os << " attention=" << p.attention << " linear=" << p.linear;
+  if (p.kind == PlanChoice::Kind::cuts) {
+    os << " weights";
+    for (int w : p.weights) os << " " << w;
+  }
+  return os;
 }
 
 namespace {
@@ -181,6 +223,7 @@ LayoutCase build_case(const LayoutSpec& spec) {
   out.pad_token_id = spec.pad_token_id;
   out.cp = std::max(1, spec.cp);
   out.seed = spec.seed;
+  out.plan = plan_of_spec(spec.plan, (S + out.cp - 1) / out.cp * out.cp, out.cp);
   out.truth = std::move(truth);
   return out;
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/layout.hpp"
+#include "core/shard_plan.hpp"
 
 namespace cpsim::verify {
 
@@ -23,9 +24,14 @@ struct LayoutCase {
   int cp = 1;
   std::uint64_t seed = 0;
   std::optional<LayoutTruth> truth;
+  PlanChoice plan;  // how the ranks cut the padded rows (SPEC §2 shard plans)
 };
 
-// Prints "cp=N seed=N batch=<BATCH JSON>", replayable with `cpsim check`.
+// The case at another CP size: cuts drawn for the old size do not fit, so a cuts
+// plan becomes equal intervals (equal and balanced plans carry over).
+LayoutCase at_cp(LayoutCase c, int cp);
+
+// Prints "cp=N seed=N [plan=...] batch=<BATCH JSON>", replayable with `cpsim check`.
 std::ostream& operator<<(std::ostream& os, const LayoutCase& c);
 
 // The plain description a generator draws, before it becomes a batch.
@@ -51,8 +57,21 @@ inline constexpr int kLayoutForms = 7;
 // Which mask marks an unpacked (or position_resets) row's padding.
 enum class MaskKind { padding_mask = 0, attention_mask = 1, none = 2 };
 inline constexpr int kMaskKinds = 3;
+// The shard plan a generator draws: equal intervals, the balanced plan of a cost
+// (attention and linear weights), or cuts in proportion to one weight a rank
+// (0 gives an empty interval; all 0: equal).
+struct PlanSpec {
+  PlanChoice::Kind kind = PlanChoice::Kind::equal;
+  int attention = 1, linear = 0;
+  std::vector<int> weights;
+};
+// The plan a spec gives a case of `cp` ranks over P positions.
+PlanChoice plan_of_spec(const PlanSpec& spec, std::int64_t padded_len, int cp);
+std::ostream& operator<<(std::ostream& os, const PlanSpec& p);
+
 struct LayoutSpec {
   int cp = 1;
+  PlanSpec plan;
   LayoutForm form = LayoutForm::seq_lens_padded;
   int seq_len = 1;
   std::vector<std::vector<DocSpec>> rows;      // packed forms

@@ -162,11 +162,13 @@ struct Draw {
   std::vector<int> placeholders, lefts;                // per row
   int tail = 0;
   std::uint64_t seed = 0;
+  PlanSpec plan;
 };
 
 LayoutCase member(const LayoutFamily& f, const Draw& d) {
   LayoutSpec spec;
   spec.cp = d.cp;
+  spec.plan = d.plan;
   spec.form = f.form;
   spec.pad_token_id = f.pad_token_id;
   spec.eos_is_pad = f.eos_is_pad;
@@ -230,7 +232,7 @@ LayoutCase member(const LayoutFamily& f, const Draw& d) {
 
 }  // namespace
 
-rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& f, int max_cp) {
+rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& f, int max_cp, const PlanDraw& draw) {
   using namespace rc;
   const int hi = std::max(1, std::min(f.cp.max, max_cp)), lo = std::min(f.cp.min, hi);
   const auto in = [](Range r) { return gen::inRange(r.min, r.max + 1); };
@@ -251,11 +253,11 @@ rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& f, int max_cp) {
     return gen::map(gen::tuple(gen::container<std::vector<std::vector<std::pair<int, int>>>>(n, row),
                                gen::container<std::vector<int>>(n, in(f.zero_length_placeholders)),
                                gen::container<std::vector<int>>(n, in(f.left_padding)), in(f.tail_padding),
-                               gen::arbitrary<std::uint64_t>()),
+                               gen::arbitrary<std::uint64_t>(), draw ? gen::just(plan_spec_of(*draw)) : gen_plan_spec(cp)),
                     [f, cp](const auto& t) {
                       Draw d;
                       d.cp = cp;
-                      std::tie(d.docs, d.placeholders, d.lefts, d.tail, d.seed) = t;
+                      std::tie(d.docs, d.placeholders, d.lefts, d.tail, d.seed, d.plan) = t;
                       return member(f, d);
                     });
   });

@@ -21,6 +21,7 @@
 #include <rapidcheck.h>
 
 #include "verify/cases.hpp"
+#include "verify/generators.hpp"
 
 namespace cpsim::verify {
 
@@ -58,7 +59,7 @@ LayoutFamily read_family(const std::string& path);
 LayoutFamily parse_family(const std::string& text, const std::string& source);
 
 // Members of the family, at CP sizes within both the family's range and max_cp.
-rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& family, int max_cp = 16);
+rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& family, int max_cp = 16, const PlanDraw& plan = std::nullopt);
 
 // Why `c` is not a batch the family's packer could emit (empty: it is one). Read
 // from the batch's own keys, not from how the generator built it.

@@ -2,13 +2,34 @@
 
 namespace cpsim::verify {
 
-rc::Gen<LayoutSpec> gen_layout_spec(int max_cp) {
+rc::Gen<PlanSpec> gen_plan_spec(int cp) {
   using namespace rc;
-  return gen::mapcat(gen::pair(gen::inRange(1, max_cp + 1), gen::inRange(0, kLayoutForms)), [](std::pair<int, int> cp_form) {
+  // Weights 0 (an empty interval) as often as not; shrinking goes to equal.
+  auto weight = gen::weightedOneOf<int>({{2, gen::just(0)}, {3, gen::inRange(1, 5)}});
+  return gen::mapcat(gen::weightedOneOf<int>({{2, gen::just(0)}, {1, gen::just(1)}, {2, gen::just(2)}}), [=](int kind) {
+    return gen::build<PlanSpec>(gen::set(&PlanSpec::kind, gen::just(static_cast<PlanChoice::Kind>(kind))),
+                                gen::set(&PlanSpec::attention, gen::inRange(0, 3)),
+                                gen::set(&PlanSpec::linear, gen::inRange(0, 3)),
+                                gen::set(&PlanSpec::weights, gen::container<std::vector<int>>(cp, weight)));
+  });
+}
+
+PlanSpec plan_spec_of(const PlanChoice& c) {
+  CPSIM_ENFORCE(c.kind != PlanChoice::Kind::cuts, "a generator draws lengths: fixed cuts cannot fit them");
+  PlanSpec s;
+  s.kind = c.kind;
+  s.attention = static_cast<int>(c.cost.attention);
+  s.linear = static_cast<int>(c.cost.linear);
+  return s;
+}
+
+rc::Gen<LayoutSpec> gen_layout_spec(int max_cp, const PlanDraw& draw) {
+  using namespace rc;
+  return gen::mapcat(gen::pair(gen::inRange(1, max_cp + 1), gen::inRange(0, kLayoutForms)), [draw](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
-    return gen::mapcat(gen::inRange(1, cp * 6 + 10), [cp, form](int S) {
+    return gen::mapcat(gen::inRange(1, cp * 6 + 10), [cp, form, draw](int S) {
       const int L = (S + cp - 1) / cp;
       // Lengths biased to the shard length (edges hit exactly), to 1, and to long spans.
       auto len = gen::weightedOneOf<int>({{5, gen::inRange(0, 2 * L + 2)},
@@ -23,6 +44,7 @@ rc::Gen<LayoutSpec> gen_layout_spec(int max_cp) {
       return gen::mapcat(rows, [=](int B) {
         return gen::build<LayoutSpec>(
             gen::set(&LayoutSpec::cp, gen::just(cp)), gen::set(&LayoutSpec::form, gen::just(form)),
+            gen::set(&LayoutSpec::plan, draw ? gen::just(plan_spec_of(*draw)) : gen_plan_spec(cp)),
             gen::set(&LayoutSpec::seq_len, gen::just(S)),
             gen::set(&LayoutSpec::rows, gen::container<std::vector<std::vector<DocSpec>>>(
                                             B, gen::resize(12, gen::container<std::vector<DocSpec>>(doc)))),
@@ -30,8 +52,9 @@ rc::Gen<LayoutSpec> gen_layout_spec(int max_cp) {
                      gen::container<std::vector<std::pair<int, int>>>(
                          B, gen::pair(gen::weightedOneOf<int>({{2, gen::just(0)}, {1, gen::inRange(0, S + 1)}}),
                                       gen::weightedOneOf<int>({{2, gen::just(0)}, {1, gen::inRange(0, S + 1)}})))),
+            // A category, drawn uniformly at every size (inRange favours its low end at small sizes).
             gen::set(&LayoutSpec::mask_kind,
-                     gen::map(gen::inRange(0, kMaskKinds), [](int k) { return static_cast<MaskKind>(k); })), gen::set(&LayoutSpec::absorb_tail, gen::arbitrary<bool>()),
+                     gen::element(MaskKind::padding_mask, MaskKind::attention_mask, MaskKind::none)), gen::set(&LayoutSpec::absorb_tail, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::give_positions, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::give_loss_mask, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::pad_token_id, gen::inRange(0, 6)), gen::set(&LayoutSpec::cu_sentinels, gen::inRange(0, 3)),
@@ -44,6 +67,8 @@ rc::Gen<LayoutSpec> gen_layout_spec(int max_cp) {
   });
 }
 
-rc::Gen<LayoutCase> gen_layout_case(int max_cp) { return rc::gen::map(gen_layout_spec(max_cp), build_case); }
+rc::Gen<LayoutCase> gen_layout_case(int max_cp, const PlanDraw& plan) {
+  return rc::gen::map(gen_layout_spec(max_cp, plan), build_case);
+}
 
 }  // namespace cpsim::verify

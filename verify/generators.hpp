@@ -6,14 +6,22 @@
 // it through build_case.
 #pragma once
 
+#include <optional>
 #include <rapidcheck.h>
 
 #include "verify/cases.hpp"
 
 namespace cpsim::verify {
 
-rc::Gen<LayoutSpec> gen_layout_spec(int max_cp = 16);
-rc::Gen<LayoutCase> gen_layout_case(int max_cp = 16);
+// Which shard plans a generator gives its cases: one choice for all (a plan file's
+// fixed cuts cannot fit drawn lengths), or (nullopt) a drawn one: equal intervals,
+// the balanced plan of a drawn cost, or drawn cuts with empty intervals.
+using PlanDraw = std::optional<PlanChoice>;
+rc::Gen<PlanSpec> gen_plan_spec(int cp);
+// A fixed equal or balanced choice as the spec that gives it.
+PlanSpec plan_spec_of(const PlanChoice& choice);
+rc::Gen<LayoutSpec> gen_layout_spec(int max_cp = 16, const PlanDraw& plan = std::nullopt);
+rc::Gen<LayoutCase> gen_layout_case(int max_cp = 16, const PlanDraw& plan = std::nullopt);
 
 }  // namespace cpsim::verify
 

@@ -68,9 +68,12 @@ GoldenTolerances golden_tolerances(DType dt) {
 std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o, const std::string& dir,
                                       const std::string& batch_name, const GoldenOptions& given) {
   const ReferenceShape shape = reference_shape(c.batch);
-  const ReferenceGeometry g = reference_geometry(shape.seq_len, c.cp, given.pad_multiple);
+  ReferenceGeometry g = reference_geometry(shape.seq_len, c.cp, given.pad_multiple);
   const LayoutTruth truth = reference_layout(c.batch);
-  const std::int64_t B = shape.rows, P = g.padded_len, L = g.local_len, C = o.channels, W = o.conv_width;
+  g.cuts = reference_cuts(truth, g.padded_len, c.cp, c.plan);
+  const std::int64_t B = shape.rows, P = g.padded_len, C = o.channels, W = o.conv_width;
+  bool equal_sizes = true;
+  for (int r = 0; r < c.cp; ++r) equal_sizes = equal_sizes && g.size(r) == g.size(0);
   const Tensor ids = reference_padded_doc_ids(truth, P);
 
   // The batch as given (dtype and shape as the file had them), stand-ins marked,
@@ -193,7 +196,9 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                    {"cp", c.cp},
                    {"S", shape.seq_len},
                    {"P", P},
-                   {"L", L},
+                   {"L", equal_sizes ? json(g.size(0)) : json(nullptr)},
+                   {"plan", plan_choice_name(c.plan)},
+                   {"cuts", g.cuts},
                    {"rows", B},
                    {"pad_token_id", c.pad_token_id},
                    {"pad_multiple", given.pad_multiple},
@@ -227,10 +232,16 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                                             "position_ids are [B, S] (the batch's own length)"}}},
                    {"cp_context",
                     {{"row_cu_seqlens.<b>", "boundaries of the segments of row b inside this rank's shard, clipped to "
-                                            "it, from 0 to L (flash-linear-attention's cu_seqlens)"},
-                     {"pre_num_conv_tokens", "r*L minus the global start of the segment that contains position r*L"},
-                     {"pre_num_ranks", "how many earlier ranks the first local segment reaches back into"},
-                     {"post_num_ranks", "how many later ranks the last local segment reaches into"},
+                                            "it, from 0 to L (flash-linear-attention's cu_seqlens); [0] on a rank "
+                                            "with an empty interval"},
+                     {"intervals", "rank r holds [cuts[r], cuts[r+1]) of the padded row (L = its length; every L "
+                                   "is the same under the equal plan, and the manifest's L is null otherwise)"},
+                     {"pre_num_conv_tokens", "cuts[r] minus the global start of the segment that contains position "
+                                             "cuts[r]; 0 on an empty rank"},
+                     {"pre_num_ranks", "how many earlier ranks the first local segment reaches back into (ranks with "
+                                       "an empty interval are never counted)"},
+                     {"post_num_ranks", "how many later ranks the last local segment reaches into (empty ones not "
+                                        "counted)"},
                      {"is_first_rank", "pre_num_ranks == 0"},
                      {"is_last_rank", "post_num_ranks == 0"}}},
                    {"tolerance", {{"note", "each key's own tolerance is in files.<file>.<key>.tolerance"},
@@ -273,7 +284,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
   for (int r = 0; r < c.cp; ++r) {
     GoldenFile rank;
     rank.floating = dt;
-    const std::int64_t start = g.start(r);
+    const std::int64_t start = g.start(r), L = g.size(r);
     for (const auto& [key, t] : padded)
     {
       const bool global = key == "input_ids" && !given.shard_primary;
@@ -286,7 +297,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
     std::vector<std::int64_t> pre_tokens, pre_ranks, post_ranks;
     std::vector<bool> first, last;
     for (std::int64_t b = 0; b < B; ++b) {
-      const FlaCpContext ctx = reference_cp_context(reference_padded_doc_ids_row(truth, static_cast<int>(b), P), c.cp, r);
+      const FlaCpContext ctx = reference_cp_context(reference_padded_doc_ids_row(truth, static_cast<int>(b), P), g, r);
       const Tensor cu = i64_vector(ctx.cu_seqlens);
       rank.add("row_cu_seqlens." + std::to_string(b), given.index_int32 ? cu.to(DType::i32) : cu,
                "PackedContext.row_cu_seqlens(" + std::to_string(b) + "), also the FLA CP context's cu_seqlens", "§2");

@@ -14,16 +14,24 @@ using namespace rows;
 
 LayoutFn default_layout() { return derive_layout; }
 ShardFn default_shard() {
-  return [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary) {
-    return shard_batch_at(rank, cp, b, std::nullopt, pad, primary);
+  return [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
+    return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
   };
 }
-GatherFn default_gather() { return gather_sequence; }
+GatherFn default_gather() {
+  return [](const Var& x, Communicator* comm, bool differentiable, const ShardPlan* plan) {
+    return gather_sequence(x, comm, differentiable, plan);
+  };
+}
 RecurrenceFn default_recurrence() {
   return [](const Var& q, const Var& k, const Var& v, const Var& beta, const Var& g, const PackedContext& context,
             Communicator* comm) { return gated_delta_rule(q, k, v, beta, g, context, comm); };
 }
-HaloFn default_halo() { return convolution_history; }
+HaloFn default_halo() {
+  return [](const Var& x, Communicator* comm, int width, HaloExchange exchange, const ShardPlan* plan) {
+    return convolution_history(x, comm, width, exchange, plan);
+  };
+}
 ConvFn default_conv() { return packed_causal_conv; }
 AnchorFn default_anchor() { return all_gather_backward_anchor; }
 
@@ -32,11 +40,12 @@ Prepared::Prepared(LayoutCase c_in) : c(std::move(c_in)), runs(std::make_shared<
   shape = reference_shape(c.batch);
   g = reference_geometry(shape.seq_len, c.cp);
   truth = reference_layout(c.batch);
+  g.cuts = reference_cuts(truth, g.padded_len, c.cp, c.plan);
   padded_ids = reference_padded_doc_ids(truth, g.padded_len);
   // Every rank's packed context, as a training step makes it (shard_batch).
   try {
     for (int r = 0; r < c.cp; ++r)
-      contexts.push_back(shard_batch_at(r, c.cp, c.batch, std::nullopt, c.pad_token_id, false).context);
+      contexts.push_back(shard_batch_at(r, c.cp, c.batch, std::nullopt, c.pad_token_id, false, 1, c.plan).context);
   } catch (...) {
     contexts.clear();
     shard_failure = std::current_exception();

@@ -60,7 +60,7 @@ class Prepared {
   explicit Prepared(LayoutCase c);
   LayoutCase c;
   ReferenceShape shape;
-  ReferenceGeometry g;
+  ReferenceGeometry g;  // with the reference's cuts of the case's plan
   LayoutTruth truth;
   Tensor padded_ids;  // [B, P], reference
   // Rank r's context; throws (naming why) when shard_batch threw for this case.
@@ -78,11 +78,13 @@ class Prepared {
 
 using LayoutFn = std::function<Layout(const Batch& batch)>;
 using ShardFn = std::function<ShardedBatch(int rank, int cp, const Batch& batch, std::int64_t pad_token_id,
-                                           bool shard_primary)>;
-using GatherFn = std::function<Var(const Var& x, Communicator* comm, bool differentiable)>;
+                                           bool shard_primary, const PlanChoice& plan)>;
+// gather_sequence's form: every rank's interval from `plan` (its packed context's).
+using GatherFn = std::function<Var(const Var& x, Communicator* comm, bool differentiable, const ShardPlan* plan)>;
 using AnchorFn = std::function<Var(const Var& gathered)>;
 
-using HaloFn = std::function<Var(const Var& x_masked, Communicator* comm, int width, HaloExchange exchange)>;
+using HaloFn = std::function<Var(const Var& x_masked, Communicator* comm, int width, HaloExchange exchange,
+                                 const ShardPlan* plan)>;
 using ConvFn = std::function<Var(const Var& x_window, const Tensor& window_doc_ids, const Var& weight, const Var& bias)>;
 
 using RecurrenceFn = std::function<Var(const Var& q, const Var& k, const Var& v, const Var& beta, const Var& g,

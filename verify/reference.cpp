@@ -72,8 +72,43 @@ ReferenceGeometry reference_geometry(std::int64_t seq_len, int cp, std::int64_t 
   g.cp = cp;
   const std::int64_t unit = cp * pad_multiple;
   g.padded_len = (seq_len + unit - 1) / unit * unit;
-  g.local_len = g.padded_len / cp;
+  for (int r = 0; r <= cp; ++r) g.cuts.push_back(r * (g.padded_len / cp));
   return g;
+}
+
+std::int64_t ReferenceGeometry::largest() const {
+  std::int64_t m = 0;
+  for (int r = 0; r < cp; ++r) m = std::max(m, size(r));
+  return m;
+}
+
+std::vector<std::int64_t> reference_cuts(const LayoutTruth& t, std::int64_t P, int cp, const PlanChoice& plan) {
+  if (plan.kind == PlanChoice::Kind::cuts) return plan.cuts;
+  std::vector<std::int64_t> equal;
+  for (int r = 0; r <= cp; ++r) equal.push_back(r * (P / cp));
+  if (plan.kind == PlanChoice::Kind::equal) return equal;
+  const std::int64_t B = t.doc_ids.dim(0), S = t.doc_ids.dim(1);
+  // cost[t] summed over rows; a token's run starts where its doc id last changed.
+  std::vector<std::int64_t> cost(P, 0);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t s = 0; s < S; ++s) {
+      const std::int64_t id = t.doc_ids.get_int(b * S + s);
+      if (t.padding.get_int(b * S + s) != 0 || id == 0) continue;
+      std::int64_t start = s;
+      while (start > 0 && t.doc_ids.get_int(b * S + start - 1) == id) --start;
+      cost[s] += plan.cost.attention * (s - start + 1) + plan.cost.linear;
+    }
+  std::int64_t total = 0;
+  for (std::int64_t v : cost) total += v;
+  if (total == 0) return equal;
+  std::vector<std::int64_t> cuts{0};
+  for (int r = 1; r < cp; ++r) {
+    std::int64_t at = 0, prefix = 0;  // prefix = cost[0, at)
+    while (static_cast<long double>(cp) * prefix < static_cast<long double>(r) * total) prefix += cost[at++];
+    cuts.push_back(at);
+  }
+  cuts.push_back(P);
+  return cuts;
 }
 
 LayoutTruth reference_layout(const Batch& raw) {
@@ -185,17 +220,31 @@ Batch reference_padded_global(const LayoutCase& c, std::int64_t P) {
   return out;
 }
 
-FlaCpContext reference_cp_context(const std::vector<std::int64_t>& ids, int cp, int rank) {
-  const std::int64_t P = static_cast<std::int64_t>(ids.size()), L = P / cp, lo = rank * L, hi = lo + L;
+FlaCpContext reference_cp_context(const std::vector<std::int64_t>& ids, const ReferenceGeometry& g, int rank) {
+  const std::int64_t P = static_cast<std::int64_t>(ids.size()), lo = g.start(rank), hi = g.end(rank);
   FlaCpContext c;
+  c.cu_seqlens = {0};
+  if (hi == lo) return c;
   // Walk left from lo while the document continues; walk right from hi-1 likewise.
   std::int64_t start = lo;
   while (start > 0 && ids[start - 1] == ids[lo]) --start;
   std::int64_t end = hi;
   while (end < P && ids[end] == ids[hi - 1]) ++end;
   c.pre_num_conv_tokens = lo - start;
-  c.pre_num_ranks = rank - static_cast<int>(start / L);
-  c.post_num_ranks = static_cast<int>((end - 1) / L) - rank;
+  // Token by token: each earlier (later) position of the segment names its rank;
+  // count the distinct ones.
+  std::vector<bool> seen(g.cp, false);
+  for (std::int64_t t = start; t < lo; ++t)
+    for (int q = 0; q < g.cp; ++q)
+      if (g.start(q) <= t && t < g.end(q)) seen[q] = true;
+  for (std::int64_t t = hi; t < end; ++t)
+    for (int q = 0; q < g.cp; ++q)
+      if (g.start(q) <= t && t < g.end(q)) seen[q] = true;
+  for (int q = 0; q < g.cp; ++q) {
+    if (!seen[q]) continue;
+    if (q < rank) ++c.pre_num_ranks;
+    else ++c.post_num_ranks;
+  }
   c.is_first_rank = c.pre_num_ranks == 0;
   c.is_last_rank = c.post_num_ranks == 0;
   c.cu_seqlens = reference_segments(std::vector<std::int64_t>(ids.begin() + lo, ids.begin() + hi));

@@ -22,13 +22,25 @@ struct ReferenceShape {
 };
 ReferenceShape reference_shape(const Batch& raw);
 
-// SPEC §2: P = roundup(S, c*m), rank r owns [r*L, (r+1)*L), L = P/c.
+// SPEC §2: P = roundup(S, c*m); rank r owns [a_r, a_{r+1}) of the plan's cuts
+// (equal intervals: a_r = r*P/c).
 struct ReferenceGeometry {
-  std::int64_t seq_len = 0, padded_len = 0, local_len = 0;
+  std::int64_t seq_len = 0, padded_len = 0;
   int cp = 1;
-  std::int64_t start(int rank) const { return rank * local_len; }
+  std::vector<std::int64_t> cuts;  // c + 1
+  std::int64_t start(int rank) const { return cuts[rank]; }
+  std::int64_t end(int rank) const { return cuts[rank + 1]; }
+  std::int64_t size(int rank) const { return cuts[rank + 1] - cuts[rank]; }
+  std::int64_t largest() const;
 };
+// Equal intervals.
 ReferenceGeometry reference_geometry(std::int64_t seq_len, int cp, std::int64_t pad_multiple = 1);
+// The cuts of SPEC §2's plans, by plain loops: equal; balanced (per-token cost
+// `attention * (t - start of t's run + 1) + linear` for a real token, 0 for
+// padding; a_r the smallest t with c * cost[0, t) >= r * total, summed over rows;
+// total 0: equal); given cuts as they are.
+std::vector<std::int64_t> reference_cuts(const LayoutTruth& layout, std::int64_t padded_len, int cp,
+                                         const PlanChoice& plan);
 
 // Segment boundaries by a direct scan.
 std::vector<std::int64_t> reference_segments(const std::vector<std::int64_t>& ids);
@@ -39,8 +51,10 @@ std::vector<std::int64_t> reference_segments(const std::vector<std::int64_t>& id
 Batch reference_padded_global(const LayoutCase& c, std::int64_t padded_len);
 std::vector<std::int64_t> reference_padded_doc_ids_row(const LayoutTruth& t, int row, std::int64_t padded_len);
 
-// FLA CP context by walking tokens one at a time.
-FlaCpContext reference_cp_context(const std::vector<std::int64_t>& padded_ids_row, int cp, int rank);
+// FLA CP context by walking tokens one at a time (ranks with empty intervals are
+// never counted; an empty rank's context is empty).
+FlaCpContext reference_cp_context(const std::vector<std::int64_t>& padded_ids_row, const ReferenceGeometry& g,
+                                  int rank);
 
 // Relative RMSE in float64: rms(ref - got) / rms(ref); 0 when both are 0, inf on shape mismatch.
 double relative_rmse(const Tensor& ref, const Tensor& got);

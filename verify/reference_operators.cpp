@@ -220,7 +220,8 @@ Tensor gather_backward_as(const std::vector<Tensor>& upstream, const std::vector
                              const ReferenceGeometry& g, int rank) {
   const Tensor& u0 = upstream[0];
   Shape shape = u0.shape();
-  shape[1] = g.local_len;
+  const std::int64_t L = g.size(rank);
+  shape[1] = L;
   Tensor out(shape, u0.dtype());
   const std::int64_t B = shape[0], inner = u0.numel() / (B * g.padded_len);
   bool first = true;
@@ -229,10 +230,10 @@ Tensor gather_backward_as(const std::vector<Tensor>& upstream, const std::vector
     const T* u = upstream[q].data<T>();
     T* o = out.data<T>();
     for (std::int64_t b = 0; b < B; ++b)
-      for (std::int64_t s = 0; s < g.local_len; ++s)
+      for (std::int64_t s = 0; s < L; ++s)
         for (std::int64_t k = 0; k < inner; ++k) {
           const T v = u[(b * g.padded_len + g.start(rank) + s) * inner + k];
-          T& dst = o[(b * g.local_len + s) * inner + k];
+          T& dst = o[(b * L + s) * inner + k];
           dst = first ? v : static_cast<T>(dst + v);
         }
     first = false;

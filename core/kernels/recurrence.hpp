@@ -187,7 +187,7 @@ struct RecurrencePass {
       for (index_t x = 0; x < K * V; ++x) S0[x] = 0;
       for (index_t f = p.fwd_at[b]; f < p.fwd_at[b + 1]; ++f)
         hv.apply_block(a.all + ((p.fold_fwd[f] * a.B + b) * a.H + h) * KV, S0, w.tmp());
-      hv.transition(seg[0], seg[1], a.M_first + i * K * K, w.S(), w.u());
+      if (nseg > 0) hv.transition(seg[0], seg[1], a.M_first + i * K * K, w.S(), w.u());  // none on an empty rank
       for (index_t s = 0; s < nseg; ++s) {
         for (index_t x = 0; x < K * V; ++x) w.S()[x] = s == 0 ? S0[x] : 0.0;  // reset at every segment start
         hv.run_forward(seg[s], seg[s + 1], w.S(), true, nullptr, w.u());

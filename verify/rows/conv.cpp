@@ -21,11 +21,15 @@ const RowHead kConvBackward{"conv_backward", "dx, and dw, dbias summed over rank
                             Comparison::tolerance, kConvTolerance, true};
 
 std::int64_t halo_bytes(const Prepared& p, const CheckOptions& o) {
-  // Both exchanges, one rank: the all_gather of its tail, and every send_recv hop.
-  const HaloPlan plan = halo_plan(p.g.local_len, o.conv_width, 0, p.c.cp);
-  std::int64_t positions = p.c.cp > 1 ? plan.tail : 0;
-  for (const HaloHop& hop : plan.hops) positions += hop.count;
-  return positions * p.shape.rows * o.channels * 8;
+  // Both exchanges, the busiest rank: the all_gather of its tail slot, and its send_recv hops.
+  std::int64_t most = 0;
+  for (int r = 0; r < p.c.cp && p.c.cp > 1; ++r) {
+    const HaloPlan plan = halo_plan(ShardPlan{p.g.cuts}, o.conv_width, r);
+    std::int64_t positions = plan.tail;
+    for (const HaloHop& hop : plan.hops) positions += hop.send_count;
+    most = std::max(most, positions);
+  }
+  return most * p.shape.rows * o.channels * 8;
 }
 
 
@@ -48,11 +52,13 @@ PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const H
   run_ranks(c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     for (std::size_t k = 0; k < std::size(kExchanges); ++k)
-      got[k][r] = host(halo(Var(on(comm, local(x, s.context(r))), true), &comm, o.conv_width, kExchanges[k]).value());
+      got[k][r] = host(halo(Var(on(comm, local(x, s.context(r))), true), &comm, o.conv_width, kExchanges[k],
+                            &s.context(r).plan())
+                           .value());
   }, run_options(o), {&got[0], &got[1]});
   for (std::size_t k = 0; k < std::size(kExchanges); ++k)
     for (int r = 0; r < c.cp; ++r)
-      t.expect_equal(reference_history(x, s.g.start(r), s.g.local_len, o.conv_width), got[k][r],
+      t.expect_equal(reference_history(x, s.g.start(r), s.g.size(r), o.conv_width), got[k][r],
                      "history of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
   return t.result();
 }
@@ -60,14 +66,15 @@ PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const H
 PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
   const LayoutCase& c = s.c;
   ErrorTally t;
-  const std::int64_t L = s.g.local_len, H = o.conv_width - 1, P = s.g.padded_len, C = o.channels;
+  const std::int64_t H = o.conv_width - 1, P = s.g.padded_len, C = o.channels;
   const Tensor x = masked_activation(s.truth, P, C, mix_seed(c.seed, 32));
   std::vector<Tensor> upstream;
-  for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor({s.shape.rows, L + H, C}, DType::f64, mix_seed(c.seed, 300 + q)));
+  for (int q = 0; q < c.cp; ++q)
+    upstream.push_back(random_tensor({s.shape.rows, s.g.size(q) + H, C}, DType::f64, mix_seed(c.seed, 300 + q)));
   // Reference: every window slot's gradient lands on the global position it came from.
   Tensor owner_grad({s.shape.rows, P, C}, DType::f64);
   for (int q = 0; q < c.cp; ++q)
-    for (std::int64_t b = 0; b < s.shape.rows; ++b)
+    for (std::int64_t b = 0, L = s.g.size(q); b < s.shape.rows; ++b)
       for (std::int64_t i = 0; i < L + H; ++i) {
         const std::int64_t p = s.g.start(q) - H + i;
         if (p < 0) continue;
@@ -81,13 +88,13 @@ PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const 
     const int r = comm.rank();
     for (std::size_t k = 0; k < std::size(kExchanges); ++k) {
       Var xr(on(comm, local(x, s.context(r))), true);
-      backward(dot(halo(xr, &comm, o.conv_width, kExchanges[k]), upstream[r]));
+      backward(dot(halo(xr, &comm, o.conv_width, kExchanges[k], &s.context(r).plan()), upstream[r]));
       grads[k][r] = host(xr.grad());
     }
   }, run_options(o), {&grads[0], &grads[1]});
   for (std::size_t k = 0; k < std::size(kExchanges); ++k)
     for (int r = 0; r < c.cp; ++r)
-      t.expect_close(narrow(owner_grad, 1, s.g.start(r), L), grads[k][r], kConvTolerance,
+      t.expect_close(narrow(owner_grad, 1, s.g.start(r), s.g.size(r)), grads[k][r], kConvTolerance,
                      "input gradient of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
   return t.result(kConvTolerance);
 }
@@ -128,7 +135,7 @@ ConvRun run_conv(const Prepared& s, const CheckOptions& o, const HaloFn& halo, c
       if (layer) {
         out = sharded_packed_conv(xr, ctx, &comm, wr, br, e);
       } else {
-        const Var window = halo_fn(xr, &comm, static_cast<int>(W), e);
+        const Var window = halo_fn(xr, &comm, static_cast<int>(W), e, &ctx.plan());
         out = conv_fn(window,
                       on(comm, window_doc_ids(ctx.doc_ids(), ctx.seq_start(), ctx.local_seq_len(), static_cast<int>(W))),
                       wr, br);

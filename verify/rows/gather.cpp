@@ -34,7 +34,7 @@ PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const
     for (std::size_t k = 0; k < cases.size(); ++k) {
       const bool floating = is_floating(cases[k].first);
       Var x(on(comm, local(globals[k], s.context(r))), floating);
-      got[k][r] = host(gather(x, &comm, floating).value());
+      got[k][r] = host(gather(x, &comm, floating, &s.context(r).plan()).value());
     }
   }, run_options(o), outputs);
   for (std::size_t k = 0; k < cases.size(); ++k)
@@ -60,7 +60,7 @@ PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, cons
     run_ranks(c.cp, [&](Communicator& comm) {
       const int r = comm.rank();
       Var x(on(comm, local(global, s.context(r))), true);
-      backward(dot(gather(x, &comm, true), upstream[r]));
+      backward(dot(gather(x, &comm, true, &s.context(r).plan()), upstream[r]));
       grads[r] = host(x.grad());
     }, run_options(o), {&grads});
     for (int r = 0; r < c.cp; ++r) {
@@ -93,7 +93,7 @@ PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherF
     run_ranks(c.cp, [&](Communicator& comm) {
       const int r = comm.rank();
       Var x(on(comm, local(global, s.context(r))), true);
-      Var gathered = gather(x, &comm, true);
+      Var gathered = gather(x, &comm, true, &s.context(r).plan());
       Var loss = uses[r] ? dot(gathered, upstream[r]) : constant_scalar(0.0);
       if (with_anchor) loss = add(loss, anchor(gathered));
       backward(loss);
@@ -143,17 +143,18 @@ std::vector<PropertyRow> gather_rows() {
   return {
       kGatherForward.with(
           [](const Prepared& p, const CheckOptions& o) {
-            // f32, f64, bf16, i32, i64, bool shards as gather_forward_of draws them.
-            return p.shape.rows * p.g.local_len * (o.channels * 4 + 2 * 8 + o.channels * 2 + 3 * 4 + 8 + 4);
+            // f32, f64, bf16, i32, i64, bool shards as gather_forward_of draws them (each
+            // rank's block is as long as the longest interval on the wire).
+            return p.shape.rows * p.g.largest() * (o.channels * 4 + 2 * 8 + o.channels * 2 + 3 * 4 + 8 + 4);
           },
           [](Prepared& p, const CheckOptions& o) { return gather_forward_of(p, o, default_gather()); }),
       kGatherBackward.with(
           [](const Prepared& p, const CheckOptions& o) {
-            return 2 * p.shape.rows * p.g.local_len * o.channels * (8 + 4) * p.c.cp;
+            return 2 * p.shape.rows * p.g.largest() * o.channels * (8 + 4) * p.c.cp;
           },
           [](Prepared& p, const CheckOptions& o) { return gather_backward_of(p, o, default_gather()); }),
       kAnchor.with(
-          [](const Prepared& p, const CheckOptions& o) { return 2 * p.shape.rows * p.g.local_len * o.channels * 8 * p.c.cp; },
+          [](const Prepared& p, const CheckOptions& o) { return 2 * p.shape.rows * p.g.largest() * o.channels * 8 * p.c.cp; },
           [](Prepared& p, const CheckOptions& o) { return anchor_of(p, o, default_gather(), default_anchor()); })};
 }
 

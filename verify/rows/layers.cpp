@@ -54,8 +54,7 @@ RopeFn default_rope() {
 AttentionFn default_attention() {
   return [](const Var& q, const Var& k, const Var& v, const PackedContext& context, const Tensor& local_padding,
             Communicator* comm, const SparseIndexer* indexer) {
-    return cp_document_attention(q, k, v, visible_doc_ids(context, local_padding), context.seq_start(), comm,
-                                 indexer);
+    return cp_document_attention(q, k, v, visible_doc_ids(context, local_padding), &context.plan(), comm, indexer);
   };
 }
 TargetsFn default_targets() {
@@ -265,7 +264,7 @@ namespace rows {
 std::vector<PropertyRow> layer_rows() {
   // Each rank's gathered k and v ([B, P, H, D] float64), and their gradients back.
   const auto attention_bytes = [](const Prepared& p, const CheckOptions& o) -> std::int64_t {
-    return p.shape.rows * p.g.local_len * o.heads * (o.rope_dim() + o.value_dim) * 8 * p.c.cp;
+    return p.shape.rows * p.g.largest() * o.heads * (o.rope_dim() + o.value_dim) * 8 * p.c.cp;
   };
   const auto twice = [=](const Prepared& p, const CheckOptions& o) { return 2 * attention_bytes(p, o); };
   const auto loss_bytes = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 16; };

@@ -75,20 +75,23 @@ PropertyResult layout_of(const LayoutCase& c, const LayoutFn& layout_fn) {
 PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
   Tally t;
   const auto [B, S] = reference_shape(c.batch);
-  const ReferenceGeometry g = reference_geometry(S, c.cp);
+  ReferenceGeometry g = reference_geometry(S, c.cp);
   const Batch ref = reference_padded_global(c, g.padded_len);
   const LayoutTruth truth = reference_layout(c.batch);
-  const Shape local_shape{B, g.local_len};
+  g.cuts = reference_cuts(truth, g.padded_len, c.cp, c.plan);
   std::map<std::string, std::vector<Tensor>> parts;
   std::vector<Tensor> local_ids;
   for (int r = 0; r < c.cp; ++r) {
     const std::string rank = "rank " + std::to_string(r);
-    const ShardedBatch sb = shard(r, c.cp, c.batch, c.pad_token_id, false);
+    const Shape local_shape{B, g.size(r)};
+    const ShardedBatch sb = shard(r, c.cp, c.batch, c.pad_token_id, false, c.plan);
     const PackedContext& ctx = sb.context;
     const bool geometry = ctx.doc_ids().defined() && ctx.doc_ids().shape() == (Shape{B, g.padded_len}) &&
-                          ctx.local_seq_len() == g.local_len && ctx.seq_start() == g.start(r) &&
-                          ctx.cp_size() == c.cp && ctx.original_seq_len() == S && ctx.cp_enabled() == (c.cp > 1);
-    t.expect(geometry, "packed context geometry of " + rank);
+                          ctx.plan().cuts == g.cuts && ctx.rank() == r && ctx.local_seq_len() == g.size(r) &&
+                          ctx.seq_start() == g.start(r) && ctx.cp_size() == c.cp && ctx.original_seq_len() == S &&
+                          ctx.cp_enabled() == (c.cp > 1);
+    t.expect(geometry, "packed context geometry of " + rank + (ctx.plan().cuts == g.cuts ? "" :
+             ": its plan cuts " + plan_text(ctx.plan()) + ", the reference's " + plan_text({g.cuts})));
     for (const auto& [key, expected] : ref) {
       if (!sb.local.count(key)) {
         t.expect(false, rank + " lost " + key);
@@ -104,16 +107,16 @@ PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
       }
     }
     for (const auto& [key, got] : sb.local) t.expect(ref.count(key) != 0, rank + " holds an unexpected key " + key);
-    const ShardedBatch primary = shard(r, c.cp, c.batch, c.pad_token_id, true);
+    const ShardedBatch primary = shard(r, c.cp, c.batch, c.pad_token_id, true, c.plan);
     t.expect(primary.local.count("input_ids") != 0, rank + " lost input_ids when sharding them");
     if (primary.local.count("input_ids"))
-      t.expect_equal(narrow(ref.at("input_ids"), 1, g.start(r), g.local_len), primary.local.at("input_ids"),
+      t.expect_equal(narrow(ref.at("input_ids"), 1, g.start(r), g.size(r)), primary.local.at("input_ids"),
                      "sharded input_ids of " + rank);
     if (!geometry) continue;  // the context's answers below would be read out of its bounds
     local_ids.push_back(ctx.local_doc_ids());
     for (std::int64_t row = 0; row < B; ++row) {
       const auto padded_ids = reference_padded_doc_ids_row(truth, static_cast<int>(row), g.padded_len);
-      const FlaCpContext want = reference_cp_context(padded_ids, c.cp, r);
+      const FlaCpContext want = reference_cp_context(padded_ids, g, r);
       t.expect(ctx.row_cu_seqlens(static_cast<int>(row)) == want.cu_seqlens,
                "row_cu_seqlens of " + rank + " row " + std::to_string(row));
       const FlaCpContext got = build_fla_cp_context(ctx, static_cast<int>(row));

@@ -61,7 +61,7 @@ RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const R
   run_ranks(c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     const PackedContext ctx =
-        sharding == Sharding::contiguous ? s.context(r) : PackedContext(ids_p, g.start(r), c.cp, S);
+        sharding == Sharding::contiguous ? s.context(r) : PackedContext(ids_p, ShardPlan{g.cuts}, r, S);
     auto mine = [&](const Tensor& t) { return Var(on(comm, local(t, ctx)), true); };
     Var vq = mine(q), vk = mine(k), vv = mine(v), vb = mine(beta), vg = mine(gg);
     const Var out = fn(vq, vk, vv, vb, vg, ctx, &comm);
