@@ -66,6 +66,11 @@ std::vector<std::string> notes_of(const BatchFile& f) {
 
 int run_check(CheckArgs a) {
   CheckOptions o = check_options(a.model);
+  const std::optional<PlanChoice> plan = plan_choice_of(a.plan);
+  if (!plan) throw UsageError("--plan random draws plans for fuzz; check takes equal, balanced or a plan file");
+  // A plan file fixes the CP size.
+  if (plan->kind == PlanChoice::Kind::cuts && !a.cp_given && !a.job.multi)
+    a.cp_sizes = {static_cast<int>(plan->cuts.size()) - 1};
   // Load and validate every batch first, before any work: an invalid one is
   // reported (one line naming the file) and the others still run; exit 2 overall.
   std::vector<BatchFile> files;
@@ -123,13 +128,15 @@ int run_check(CheckArgs a) {
     for (int cp : a.cp_sizes)
       if (most > 0 && cp > most) throw UsageError("--cp " + std::to_string(cp) + " on --backend " + o.backend + ": " + why);
   }
+  for (std::size_t i = 0; i < files.size(); ++i)
+    for (int cp : a.cp_sizes) expect_plan_fits(*plan, sequence_length(files[i].batch), cp, paths[i]);
   nlohmann::json out = {{"ok", true}, {"results", nlohmann::json::array()}}, notes = nlohmann::json::object();
   bool failed = false, aborted = false;
   for (std::size_t i = 0; i < files.size(); ++i) {
     std::vector<PropertyResult> all;
     for (int cp : a.cp_sizes) {
       if (job_broken(a.job)) break;  // every later property would fail the same way
-      LayoutCase c{files[i].batch, files[i].pad_token_id, cp, a.model.seed, std::nullopt};
+      LayoutCase c{files[i].batch, files[i].pad_token_id, cp, a.model.seed, std::nullopt, *plan};
       for (auto& r : check_all(c, o)) all.push_back(r);
     }
     for (const auto& r : all) {

@@ -4,7 +4,9 @@
 #include <cstdio>
 #include <iomanip>
 #include <iostream>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 
 #include "cli/job.hpp"
 #include "core/comm/registry.hpp"
@@ -86,7 +88,11 @@ int run_fuzz(FuzzArgs a) {
   if (family && a.max_cp < family->cp.min)
     throw UsageError("cpsim fuzz: family " + family->name + " runs at cp " + std::to_string(family->cp.min) + "-" +
                      std::to_string(family->cp.max) + "; --max-cp " + std::to_string(a.max_cp) + " leaves none");
-  const auto gen = family ? gen_family_case(*family, a.max_cp) : gen_layout_case(a.max_cp);
+  const std::optional<PlanChoice> plan = plan_choice_of(a.plan);
+  if (plan && plan->kind == PlanChoice::Kind::cuts)
+    throw UsageError("--plan " + a.plan.plan + ": fuzz draws the lengths and CP sizes, which a plan file's cuts cannot "
+                     "fit; give equal, balanced or random");
+  const auto gen = family ? gen_family_case(*family, a.max_cp, plan) : gen_layout_case(a.max_cp, plan);
   const PropertyOutcome result = run_property(settings, [&] { property(*gen); }, &progress);
   if (!aborted.empty() && !smallest) {
     // A job that broke says why itself (finish_job), once.
@@ -99,6 +105,7 @@ int run_fuzz(FuzzArgs a) {
               << a.seed << ", cp " << (family ? std::min(family->cp.min, a.max_cp) : 1) << "-"
               << (family ? std::min(family->cp.max, a.max_cp) : a.max_cp) << ", backend "
               << a.job.backend << (a.job.multi ? ", " + std::to_string(a.job.size) + " processes" : std::string())
+              << ", plans " << (plan ? plan_choice_name(*plan) : std::string("drawn: equal, balanced and random cuts"))
               << "): every property holds\n";
     std::size_t width = 0;
     for (const auto& [name, n] : passed) width = std::max(width, name.size() + 2);
@@ -110,9 +117,19 @@ int run_fuzz(FuzzArgs a) {
   if (!aborted.empty()) std::cout << "(shrinking stopped early: the run could not complete: " << aborted << ")\n";
   if (smallest && a.job.rank == 0) {
     write_batch_json(a.out, smallest->batch, smallest->pad_token_id);
+    // The plan goes with the batch: its cuts into a plan file beside it, or its name.
+    std::string replay_plan;
+    const PlanChoice& p = smallest->plan;
+    if (p.kind == PlanChoice::Kind::cuts) {
+      const std::string plan_path = a.out + ".plan.json";
+      std::ofstream(plan_path) << nlohmann::json{{"cuts", p.cuts}}.dump() << "\n";
+      replay_plan = " --plan " + plan_path;
+    } else if (p.kind == PlanChoice::Kind::balanced) {
+      replay_plan = " --plan balanced --cost " + token_cost_name(p.cost);
+    }
     std::cout << "smallest failing layout (cp=" << smallest->cp << "): " << *smallest << "\n"
               << "saved to " << a.out << "; replay with: cpsim check " << a.out << " --cp " << smallest->cp
-              << " --seed " << smallest->seed << "\n";
+              << " --seed " << smallest->seed << replay_plan << "\n";
   }
   return finish_job(a.job, kExitFailed);
 }

@@ -33,6 +33,16 @@ void add_batch_or_family(CLI::App* cmd, std::string& batch, std::string& family,
   cmd->add_option("--seed", seed, "seed of the members drawn with --family");
 }
 
+void add_plan_options(CLI::App* cmd, PlanArg& plan, bool random) {
+  cmd->add_option("--plan", plan.plan,
+                  std::string("how the ranks cut the padded rows: equal (intervals of P/c), balanced (by --cost), ") +
+                      (random ? "random (each case draws equal, balanced or random cuts, empty intervals included)"
+                              : "or a plan file {\"cuts\": [0, a_1, ..., P]}"));
+  cmd->add_option("--cost", plan.cost,
+                  "the per-token cost --plan balanced balances: attention (t - doc_start + 1 per real token), "
+                  "linear (1), or attention=A,linear=B");
+}
+
 void add_model_options(CLI::App* cmd, ModelArgs& m, const std::string& seed_help) {
   cmd->add_option("--conv-width", m.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
   cmd->add_option("--channels", m.channels, "activation channels")->check(CLI::Range(1, 4096));
@@ -66,6 +76,7 @@ Parsed parse_options(int argc, char** argv) {
       ->each([&check](const std::string&) { check.cp_given = true; });
   add_job_options(c, check.job);
   add_model_options(c, check.model, "seed of the activations");
+  add_plan_options(c, check.plan, false);
   c->add_flag("--json", check.json, "one JSON object instead of a table");
   c->add_option("--max-memory", check.max_memory,
                 "refuse a batch whose estimated peak memory is larger: 512M, 8G, ... (default: 80% of this machine's "
@@ -82,13 +93,14 @@ Parsed parse_options(int argc, char** argv) {
   f->add_option("--max-cp", fuzz.max_cp, "largest CP size drawn")->check(CLI::Range(1, 64));
   add_job_options(f, fuzz.job);
   f->add_option("--conv-width", fuzz.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
-  f->add_option("--out", fuzz.out, "where the smallest failing batch is saved");
+  f->add_option("--out", fuzz.out, "where the smallest failing batch is saved (and its plan's cuts, beside it)");
+  add_plan_options(f, fuzz.plan, true);
   f->add_option("--family", fuzz.family,
                 "a layout family file: draw only what that packer can emit, and shrink within it "
                 "(examples/families/)")
       ->check(CLI::ExistingFile);
   f->footer("Example:\n  cpsim fuzz --cases 300 --seed 7 --max-cp 8\n"
-            "  cpsim fuzz --family examples/families/te_thd_2cp.json --cases 500\n"
+            "  cpsim fuzz --family examples/families/te_thd_2cp.json --cases 500 --plan balanced\n"
             "  then replay a failure: cpsim check cpsim-counterexample.json --cp N --seed S");
   ShowArgs& show = o.show;
   auto* s = app.add_subcommand("show", "draw a batch's layout: documents, padding, shard cuts, halos");
@@ -97,6 +109,7 @@ Parsed parse_options(int argc, char** argv) {
   s->add_option("--cp", show.cp, "CP size")->check(CLI::Range(1, 4096));
   s->add_option("--conv-width", show.conv_width, "convolution taps W (halo of W-1 positions)")->check(CLI::Range(1, 64));
   s->add_option("--svg", show.svg, "also write the picture as an SVG file");
+  add_plan_options(s, show.plan, false);
   s->add_option("--color", show.color, "auto | always | never")->check(CLI::IsMember({"auto", "always", "never"}));
   s->footer("Example:\n  cpsim show examples/spec_example.json --cp 3 --svg layout.svg");
   GoldenArgs& golden = o.golden;
@@ -115,6 +128,7 @@ Parsed parse_options(int argc, char** argv) {
   gd->add_option("--pad-multiple", golden.pad_multiple, "pad the sequence to a multiple of cp * M")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
   add_model_options(gd, golden.model, "seed of the inputs (the same inputs cpsim check --seed draws)");
+  add_plan_options(gd, golden.plan, false);
   gd->footer("Example:\n  cpsim golden examples/spec_example.json --cp 3 --out golden/\n"
              "  python3 examples/golden_check.py golden/   (compares a PyTorch or numpy implementation)");
   LaunchArgs& launch = o.launch;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/shard_plan.hpp"
 #include "sim/job/job.hpp"
 #include "sim/job/launch.hpp"
 
@@ -38,8 +39,16 @@ struct ModelArgs {
   std::uint64_t seed = 0;
 };
 
+// --plan and --cost: equal, balanced (by --cost) or a plan file's cuts; fuzz also
+// takes random (drawn plans, its default).
+struct PlanArg {
+  std::string plan = "equal";
+  std::string cost = "attention";
+};
+
 struct CheckArgs {
   std::vector<std::string> batches;
+  PlanArg plan;
   std::vector<int> cp_sizes{1, 2, 3, 4, 8};
   bool cp_given = false;
   JobArgs job;
@@ -50,6 +59,7 @@ struct CheckArgs {
 
 struct FuzzArgs {
   int cases = 200;
+  PlanArg plan{"random"};
   std::uint64_t seed = 1;
   int max_cp = 16;
   JobArgs job;
@@ -60,6 +70,7 @@ struct FuzzArgs {
 
 struct ShowArgs {
   std::string batch;
+  PlanArg plan;
   std::string family;  // instead of a batch: draw members of this family
   int samples = 3;
   std::uint64_t seed = 1;
@@ -71,6 +82,7 @@ struct ShowArgs {
 
 struct GoldenArgs {
   std::string batch, out;
+  PlanArg plan;
   int cp = 2;
   bool shard_primary = false;
   std::string index_dtype = "int64";
@@ -128,6 +140,14 @@ struct Parsed {
   int exit_status = kExitOk;
 };
 Parsed parse_options(int argc, char** argv);
+
+// The plan --plan names: equal, balanced (by --cost), or the cuts of a plan file
+// ({"cuts": [0, a_1, ..., P]}; InvalidInput naming the file and field). nullopt
+// for random (fuzz: drawn plans).
+std::optional<PlanChoice> plan_choice_of(const PlanArg& arg);
+// A plan file's cuts must fit a batch: c + 1 cuts for CP size c, from 0 to its P.
+void expect_plan_fits(const PlanChoice& plan, std::int64_t seq_len, int cp, const std::string& batch,
+                      std::int64_t pad_multiple = 1);
 
 int run_bench(BenchArgs a);
 

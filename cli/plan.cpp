@@ -55,7 +55,8 @@ PlanLoad load_of(const std::string& name, const ShardPlan& plan, const Layout& l
         l.cost += costs[b][t];
         l.tokens += t < S && layout.padding.get_int(b * S + t) == 0;
       }
-    l.gather_recv = B * (P - plan.size(r)) * m.channels * 4;
+    // The gather moves every other rank's block padded to the longest interval.
+    l.gather_recv = B * (c - 1) * plan.largest() * m.channels * 4;
     if (plan.size(r) > 0) {
       // The W-1 positions before the interval, and the ranks (with positions) they lie on.
       const std::int64_t from = std::max<std::int64_t>(0, l.begin - (W - 1));
@@ -180,6 +181,50 @@ int plan_family(const PlanArgs& a, const TokenCost& cost) {
 }
 
 }  // namespace
+
+std::optional<PlanChoice> plan_choice_of(const PlanArg& arg) {
+  if (arg.plan == "random") return std::nullopt;
+  if (arg.plan == "equal" || arg.plan == "balanced") return parse_plan_choice(arg.plan, arg.cost);
+  std::ifstream in(arg.plan, std::ios::binary);
+  if (!in)
+    throw UsageError("--plan " + arg.plan.substr(0, 200) + ": expected equal, balanced or a plan file that exists");
+  std::ostringstream text;
+  text << in.rdbuf();
+  const std::string where = "plan file " + arg.plan.substr(0, 200);
+  json j;
+  try {
+    j = json::parse(text.str());
+  } catch (const json::exception& e) {
+    throw InvalidInput(where + ": not JSON (" + std::string(e.what()).substr(0, 200) + ")");
+  }
+  if (!j.is_object() || !j.contains("cuts")) throw InvalidInput(where + ": expected {\"cuts\": [0, a_1, ..., P]}");
+  for (const auto& [key, v] : j.items())
+    if (key != "cuts" && key != "comment") throw InvalidInput(where + ": unknown key " + key.substr(0, 64));
+  const json& cuts = j.at("cuts");
+  if (!cuts.is_array() || cuts.size() < 2) throw InvalidInput(where + ": cuts: expected a list of at least 2 integers");
+  PlanChoice c;
+  c.kind = PlanChoice::Kind::cuts;
+  for (std::size_t i = 0; i < cuts.size(); ++i) {
+    if (!cuts[i].is_number_integer() || cuts[i].get<std::int64_t>() < 0)
+      throw InvalidInput(where + ": cuts index " + std::to_string(i) + ": expected a non-negative integer");
+    c.cuts.push_back(cuts[i].get<std::int64_t>());
+  }
+  return c;
+}
+
+void expect_plan_fits(const PlanChoice& plan, std::int64_t seq_len, int cp, const std::string& batch,
+                      std::int64_t pad_multiple) {
+  if (plan.kind != PlanChoice::Kind::cuts) return;
+  const int ranks = static_cast<int>(plan.cuts.size()) - 1;
+  if (ranks != cp)
+    throw UsageError("--plan: the plan file cuts for " + std::to_string(ranks) + " ranks; --cp " + std::to_string(cp) +
+                     " needs its own (give --cp " + std::to_string(ranks) + ")");
+  try {
+    validate_plan(ShardPlan{plan.cuts}, shard_geometry(seq_len, cp, pad_multiple).padded_len, cp);
+  } catch (const InvalidInput& e) {
+    throw InvalidInput(batch + ": " + e.what());
+  }
+}
 
 int run_plan(const PlanArgs& a) {
   const TokenCost cost = parse_token_cost(a.cost);

@@ -37,12 +37,16 @@ bool use_color(const std::string& mode) {
 // A few members of a layout family, each drawn at its CP size.
 int show_family(const ShowArgs& a) {
   const verify::LayoutFamily family = verify::read_family(a.family);
-  const auto gen = verify::gen_family_case(family);
+  const std::optional<PlanChoice> plan = plan_choice_of(a.plan);
+  if (!plan || plan->kind == PlanChoice::Kind::cuts)
+    throw UsageError("--plan with --family: equal or balanced (members differ in length and CP size)");
+  const auto gen = verify::gen_family_case(family, 16, plan);
   std::cout << "family " << family.name << (family.description.empty() ? "" : ": " + family.description) << "\n";
   for (int k = 0; k < a.samples; ++k) {
     const verify::LayoutCase c = gen(rc::Random(a.seed * 1000003 + k), 30).value();
     verify::ShowOptions o;
     o.cp = c.cp;
+    o.plan = c.plan;
     o.conv_width = a.conv_width;
     o.columns = terminal_columns();
     o.color = use_color(a.color);
@@ -59,8 +63,12 @@ int run_show(const ShowArgs& a) {
   if (a.batch.empty()) throw UsageError("cpsim show: give a BATCH file, or --family FILE");
   const verify::BatchFile f = verify::read_batch_file(a.batch);
   derive_layout(f.batch);  // invalid input is exit 2 before anything is drawn
+  const std::optional<PlanChoice> plan = plan_choice_of(a.plan);
+  if (!plan) throw UsageError("--plan random draws plans for fuzz; show takes equal, balanced or a plan file");
+  expect_plan_fits(*plan, sequence_length(f.batch), a.cp, a.batch);
   verify::ShowOptions o;
   o.cp = a.cp;
+  o.plan = *plan;
   o.conv_width = a.conv_width;
   o.columns = terminal_columns();
   o.color = use_color(a.color);
@@ -85,7 +93,10 @@ namespace cpsim::cli {
 int run_golden(const GoldenArgs& a) {
   const verify::BatchFile f = verify::read_batch_file(a.batch);
   derive_layout(f.batch);
-  verify::LayoutCase c{f.batch, f.pad_token_id, a.cp, a.model.seed, std::nullopt};
+  const std::optional<PlanChoice> plan = plan_choice_of(a.plan);
+  if (!plan) throw UsageError("--plan random draws plans for fuzz; golden takes equal, balanced or a plan file");
+  expect_plan_fits(*plan, sequence_length(f.batch), a.cp, a.batch, a.pad_multiple);
+  verify::LayoutCase c{f.batch, f.pad_token_id, a.cp, a.model.seed, std::nullopt, *plan};
   const verify::CheckOptions o = check_options(a.model);
   for (const auto& path : verify::write_golden(c, o, a.out, a.batch, {f.given, a.shard_primary, a.index_dtype == "int32", a.pad_multiple,
                                                  a.dtype == "f32" ? DType::f32 : a.dtype == "bf16" ? DType::bf16 : DType::f64})) std::cout << "wrote " << path << "\n";

@@ -51,6 +51,9 @@ class Golden:
         self.inputs = load_safetensors(os.path.join(folder, "inputs.safetensors"))
         self.reference = load_safetensors(os.path.join(folder, "reference.safetensors"))
         self.cp = self.manifest["cp"]
+        # Rank r holds [cuts[r], cuts[r+1]) of the padded row (the shard plan).
+        m = self.manifest
+        self.cuts = m.get("cuts") or [r * m["L"] for r in range(self.cp + 1)]
         self.ranks = [load_safetensors(os.path.join(folder, "rank_%d.safetensors" % r)) for r in range(self.cp)]
         # The batch as the file gave it (inputs.<key>), with cpsim's stand-ins for keys it did not give.
         self.batch = {k.split(".", 1)[1]: v for k, v in self.inputs.items()
@@ -104,13 +107,14 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
     layout(batch) -> (doc_ids, padding, position_ids), each [B, S]: the layout of
         the raw batch (docs/layout.md)
     shard(batch, rank, cp, pad_token_id) -> dict: the local batch after shard_batch
-    cp_context(doc_ids, cp) -> list: for every rank a dict with "local_doc_ids"
+    cp_context(doc_ids, cuts) -> list: for every rank a dict with "local_doc_ids"
         [B, L], "row_cu_seqlens" (one list per row) and the recurrent CP context
         fields "pre_num_conv_tokens", "pre_num_ranks", "post_num_ranks",
         "is_first_rank", "is_last_rank" (one value per row); doc_ids: the global
-        padded doc ids [B, P]
-    gather_backward(upstream) -> list: every rank's gradient [B, L, C] of its x
-        shard through gather_sequence, upstream[q] being rank q's [B, P] gradient
+        padded doc ids [B, P]; cuts: the shard plan, rank r holding
+        [cuts[r], cuts[r+1]) (manifest["cuts"]; equal intervals unless --plan)
+    gather_backward(upstream, cuts) -> list: every rank's gradient [B, L, C] of
+        its x shard through gather_sequence, upstream[q] being rank q's [B, P] gradient
     conv(x, doc_ids, weight, bias, grad_y) -> list of dicts with "y", "dx" (the
         x shard's gradient, halo returns included), "dw_partial", "dbias_partial"
         (before the sum over ranks) and "halo_grad" [B, L+W-1, C]: the packed
@@ -124,7 +128,8 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
         segment "transition_m" [B, H, K, K], "transition_s_ext" [B, H, K, V]
     halo(shards, width) -> list: every rank's convolution history [B, L+W-1, C]
     gather(shards) -> list: every rank's gathered tensor [B, P, C]
-    (shards: the list of every rank's [B, L, C] shard of the activation x)
+    (shards: the list of every rank's [B, L, C] shard of the activation x; L is
+    each rank's own length, and may be 0, under a shard plan of unequal intervals)
 
     The layers that consume the layout (docs/operators.md, "The layers"); each
     takes lists with one entry per rank, that rank's shard, and returns one
@@ -143,9 +148,9 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
         token-mean cross entropy across ranks and its logits' gradient
     """
     m = golden.manifest
-    L, width = m["L"], m["conv_width"]
+    cuts, width = golden.cuts, m["conv_width"]
     x = golden.inputs["x"]
-    shards = [x[:, r * L:(r + 1) * L] for r in range(golden.cp)]
+    shards = [x[:, cuts[r]:cuts[r + 1]] for r in range(golden.cp)]
     checked = 0
 
     def per_rank(key):
@@ -153,7 +158,7 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
 
     def split(key):
         t = golden.inputs[key]
-        return [t[:, r * L:(r + 1) * L] for r in range(golden.cp)]
+        return [t[:, cuts[r]:cuts[r + 1]] for r in range(golden.cp)]
 
     positions, doc_ids, padding = per_rank("batch.position_ids"), per_rank("local_doc_ids"), per_rank("batch.padding_mask")
     ref = golden.reference
@@ -183,7 +188,7 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
         against_reference("layout position_ids", pos, "position_ids")
         checked += 3
     if cp_context is not None:
-        for r, got in enumerate(cp_context(ref["doc_ids"], cp)):
+        for r, got in enumerate(cp_context(ref["doc_ids"], cuts)):
             against(r, "local_doc_ids", got["local_doc_ids"])
             for b, cu in enumerate(got["row_cu_seqlens"]):
                 against(r, "row_cu_seqlens.%d" % b, np.asarray(cu, dtype=np.int64))
@@ -193,7 +198,7 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
             checked += 7
     if gather_backward is not None:
         upstream = [golden.inputs["gather_grad.%d" % q] for q in range(cp)]
-        for r, got in enumerate(gather_backward(upstream)):
+        for r, got in enumerate(gather_backward(upstream, cuts)):
             against(r, "gather_grad_x", got)
             checked += 1
     if conv is not None:
@@ -330,7 +335,7 @@ def numpy_shard(golden):
     """shard_batch (docs/sharding.md): the layout derived from the raw batch, every
     key padded to P with its fill value, this rank's slice (input_ids stay global)."""
     m = golden.manifest
-    S, P, L = m["S"], m["P"], m["L"]
+    S, P, cuts = m["S"], m["P"], golden.cuts
 
     def shard(batch, rank, cp, pad_token_id):
         ids, padding, positions = numpy_layout(batch)
@@ -349,7 +354,7 @@ def numpy_shard(golden):
             else:
                 padded[:, S:] = fill
             keep_global = key == "input_ids" and not m.get("shard_primary", False)
-            out[key] = padded if keep_global else padded[:, rank * L:(rank + 1) * L]
+            out[key] = padded if keep_global else padded[:, cuts[rank]:cuts[rank + 1]]
         return out
 
     return shard
@@ -361,40 +366,51 @@ def _runs(row):
     return [0] + [int(c) for c in change] + [len(row)]
 
 
-def numpy_cp_context(doc_ids, cp):
+def numpy_cp_context(doc_ids, cuts):
     """Every rank's local doc ids, local segments and recurrent CP context (the
-    segments are the runs of equal ids, padding runs included)."""
+    segments are the runs of equal ids, padding runs included). A rank with an
+    empty interval has no segments and reaches nobody; no rank counts it."""
     B, P = doc_ids.shape
-    L = P // cp
+    cp = len(cuts) - 1
     out = []
     for r in range(cp):
-        lo, hi = r * L, (r + 1) * L
+        lo, hi = cuts[r], cuts[r + 1]
         ctx = {"local_doc_ids": doc_ids[:, lo:hi], "row_cu_seqlens": [], "pre_num_conv_tokens": [],
                "pre_num_ranks": [], "post_num_ranks": []}
         for b in range(B):
+            if hi == lo:
+                for field, value in (("row_cu_seqlens", [0]), ("pre_num_conv_tokens", 0), ("pre_num_ranks", 0),
+                                     ("post_num_ranks", 0)):
+                    ctx[field].append(value)
+                continue
             ctx["row_cu_seqlens"].append(_runs(doc_ids[b, lo:hi]))
-            cuts = _runs(doc_ids[b])
-            first_start = max(c for c in cuts if c <= lo)           # the segment holding position lo
-            last_end = min(c for c in cuts if c >= hi)              # the segment holding position hi - 1
+            runs = _runs(doc_ids[b])
+            first_start = max(c for c in runs if c <= lo)           # the segment holding position lo
+            last_end = min(c for c in runs if c >= hi)              # the segment holding position hi - 1
             ctx["pre_num_conv_tokens"].append(lo - first_start)
-            ctx["pre_num_ranks"].append(r - first_start // L)
-            ctx["post_num_ranks"].append((last_end - 1) // L - r)
+            # Ranks holding positions of those segments (an empty interval holds none).
+            ctx["pre_num_ranks"].append(sum(1 for q in range(r) if cuts[q] < cuts[q + 1] and cuts[q + 1] > first_start))
+            ctx["post_num_ranks"].append(sum(1 for q in range(r + 1, cp) if cuts[q] < cuts[q + 1] and cuts[q] < last_end))
         ctx["is_first_rank"] = [n == 0 for n in ctx["pre_num_ranks"]]
         ctx["is_last_rank"] = [n == 0 for n in ctx["post_num_ranks"]]
         out.append(ctx)
     return out
 
 
-def numpy_gather_backward(upstream):
-    cp, P = len(upstream), upstream[0].shape[1]
-    L = P // cp
+def numpy_gather_backward(upstream, cuts):
+    cp = len(upstream)
     out = []
     for r in range(cp):
-        grad = upstream[0][:, r * L:(r + 1) * L].copy()
+        grad = upstream[0][:, cuts[r]:cuts[r + 1]].copy()
         for q in range(1, cp):  # in rank order
-            grad = grad + upstream[q][:, r * L:(r + 1) * L]
+            grad = grad + upstream[q][:, cuts[r]:cuts[r + 1]]
         out.append(grad)
     return out
+
+
+def _cuts(parts):
+    """The shard plan of every rank's part along the sequence: [0, ..., P]."""
+    return [0] + [int(c) for c in np.cumsum([p.shape[1] for p in parts])]
 
 
 def _segment_starts(ids):
@@ -410,7 +426,7 @@ def _segment_starts(ids):
 def numpy_conv(x, doc_ids, weight, bias, grad_y):
     """The packed causal depthwise conv over the joined shards; each rank's part of
     the backward is that of its own outputs."""
-    cp, L = len(x), x[0].shape[1]
+    cp, cuts = len(x), _cuts(x)
     X, ids, GY = np.concatenate(x, axis=1), np.concatenate(doc_ids, axis=1), np.concatenate(grad_y, axis=1)
     B, P, C = X.shape
     W = weight.shape[1]
@@ -425,8 +441,9 @@ def numpy_conv(x, doc_ids, weight, bias, grad_y):
             Y[:, t] += np.where(live, weight[:, j] * X[:, p], 0.0)
     out = []
     for r in range(cp):
-        dX, dw, db = np.zeros_like(X), np.zeros_like(weight), GY[:, r * L:(r + 1) * L].sum(axis=(0, 1))
-        for t in range(r * L, (r + 1) * L):
+        lo_r, hi_r = cuts[r], cuts[r + 1]
+        dX, dw, db = np.zeros_like(X), np.zeros_like(weight), GY[:, lo_r:hi_r].sum(axis=(0, 1))
+        for t in range(lo_r, hi_r):
             for j in range(W):
                 p = t - (W - 1) + j
                 if p < 0:
@@ -434,21 +451,21 @@ def numpy_conv(x, doc_ids, weight, bias, grad_y):
                 live = (p >= start[:, t])[:, None]
                 dX[:, p] += np.where(live, weight[:, j] * GY[:, t], 0.0)
                 dw[:, j] += np.where(live, X[:, p] * GY[:, t], 0.0).sum(axis=0)
-        lo = r * L - (W - 1)
-        halo = np.zeros((B, L + W - 1, C), dtype=X.dtype)
-        halo[:, max(0, -lo):] = dX[:, max(lo, 0):(r + 1) * L]
-        out.append({"y": Y[:, r * L:(r + 1) * L], "dw_partial": dw, "dbias_partial": db, "halo_grad": halo,
+        lo = lo_r - (W - 1)
+        halo = np.zeros((B, hi_r - lo_r + W - 1, C), dtype=X.dtype)
+        halo[:, max(0, -lo):] = dX[:, max(lo, 0):hi_r]
+        out.append({"y": Y[:, lo_r:hi_r], "dw_partial": dw, "dbias_partial": db, "halo_grad": halo,
                     "dX": dX})
     total = sum(o.pop("dX") for o in out)
     for r, o in enumerate(out):
-        o["dx"] = total[:, r * L:(r + 1) * L]
+        o["dx"] = total[:, cuts[r]:cuts[r + 1]]
     return out
 
 
 def numpy_recurrence(q, k, v, beta, g, doc_ids, grad_o):
     """The gated delta rule token by token over the joined shards (S = 0 at every
     segment start), and its backward by hand."""
-    cp, L = len(q), q[0].shape[1]
+    cp, cuts = len(q), _cuts(q)
     join = lambda parts: np.concatenate(parts, axis=1)
     Q, K, V, Bt, G, ids, DO = join(q), join(k), join(v), join(beta), join(g), join(doc_ids), join(grad_o)
     B, P, H, Kd = Q.shape
@@ -473,7 +490,9 @@ def numpy_recurrence(q, k, v, beta, g, doc_ids, grad_o):
                 states.append(S)
                 O[b, t, h] = S.T @ Q[b, t, h]
             for r in range(cp):
-                lo, hi = r * L, (r + 1) * L
+                lo, hi = cuts[r], cuts[r + 1]
+                if hi == lo:  # an empty interval: no tokens, no segment (zeros, as cpsim writes)
+                    continue
                 starts_here = lo == 0 or ids[b, lo] != ids[b, lo - 1]
                 inter["initial_state"][r, b, h] = 0 if starts_here else states[lo - 1]
                 inter["final_state"][r, b, h] = states[hi - 1]
@@ -499,7 +518,7 @@ def numpy_recurrence(q, k, v, beta, g, doc_ids, grad_o):
                 dS = A.T @ dS
     out = []
     for r in range(cp):
-        cut = slice(r * L, (r + 1) * L)
+        cut = slice(cuts[r], cuts[r + 1])
         one = {"o": O[:, cut]}
         one.update({name: t[:, cut] for name, t in grads.items()})
         one.update({name: t[r] for name, t in inter.items()})
@@ -509,10 +528,11 @@ def numpy_recurrence(q, k, v, beta, g, doc_ids, grad_o):
 
 def numpy_halo(shards, width):
     whole = np.concatenate(shards, axis=1)
-    B, L, C = shards[0].shape
+    cuts = _cuts(shards)
+    B, _, C = shards[0].shape
     H = width - 1
     padded = np.concatenate([np.zeros((B, H, C), dtype=whole.dtype), whole], axis=1)
-    return [padded[:, r * L:r * L + L + H] for r in range(len(shards))]
+    return [padded[:, cuts[r]:cuts[r + 1] + H] for r in range(len(shards))]
 
 
 def numpy_gather(shards):
@@ -537,7 +557,7 @@ def numpy_rope(x, positions, base=10000.0):
 def numpy_attention(q, k, v, positions, doc_ids, padding, grad_o, topk=None, index_q=None, index_k=None):
     """Every rank's queries over the gathered keys: the ranks' shards are joined
     (what gather_sequence gives every rank), and each rank keeps its slice."""
-    cp, L = len(q), q[0].shape[1]
+    cp, cuts = len(q), _cuts(q)
     join = lambda parts: np.concatenate(parts, axis=1)
     pos, ids, pad = join(positions), join(doc_ids), join(padding)
     Q, K, V, G = numpy_rope([join(q)], [pos])[0], numpy_rope([join(k)], [pos])[0], join(v), join(grad_o)
@@ -569,7 +589,7 @@ def numpy_attention(q, k, v, positions, doc_ids, padding, grad_o, topk=None, ind
     dQ, dK = numpy_rope([dQ], [-pos])[0], numpy_rope([dK], [-pos])[0]
     out = []
     for r in range(cp):
-        cut = slice(r * L, (r + 1) * L)
+        cut = slice(cuts[r], cuts[r + 1])
         one = {"o": O[:, cut], "dq": dQ[:, cut], "dk": dK[:, cut], "dv": dV[:, cut]}
         if topk is not None:
             one["kept"] = kept[:, cut]
@@ -615,9 +635,10 @@ def torch_functions():
 
     def halo(shards, width):
         ts = [torch.from_numpy(s.copy()) for s in shards]
-        B, L, C = ts[0].shape
+        cuts = _cuts(shards)
+        B, _, C = ts[0].shape
         whole = torch.cat([torch.zeros(B, width - 1, C, dtype=ts[0].dtype)] + ts, dim=1)
-        return [whole[:, r * L:r * L + L + width - 1] for r in range(len(ts))]
+        return [whole[:, cuts[r]:cuts[r + 1] + width - 1] for r in range(len(ts))]
 
     def gather(shards):
         whole = torch.cat([torch.from_numpy(s.copy()) for s in shards], dim=1)

@@ -82,18 +82,16 @@ def layout_interior_padding_as_real(batch):
     return ids, pad & (ids == 0), pos  # padding only after the last document
 
 
-def context_without_reaching_back(doc_ids, cp):
-    out = gc.numpy_cp_context(doc_ids, cp)
+def context_without_reaching_back(doc_ids, cuts):
+    out = gc.numpy_cp_context(doc_ids, cuts)
     for ctx in out:
         ctx["pre_num_ranks"] = [min(n, 1) for n in ctx["pre_num_ranks"]]  # a segment never spans 3 ranks
         ctx["is_first_rank"] = [n == 0 for n in ctx["pre_num_ranks"]]
     return out
 
 
-def gather_backward_own_slice(upstream):
-    cp, P = len(upstream), upstream[0].shape[1]
-    L = P // cp
-    return [upstream[r][:, r * L:(r + 1) * L] for r in range(cp)]
+def gather_backward_own_slice(upstream, cuts):
+    return [upstream[r][:, cuts[r]:cuts[r + 1]] for r in range(len(upstream))]
 
 
 def conv_across_documents(x, doc_ids, weight, bias, grad_y):
@@ -115,8 +113,7 @@ def shard_labels_filled_with_zero(golden):
     def shard(batch, rank, cp, pad_token_id):
         out = right(batch, rank, cp, pad_token_id)
         if "labels" in out:
-            S, L = golden.manifest["S"], golden.manifest["L"]
-            lo = rank * L
+            S, lo = golden.manifest["S"], golden.cuts[rank]
             out["labels"] = out["labels"].copy()
             out["labels"][:, max(S - lo, 0):] = 0  # the padded tail filled with 0, not -100
         return out

@@ -61,14 +61,20 @@ TEST(Families, TheShippedFamiliesDrawOnlyTheirMembers) {
   }
 }
 
-TEST(Families, EveryPropertyHoldsOnEveryShippedFamily) {
+// Under the equal plan, the balanced one and drawn plans (random cuts, empty
+// intervals included). `cpsim fuzz --family F --cases 500 --plan equal|balanced`
+// is the long form of this.
+TEST(Families, EveryPropertyHoldsOnEveryShippedFamilyUnderEveryPlan) {
+  const std::vector<PlanDraw> plans = {PlanChoice{}, parse_plan_choice("balanced"), std::nullopt};
   for (const auto& path : shipped()) {
     const LayoutFamily family = read_family(path);
-    const auto gen = gen_family_case(family);
     CheckOptions o;
-    for (int k = 0; k < 12; ++k) {
-      const LayoutCase c = gen(rc::Random(100 + k), 20).value();
-      for (const auto& r : check_all(c, o)) ASSERT_TRUE(r.ok) << path << " " << r.property << ": " << r.detail << "\n" << c;
+    for (const PlanDraw& plan : plans) {
+      const auto gen = gen_family_case(family, 16, plan);
+      for (int k = 0; k < 8; ++k) {
+        const LayoutCase c = gen(rc::Random(100 + k), 20).value();
+        for (const auto& r : check_all(c, o)) ASSERT_TRUE(r.ok) << path << " " << r.property << ": " << r.detail << "\n" << c;
+      }
     }
   }
 }

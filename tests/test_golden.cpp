@@ -147,6 +147,25 @@ TEST(Golden, AnIndependentNumpyImplementationAgrees) {
       {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/examples/golden_check.py", dir.string()}, 60s);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   std::filesystem::remove_all(dir);
+  // Shard plans: the balanced one, and a plan file with an empty interval. The
+  // manifest gives the cuts (L is null when the intervals differ).
+  const auto plan_file = fresh_dir("cpsim-golden-py-plan") / "plan.json";
+  std::filesystem::create_directories(plan_file.parent_path());
+  std::ofstream(plan_file) << R"({"cuts": [0, 9, 9, 12, 16]})";
+  for (const std::string plan : {std::string("balanced"), plan_file.string()}) {
+    const auto pdir = fresh_dir("cpsim-golden-py-plans");
+    const auto pg = cpsim::testing::run_process({CPSIM_BINARY, "golden", kExamples + "packed_two_rows.json", "--cp", "4",
+                                                 "--out", pdir.string(), "--plan", plan},
+                                                60s);
+    ASSERT_EQ(pg.status, 0) << pg.err;
+    const SafetensorsFile empty = read(pdir / "rank_1.safetensors");
+    if (plan != "balanced") EXPECT_EQ(empty.tensors.at("batch.labels").shape(), (Shape{2, 0}));
+    const auto pr = cpsim::testing::run_process(
+        {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/examples/golden_check.py", pdir.string()}, 60s);
+    EXPECT_EQ(pr.status, 0) << plan << "\n" << pr.out << pr.err;
+    std::filesystem::remove_all(pdir);
+  }
+  std::filesystem::remove_all(plan_file.parent_path());
 }
 
 // Planted bugs in that numpy implementation, one per hook (tests/golden_plants.py:

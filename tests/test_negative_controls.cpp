@@ -261,6 +261,56 @@ TEST(NegativeControls, RecurrenceCatchesAMissingResetAtASegmentStartInsideAShard
       "no reset inside a shard");
 }
 
+// The fold of a code that assumes equal intervals: the ranks before this one from
+// the owner (at L = P/c) of the first segment's start, empty ones included. Right
+// under the equal plan; wrong when the intervals differ.
+TEST(NegativeControls, RecurrenceCatchesAFoldThatAssumesEqualIntervals) {
+  const auto broken = [](const Var& q, const Var& k, const Var& v, const Var& b, const Var& g, const PackedContext& ctx,
+                         Communicator* comm) {
+    const RecurrencePlanEdit equal_fold = [&ctx](RecurrencePlan& p, int rank, int row) {
+      const FlaCpContext cp = build_fla_cp_context(ctx, row);
+      if (cp.pre_num_ranks == 0) return;
+      const std::int64_t L = ctx.doc_ids().dim(1) / ctx.cp_size(), start = ctx.seq_start() - cp.pre_num_conv_tokens;
+      p.fold_forward.clear();
+      for (int j = static_cast<int>(start / L); j < rank; ++j) p.fold_forward.push_back(j);
+    };
+    return gated_delta_rule(q, k, v, b, g, ctx, comm, equal_fold);
+  };
+  expect_found(expect_counterexample("fold assuming equal intervals", [&](const LayoutCase& c) {
+    RC_ASSERT(check_recurrence_forward(c, CheckOptions{}, broken).ok);
+  }));
+  // The same code passes every case under the equal plan: the control plants
+  // exactly the assumption, nothing else.
+  const auto gen = gen_layout_case(8, PlanChoice{});
+  for (int i = 0; i < 40; ++i) {
+    const LayoutCase c = gen(rc::Random(77 + i), 30).value();
+    EXPECT_TRUE(check_recurrence_forward(c, CheckOptions{}, broken).ok) << c;
+  }
+}
+
+// A balanced plan each rank computes from its own row (rank r balances row r % B):
+// the ranks cut differently, and the shard property names the context's cuts.
+TEST(NegativeControls, ShardCatchesAPlanComputedFromRankLocalRows) {
+  const auto local_plan = [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
+    if (plan.kind != PlanChoice::Kind::balanced) return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
+    Batch batch = b;
+    normalize_batch_axis(batch);
+    const Layout layout = derive_layout(batch);
+    const std::int64_t row = rank % layout.doc_ids.dim(0), P = shard_geometry(layout.doc_ids.dim(1), cp).padded_len;
+    PlanChoice mine;
+    mine.kind = PlanChoice::Kind::cuts;
+    mine.cuts = balanced_plan({token_costs(layout, P, plan.cost)[row]}, P, cp).cuts;
+    return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, mine);
+  };
+  const std::string report = expect_counterexample("shard vs plans from rank-local rows", [&](const LayoutCase& c) {
+    const auto r = check_shard(c, local_plan);
+    if (!r.ok) RC_FAIL(r.detail);
+  });
+  expect_found(report);
+  EXPECT_THAT(report, HasSubstr("plan=balanced"));
+  EXPECT_THAT(report, HasSubstr("its plan cuts"));
+}
+
 // Ranks publish (M, S_ext) of their first local segment instead of their last.
 TEST(NegativeControls, RecurrenceCatchesTheFirstInsteadOfTheLastLocalSegment) {
   expect_plan_fault_found([](RecurrencePlan& p, int, int) { p.transition_segment = 0; },

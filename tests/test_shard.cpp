@@ -3,6 +3,8 @@
 
 #include "core/plan.hpp"
 #include "core/shard.hpp"
+#include "core/comm/run_ranks.hpp"
+#include "core/gather.hpp"
 
 #include <optional>
 
@@ -171,6 +173,60 @@ TEST(Shard, PackedContextCacheFollowsItsBatchThroughCopyMoveAndReassignment) {
   EXPECT_EQ(values(step.context.local_doc_ids()), (std::vector<std::int64_t>{3, 3, 3, 2, 2, 2}));
   step = shard_batch_at(0, 2, two, std::nullopt, 0, false);
   EXPECT_EQ(step.context.row_cu_seqlens(0), (Cu{0, 1, 2, 3}));
+}
+
+// Ranks whose plans differ (a plan file per rank, or a balanced plan computed from
+// rank-local data) are a named error in shard_batch, before any operator runs; on
+// every backend through the one all-gather of the cuts.
+TEST(Shard, RanksThatCutDifferentlyAreANamedError) {
+  Batch b;
+  b["input_ids"] = Tensor::from<std::int64_t>({1, 9}, {1, 2, 3, 4, 5, 6, 7, 8, 9});
+  b["seq_lens"] = Tensor::from<std::int64_t>({1, 2}, {4, 5});
+  for (const char* backend : {"threads", "gloo"}) {
+    std::string error;
+    try {
+      run_ranks(3, [&](Communicator& comm) {
+        PlanChoice mine;
+        mine.kind = PlanChoice::Kind::cuts;
+        mine.cuts = comm.rank() == 1 ? std::vector<std::int64_t>{0, 4, 5, 9} : std::vector<std::int64_t>{0, 3, 6, 9};
+        shard_batch(&comm, b, std::nullopt, 0, false, 1, mine);
+      }, {backend});
+    } catch (const InvalidInput& e) {
+      error = e.what();
+    }
+    EXPECT_NE(error.find("ranks disagree on the cuts"), std::string::npos) << backend << ": " << error;
+    EXPECT_NE(error.find("[0, 4, 5, 9]"), std::string::npos) << backend << ": " << error;
+  }
+  // Agreeing ranks pass, and each holds its own interval.
+  std::vector<std::int64_t> sizes(3);
+  run_ranks(3, [&](Communicator& comm) {
+    sizes[comm.rank()] = shard_batch(&comm, b, std::nullopt, 0, false, 1, parse_plan_choice("balanced")).context.local_seq_len();
+  });
+  EXPECT_EQ(sizes[0] + sizes[1] + sizes[2], 9);
+}
+
+// The gather of unequal intervals, forward and backward, by hand: rank r holds
+// [a_r, a_{r+1}) of one row of 7 positions, cuts [0, 4, 4, 7].
+TEST(Gather, UnequalIntervalsGatherAndScatterBack) {
+  const ShardPlan plan{{0, 4, 4, 7}};
+  std::vector<Tensor> got(3), grads(3);
+  run_ranks(3, [&](Communicator& comm) {
+    const int r = comm.rank();
+    Tensor x({1, plan.size(r)}, DType::f64);
+    for (std::int64_t i = 0; i < plan.size(r); ++i) x.set(i, static_cast<double>(plan.begin(r) + i));
+    Var xv(x, true);
+    const Var g = gather_sequence(xv, &comm, true, &plan);
+    Tensor up({1, 7}, DType::f64);
+    for (std::int64_t i = 0; i < 7; ++i) up.set(i, static_cast<double>((r + 1) * 100 + i));
+    backward(dot(g, up));
+    got[r] = g.value();
+    grads[r] = xv.grad().defined() ? xv.grad() : Tensor({1, 0}, DType::f64);
+  }, {}, {&got, &grads});
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(values(got[r]), (std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6})) << r;
+  // Rank r's gradient: sum over q of (q+1)*100 + position, positions of its interval.
+  EXPECT_EQ(values(grads[0]), (std::vector<std::int64_t>{600, 603, 606, 609}));
+  EXPECT_EQ(grads[1].numel(), 0);
+  EXPECT_EQ(values(grads[2]), (std::vector<std::int64_t>{612, 615, 618}));
 }
 
 // The CP plan as pure functions (core/plan.hpp).

@@ -3,6 +3,9 @@
 #include <gmock/gmock.h>
 #include <rapidcheck.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -108,4 +111,50 @@ TEST(ShardPlan, PlanShowsTheBalancedPlanAgainstTheEqualOne) {
                                                30s);
   EXPECT_EQ(bad.status, 2);
   EXPECT_THAT(bad.err, HasSubstr("--cost cubic"));
+}
+
+// --plan on check, show, fuzz and golden: equal, balanced, a plan file; what does
+// not fit is exit 2 with one line naming it.
+TEST(ShardPlan, EveryCommandTakesAPlan) {
+  const std::string cpsim = CPSIM_BINARY, example = std::string(CPSIM_SOURCE_DIR) + "/examples/spec_example.json";
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-plan-cli-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream((dir / name).string()) << text;
+    return (dir / name).string();
+  };
+  const std::string cuts = write("cuts.json", R"({"cuts": [0, 7, 7, 9]})");  // S = 8, cp 3: P = 9, rank 1 empty
+  auto r = cpsim::testing::run_process({cpsim, "check", example, "--plan", cuts}, 60s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("cp=3"));  // a plan file fixes the CP size
+  r = cpsim::testing::run_process({cpsim, "check", example, "--plan", "balanced", "--cost", "attention=1,linear=4",
+                                   "--cp", "1,2,3,4,8"},
+                                  60s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  r = cpsim::testing::run_process({cpsim, "show", example, "--cp", "3", "--plan", cuts, "--color", "never"}, 60s);
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("cuts [0, 7, 7, 9]"));
+  EXPECT_THAT(r.out, HasSubstr("||"));  // the empty interval between two cuts
+  r = cpsim::testing::run_process({cpsim, "fuzz", "--cases", "30", "--max-cp", "6", "--plan", "balanced"}, 120s);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("plans balanced:attention"));
+  // What does not fit: exit 2, one line.
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{cpsim, "check", example, "--plan", cuts, "--cp", "2"}, "cuts for 3 ranks"},
+      {{cpsim, "check", example, "--plan", write("short.json", R"({"cuts": [0, 5, 9]})"), "--cp", "2"},
+       "must run from 0 to the padded length 8"},
+      {{cpsim, "check", example, "--plan", write("down.json", R"({"cuts": [0, 6, 4, 9]})")}, "cuts index 2"},
+      {{cpsim, "check", example, "--plan", write("bad.json", R"({"cuts": [0, "x", 9]})")}, "cuts index 1"},
+      {{cpsim, "check", example, "--plan", write("key.json", R"({"cut": [0, 9]})")}, "expected {\"cuts\""},
+      {{cpsim, "check", example, "--plan", "zigzag"}, "expected equal, balanced or a plan file"},
+      {{cpsim, "check", example, "--plan", "random"}, "draws plans for fuzz"},
+      {{cpsim, "fuzz", "--plan", cuts}, "cannot fit"},
+      {{cpsim, "check", example, "--plan", "balanced", "--cost", "quadratic"}, "--cost quadratic"}};
+  for (const auto& [argv, why] : refused) {
+    const auto e = cpsim::testing::run_process(argv, 60s);
+    EXPECT_EQ(e.status, 2) << argv[3] << "\n" << e.out << e.err;
+    EXPECT_THAT(e.err, HasSubstr(why)) << argv[3];
+    EXPECT_EQ(std::count(e.err.begin(), e.err.end(), '\n'), 1) << e.err;
+  }
+  std::filesystem::remove_all(dir);
 }

@@ -352,7 +352,8 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
     const RecurrenceStates states = reference_recurrence_states(in, ids, start, L);
     rank.add("recurrence_initial_state", states.initial,
              "the state [B, H, K, V] this rank's first token starts from: the fold of the earlier ranks' transitions "
-             "over pre_num_ranks (0 where a segment starts at the shard)",
+             "over pre_num_ranks (0 where a segment starts at the shard; every recurrence_* key is 0 on a rank "
+             "with an empty interval)",
              "§3");
     rank.add("recurrence_final_state", states.final_state, "the state [B, H, K, V] after this rank's last token", "§3");
     rank.add("recurrence_transition_m", states.m,

@@ -104,7 +104,8 @@ RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tenso
 // the state its first token starts from (the state after token start-1, or 0
 // where a segment starts at `start`); the state after its last token; and the
 // transition of its last local segment (from that segment's first local token to
-// the shard's end, from a zero state): S_out = M S_in + S_ext, M [K, K].
+// the shard's end, from a zero state): S_out = M S_in + S_ext, M [K, K]. A rank
+// with an empty interval (L = 0) has none of these: all four are zero.
 struct RecurrenceStates {
   Tensor initial, final_state, m, s_ext;
 };

@@ -175,6 +175,7 @@ RecurrenceStates reference_recurrence_states(const RecurrenceInputs& in, const T
   const auto starts = [&](std::int64_t b, std::int64_t t) {
     return t == 0 || ids.get_int(b * P + t) != ids.get_int(b * P + t - 1);
   };
+  if (L == 0) return r;  // an empty interval: no tokens, nothing received or published (all zero)
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H; ++h) {
       // One token: X <- (I - beta k k^T) Diag(exp g) X (+ beta k v^T when `add_kv`), X [K, cols].

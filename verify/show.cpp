@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/shard.hpp"
+#include "core/shard_plan.hpp"
 
 namespace cpsim::verify {
 
@@ -17,11 +18,12 @@ struct Run {  // a document's occupied span in one row
 struct View {
   std::int64_t B = 0, S = 0;
   ShardGeometry g;
+  ShardPlan plan;  // where the cuts fall
   Layout layout;
   std::vector<std::vector<Run>> docs;  // per row, documents in order
 };
 
-View view_of(const Batch& raw, int cp) {
+View view_of(const Batch& raw, int cp, const PlanChoice& plan) {
   Batch b = raw;
   normalize_batch_axis(b);
   View v;
@@ -29,6 +31,7 @@ View view_of(const Batch& raw, int cp) {
   v.B = v.layout.doc_ids.dim(0);
   v.S = v.layout.doc_ids.dim(1);
   v.g = shard_geometry(v.S, cp);
+  v.plan = resolve_plan(plan, v.layout, v.g.padded_len, cp);
   const auto* id = v.layout.doc_ids.data<std::int64_t>();
   const auto* pad = v.layout.padding.data<bool>();
   v.docs.resize(v.B);
@@ -46,9 +49,22 @@ View view_of(const Batch& raw, int cp) {
 
 char letter(std::int64_t id, bool real) { return static_cast<char>((real ? 'A' : 'a') + (id - 1) % 26); }
 
-std::string ranks_of(const ShardGeometry& g, std::int64_t begin, std::int64_t end) {
-  const int a = g.owner(begin), b = g.owner(end - 1);
+std::string ranks_of(const ShardPlan& plan, std::int64_t begin, std::int64_t end) {
+  const int a = plan.owner(begin), b = plan.owner(end - 1);
   return a == b ? "rank " + std::to_string(a) : "ranks " + std::to_string(a) + "-" + std::to_string(b);
+}
+
+// "L = 4", or the cuts of an unequal plan.
+std::string intervals_text(const ShardPlan& plan) {
+  return plan.equal_sizes() ? "L = " + std::to_string(plan.size(0)) : "cuts " + plan_text(plan);
+}
+
+// How many cuts (inner ones: a_1 .. a_{c-1}) fall at position p: an empty interval
+// shows as two cuts together.
+int cuts_at(const ShardPlan& plan, std::int64_t p) {
+  int n = 0;
+  for (int q = 1; q < plan.ranks(); ++q) n += plan.begin(q) == p;
+  return n;
 }
 
 const char* kColors[] = {"31", "32", "33", "34", "35", "36"};
@@ -56,12 +72,13 @@ const char* kColors[] = {"31", "32", "33", "34", "35", "36"};
 }  // namespace
 
 std::string show_text(const Batch& batch, const ShowOptions& o) {
-  const View v = view_of(batch, o.cp);
-  const ShardGeometry& g = v.g;
-  const std::int64_t P = g.padded_len, L = g.local_len, H = o.conv_width - 1;
+  const View v = view_of(batch, o.cp, o.plan);
+  const ShardPlan& g = v.plan;
+  const std::int64_t P = v.g.padded_len, H = o.conv_width - 1;
   std::ostringstream os;
   os << (o.title.empty() ? "batch" : o.title) << ": " << v.B << (v.B == 1 ? " row" : " rows") << ", S = " << v.S
-     << ", cp = " << o.cp << ": P = " << P << ", L = " << L << "\n";
+     << ", cp = " << o.cp << ": P = " << P << ", " << intervals_text(g)
+     << (o.plan.kind == PlanChoice::Kind::balanced ? " (" + plan_choice_name(o.plan) + " plan)" : "") << "\n";
   const std::string prefix_fmt = "row " + std::to_string(v.B - 1) + "  ";
   const int prefix = static_cast<int>(prefix_fmt.size());
   // Columns: one per position and one per cut, while they fit; else buckets.
@@ -82,7 +99,7 @@ std::string show_text(const Batch& batch, const ShowOptions& o) {
     os << label << std::string(prefix - label.size(), ' ');
     for (std::int64_t b0 = 0; b0 < P; b0 += bucket) {
       const std::int64_t b1 = std::min(P, b0 + bucket);
-      if (exact && b0 > 0 && b0 % L == 0) os << paint('|', 0, false);
+      for (int k = exact ? cuts_at(g, b0) : 0; k > 0; --k) os << paint('|', 0, false);
       std::int64_t doc = -1;
       bool several = false, real = false;
       for (std::int64_t t = b0; t < b1; ++t) {
@@ -94,7 +111,7 @@ std::string show_text(const Batch& batch, const ShowOptions& o) {
       char ch = several ? '#' : doc == -2 ? ':' : doc == kPadDocId ? '.' : letter(doc, real);
       if (!exact) {
         for (int q = 1; q < o.cp; ++q)
-          if (q * L >= b0 && q * L < b1) ch = '|';
+          if (g.begin(q) >= b0 && g.begin(q) < b1 && g.begin(q) > 0) ch = '|';
       }
       os << paint(ch, several ? 0 : doc, real);
     }
@@ -106,7 +123,8 @@ std::string show_text(const Batch& batch, const ShowOptions& o) {
     for (const Run& d : v.docs[r]) {
       if (g.owner(d.begin) == g.owner(d.end - 1)) continue;
       std::string edges;
-      for (std::int64_t e = (d.begin / L + 1) * L; e < d.end; e += L) edges += (edges.empty() ? "" : ", ") + std::to_string(e);
+      for (std::int64_t e = d.begin + 1; e < d.end; ++e)
+        if (cuts_at(g, e) > 0) edges += (edges.empty() ? "" : ", ") + std::to_string(e);
       lines.push_back("doc " + std::to_string(d.id) + " [" + std::to_string(d.begin) + ", " + std::to_string(d.end) +
                       ") on " + ranks_of(g, d.begin, d.end) + ", crosses edge" +
                       (edges.find(',') == std::string::npos ? " " : "s ") + edges);
@@ -123,8 +141,11 @@ std::string show_text(const Batch& batch, const ShowOptions& o) {
     os << "halo (conv width " << o.conv_width << ", " << H << " positions before each shard):";
     const int shown = std::min(o.cp, 9);
     for (int q = 1; q < shown; ++q) {
-      const std::int64_t b = std::max<std::int64_t>(0, q * L - H), e = q * L;
-      os << (q > 1 ? ";" : "") << " rank " << q << " [" << b << ", " << e << ") from " << ranks_of(g, b, e);
+      const std::int64_t b = std::max<std::int64_t>(0, g.begin(q) - H), e = g.begin(q);
+      os << (q > 1 ? ";" : "") << " rank " << q;
+      if (e > b) os << " [" << b << ", " << e << ") from " << ranks_of(g, b, e);
+      else os << " none";
+      if (g.size(q) == 0) os << " (empty interval)";
     }
     if (o.cp > shown) os << "; ...";
     os << "\n";
@@ -135,9 +156,9 @@ std::string show_text(const Batch& batch, const ShowOptions& o) {
 }
 
 std::string show_svg(const Batch& batch, const ShowOptions& o) {
-  const View v = view_of(batch, o.cp);
-  const ShardGeometry& g = v.g;
-  const std::int64_t P = g.padded_len, L = g.local_len, H = o.conv_width - 1;
+  const View v = view_of(batch, o.cp, o.plan);
+  const ShardPlan& g = v.plan;
+  const std::int64_t P = v.g.padded_len, H = o.conv_width - 1;
   const double left = 60, top = 40, width = 1000, row_h = v.B > 32 ? 12 : 24, gap = v.B > 32 ? 4 : 10;
   const double height = top + v.B * (row_h + gap) + 30;
   const double sx = width / static_cast<double>(P);
@@ -147,13 +168,13 @@ std::string show_svg(const Batch& batch, const ShowOptions& o) {
   os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 20 << "\" height=\"" << height
      << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
      << "<title>" << (o.title.empty() ? "batch" : o.title) << ": " << v.B << " rows, S = " << v.S << ", cp = " << o.cp
-     << ", P = " << P << ", L = " << L << "</title>\n"
+     << ", P = " << P << ", " << intervals_text(g) << "</title>\n"
      << "<style>.doc{stroke:#fff;stroke-width:0.5}.doc-padding{fill:#fff;fill-opacity:0.55}.pad{fill:#ddd}"
         ".fill{fill:#eee;stroke:#ccc;stroke-dasharray:2,2}.docs{fill:#888}.halo{fill:#111;fill-opacity:0.75}"
         ".cut{stroke:#000;stroke-width:1.5}</style>\n";
   const char* palette[] = {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f"};
   for (int q = 0; q < o.cp && o.cp <= 64; ++q)
-    os << "<text x=\"" << x(q * L + L / 2) << "\" y=\"" << top - 14 << "\" text-anchor=\"middle\">rank " << q << "</text>\n";
+    os << "<text x=\"" << x(g.begin(q)) + g.size(q) * sx / 2 << "\" y=\"" << top - 14 << "\" text-anchor=\"middle\">rank " << q << "</text>\n";
   for (std::int64_t r = 0; r < v.B; ++r) {
     const double y = top + r * (row_h + gap);
     os << "<text x=\"4\" y=\"" << y + row_h * 0.7 << "\">row " << r << "</text>\n";
@@ -189,14 +210,15 @@ std::string show_svg(const Batch& batch, const ShowOptions& o) {
     }
     // Halo spans: the W-1 positions each rank reads before its shard.
     for (int q = 1; q < o.cp && H > 0; ++q) {
-      const std::int64_t b = std::max<std::int64_t>(0, q * L - H), e = q * L;
+      const std::int64_t b = std::max<std::int64_t>(0, g.begin(q) - H), e = g.begin(q);
+      if (e <= b) continue;
       os << "<rect class=\"halo\" x=\"" << x(b) << "\" y=\"" << y - 3 << "\" width=\"" << (e - b) * sx
          << "\" height=\"3\"><title>halo of rank " << q << ": [" << b << ", " << e << ") from " << ranks_of(g, b, e)
          << "</title></rect>\n";
     }
   }
   for (int q = 1; q < o.cp; ++q)
-    os << "<line class=\"cut\" x1=\"" << x(q * L) << "\" y1=\"" << top - 8 << "\" x2=\"" << x(q * L) << "\" y2=\""
+    os << "<line class=\"cut\" x1=\"" << x(g.begin(q)) << "\" y1=\"" << top - 8 << "\" x2=\"" << x(g.begin(q)) << "\" y2=\""
        << height - 24 << "\"/>\n";
   os << "<text x=\"" << left << "\" y=\"" << height - 8
      << "\">coloured: documents (pale: their padding); grey: row padding; dashed: padding to P; black bars: halo; lines: "

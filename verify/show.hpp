@@ -9,11 +9,13 @@
 #include <string>
 
 #include "core/layout.hpp"
+#include "core/shard_plan.hpp"
 
 namespace cpsim::verify {
 
 struct ShowOptions {
   int cp = 1;
+  PlanChoice plan;  // where the shard cuts fall (equal intervals by default)
   int conv_width = 4;
   int columns = 100;   // terminal width for the text form
   bool color = false;  // ANSI colours in the text form
@@ -21,7 +23,8 @@ struct ShowOptions {
 };
 
 // Letters: document i+1 is 'A' + i % 26, upper case where real, lower case on its
-// own padding; '.' row padding; ':' positions added to reach P; '|' a shard cut.
+// own padding; '.' row padding; ':' positions added to reach P; '|' a shard cut
+// (two together: an empty interval between them).
 // Rows wider than the terminal show one character per bucket of positions ('#' a
 // bucket holding several documents).
 std::string show_text(const Batch& batch, const ShowOptions& options);
