@@ -108,17 +108,6 @@ void TailPack(benchmark::State& state) {  // the last half of every row's positi
   });
 }
 
-void History(benchmark::State& state) {  // the window's history slots from the owners' tails
-  const std::int64_t bytes = state.range(0), rows = 2, P = 256 * 4, H = bytes / (rows * P), L = H, c = 2;
-  Buffer window(rows * (L + H) * P), tails(c * rows * H * P);
-  against_copy(state, "history", bytes, [&](cudaStream_t s) {
-    kernels::History a;
-    a.window = window.p, a.tails = tails.p, a.rows = rows, a.local_len = L, a.history = H, a.tail = H, a.rank = 1;
-    a.position_bytes = P;
-    kernels::kernels_for(Device::cuda(0)).history_from_tails(a, s);
-  });
-}
-
 // Layout kernels: bytes are what each token writes (ids: 8 + padding: 1) plus reads.
 void DocIds(benchmark::State& state) {
   const std::int64_t bytes = state.range(0), S = bytes / 9, D = 1000;
@@ -199,7 +188,6 @@ void sizes(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(Rearrange)->Apply(sizes);
 BENCHMARK(TailPack)->Apply(sizes);
-BENCHMARK(History)->Apply(sizes);
 BENCHMARK(DocIds)->Apply(sizes);
 BENCHMARK(RunStarts)->Apply(sizes);
 BENCHMARK(DerivedPositions)->Apply(sizes);

@@ -49,8 +49,6 @@ const kernels::KernelTable table{
     [](const kernels::PositionCopy& a, void* s) { kernels::copy_positions(on(s), a); },
     [](const kernels::Slice& a, void* s) { kernels::slice(on(s), a); },
     [](const kernels::PositionCopy& a, DType dtype, void* s) { kernels::add_positions(on(s), a, dtype); },
-    [](const kernels::History& a, void* s) { kernels::history_tails<false>(on(s), a); },
-    [](const kernels::History& a, void* s) { kernels::history_tails<true>(on(s), a); },
     [](const kernels::DocIds& a, void* s) { kernels::doc_ids_from_starts(on(s), a); },
     [](const std::int64_t* ids, std::int64_t* out, std::int64_t rows, std::int64_t len, void* s) {
       kernels::run_starts(on(s), ids, nullptr, out, rows, len);

@@ -20,8 +20,6 @@ const KernelTable host_table{
     [](const PositionCopy& a, void*) { copy_positions(thrust::host, a); },
     [](const Slice& a, void*) { slice(thrust::host, a); },
     [](const PositionCopy& a, DType dtype, void*) { add_positions(thrust::host, a, dtype); },
-    [](const History& a, void*) { history_tails<false>(thrust::host, a); },
-    [](const History& a, void*) { history_tails<true>(thrust::host, a); },
     [](const DocIds& a, void*) { doc_ids_from_starts(thrust::host, a); },
     [](const std::int64_t* ids, std::int64_t* out, std::int64_t rows, std::int64_t len, void*) {
       run_starts(thrust::host, ids, nullptr, out, rows, len);

@@ -1,7 +1,7 @@
 // Data-movement kernels of the one kernel source: the rank-block <-> sequence
-// rearrangement of gather_sequence and its reduce-scatter staging, position
-// copies (tail packing, history assembly, halo gradient return) and the history
-// window from gathered tails. Host-device functors; entries templated on the
+// rearrangement of gather_sequence and its reduce-scatter staging, and position
+// copies (unequal rank blocks, tail packing, history assembly from each owner's
+// tail, halo gradient return). Host-device functors; entries templated on the
 // Thrust execution policy (thrust::host here, a CUDA stream policy in gpu/).
 #pragma once
 
@@ -80,25 +80,6 @@ struct MovePositions {
   }
 };
 
-// Window slot s of row b holds global position p = rank*L - H + s, which sits at
-// offset p - (q*L + L - T) of owner q's tail. `to_tails` runs the move backwards.
-template <class W, bool to_tails>
-struct HistoryTails {
-  W* window;
-  W* tails;
-  index_t rows, L, H, T, rank, P;
-  CPSIM_HD void operator()(index_t i) const {
-    const index_t b = i / (H * P), rem = i - b * H * P, s = rem / P, e = rem - s * P;
-    const index_t p = rank * L - H + s;
-    if (p < 0) return;
-    const index_t q = p / L, k = p - (q * L + L - T);
-    W& w = window[(b * (L + H) + s) * P + e];
-    W& t = tails[((q * rows + b) * T + k) * P + e];
-    if (to_tails) t = w;
-    else w = t;
-  }
-};
-
 template <bool to_sequence, class Policy>
 void rearrange(Policy&& policy, const Rearrange& a) {
   with_word(word_size(a.row_bytes, a.src, a.dst), [&](auto word) {
@@ -149,17 +130,6 @@ void add_positions(Policy&& policy, const PositionCopy& a, DType dtype) {
                                           a.from, a.to, a.n, P});
   };
   with_element(dtype, run);
-}
-
-template <bool to_tails, class Policy>
-void history_tails(Policy&& policy, const History& a) {
-  with_word(word_size(a.position_bytes, a.window, a.tails), [&](auto word) {
-    using W = decltype(word);
-    const index_t P = static_cast<index_t>(a.position_bytes / sizeof(W));
-    for_each_index(policy, a.rows * a.history * P,
-                   HistoryTails<W, to_tails>{static_cast<W*>(a.window), static_cast<W*>(a.tails), a.rows, a.local_len,
-                                             a.history, a.tail, a.rank, P});
-  });
 }
 
 }  // namespace cpsim::kernels

@@ -43,15 +43,6 @@ struct Slice {
   std::uint64_t fill = 0;
 };
 
-// The convolution history of rank `rank`: window [B, L + H, ...] and the shard
-// tails [c][B][T][...] (the last T = min(L, H) positions of every rank).
-struct History {
-  void* window = nullptr;
-  void* tails = nullptr;
-  std::int64_t rows = 0, local_len = 0, history = 0, tail = 0, rank = 0;
-  std::size_t position_bytes = 0;
-};
-
 // Document ids and padding [B, S] from each row's document starts [B, D+1]
 // (occupied lengths, cumulated; the last entry is where the documents end) and
 // real lengths [B, D].
@@ -183,10 +174,6 @@ struct KernelTable {
   void (*slice)(const Slice&, void* stream);
   // dst positions += src positions, elementwise in `dtype` (bool: or).
   void (*add_positions)(const PositionCopy&, DType dtype, void* stream);
-  // Window slots [0, H) from the owners' tails (slots before position 0 stay zero).
-  void (*history_from_tails)(const History&, void* stream);
-  // Window slot gradients [0, H) into the owners' tail slots (the reverse move).
-  void (*history_to_tails)(const History&, void* stream);
 
   void (*doc_ids_from_starts)(const DocIds&, void* stream);
   // out[b][t] = first position of the run of equal ids holding (b, t), rows of `len`.
