@@ -28,7 +28,7 @@ test: build
 
 SANITIZER_CASES ?= max_success=30
 # Sanitizer and fuzz builds: light optimisation and line tables, to build fast.
-CHECK_FLAGS = -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" -DCPSIM_GPU=OFF
+CHECK_FLAGS = -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" -DCPSIM_GPU=OFF -DCPSIM_TORCH=OFF
 # The suites that run ranks as threads (every backend), and the multi-process jobs.
 TSAN_TESTS ?= threads|gloo|delayed|BackendCalls|Collectives|CheckedCommunicator|PropertyTable|Launch
 

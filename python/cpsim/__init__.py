@@ -1,0 +1,1 @@
+"""cpsim from Python: its torch.distributed backend (cpsim.torch)."""

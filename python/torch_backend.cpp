@@ -1,0 +1,220 @@
+// The torch.distributed backend "cpsim" (issue: run the user's PyTorch CP code on
+// cpsim's ranks): a c10d::ProcessGroup that forwards every call to one rank's
+// cpsim Communicator, whose call check (SPEC §4) stands in front of every call.
+// Calls run synchronously on the caller's thread (torch's bindings release the
+// GIL), so a returned Work is complete. Built against the installed libtorch (1.13).
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "core/comm/communicator.hpp"
+#include "core/comm/registry.hpp"
+#include "core/error.hpp"
+
+namespace cpsim::torch_backend {
+
+namespace {
+
+DType dtype_of(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kDouble: return DType::f64;
+    case at::kBFloat16: return DType::bf16;
+    case at::kInt: return DType::i32;
+    case at::kLong: return DType::i64;
+    case at::kBool: return DType::b8;
+    default:
+      throw Unsupported(std::string("cpsim does not support ") + op + " of dtype " +
+                        std::string(c10::toString(t.scalar_type())));
+  }
+}
+
+void expect_cpu_contiguous(const at::Tensor& t, const char* op) {
+  if (!t.device().is_cpu())
+    throw Unsupported(std::string("cpsim does not support ") + op + " of " + t.device().str() +
+                      " tensors (this build's ranks keep host tensors)");
+  if (!t.is_contiguous()) throw InvalidInput(std::string(op) + ": the tensor is not contiguous");
+}
+
+void expect_sum(c10d::ReduceOp op, const char* name) {
+  if (op != c10d::ReduceOp::SUM)
+    throw Unsupported(std::string("cpsim does not support ") + name + " with a reduction other than SUM");
+}
+
+void expect_one(std::size_t n, const char* op) {
+  if (n != 1) throw Unsupported(std::string("cpsim does not support ") + op + " of " + std::to_string(n) + " tensors per rank");
+}
+
+// A call that already ran: complete, or holding what it threw.
+class DoneWork : public c10d::Work {
+ public:
+  explicit DoneWork(int rank) : c10d::Work(rank) { finish(); }
+};
+
+}  // namespace
+
+// One rank's process group over one rank's communicator.
+class ProcessGroupCpsim : public c10d::ProcessGroup {
+ public:
+  ProcessGroupCpsim(std::shared_ptr<Communicator> comm)
+      : c10d::ProcessGroup(comm->rank(), comm->size()), comm_(std::move(comm)) {}
+
+  const std::string getBackendName() const override { return "cpsim"; }
+  // Whether a call of this rank ended in cpsim's CollectiveError (the report of
+  // what the ranks did), as opposed to an error of the rank's own.
+  bool collective_failed() const { return collective_failed_; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
+    expect_one(tensors.size(), "broadcast");
+    at::Tensor& t = tensors[0];
+    expect_cpu_contiguous(t, "broadcast");
+    call([&](Communicator& c) { c.broadcast(t.data_ptr(), static_cast<std::size_t>(t.numel()), dtype_of(t, "broadcast"),
+                     static_cast<int>(opts.rootRank)); });
+    return done();
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
+    expect_one(tensors.size(), "all_reduce");
+    expect_sum(opts.reduceOp, "all_reduce");
+    at::Tensor& t = tensors[0];
+    expect_cpu_contiguous(t, "all_reduce");
+    call([&](Communicator& c) { c.all_reduce(t.data_ptr(), static_cast<std::size_t>(t.numel()), dtype_of(t, "all_reduce")); });
+    return done();
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions&) override {
+    expect_one(inputs.size(), "all_gather");
+    expect_one(outputs.size(), "all_gather");
+    const at::Tensor& in = inputs[0];
+    expect_cpu_contiguous(in, "all_gather");
+    if (static_cast<int>(outputs[0].size()) != getSize())
+      throw InvalidInput("all_gather: " + std::to_string(outputs[0].size()) + " output tensors for " +
+                         std::to_string(getSize()) + " ranks");
+    at::Tensor staged = at::empty({getSize() * in.numel()}, in.options());
+    call([&](Communicator& c) { c.all_gather(in.data_ptr(), staged.data_ptr(), static_cast<std::size_t>(in.numel()), dtype_of(in, "all_gather")); });
+    for (int q = 0; q < getSize(); ++q) {
+      at::Tensor& out = outputs[0][q];
+      if (out.numel() != in.numel())
+        throw InvalidInput("all_gather: output " + std::to_string(q) + " holds " + std::to_string(out.numel()) +
+                           " elements, the input " + std::to_string(in.numel()));
+      out.copy_(staged.narrow(0, q * in.numel(), in.numel()).view(out.sizes()));
+    }
+    return done();
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions&) override {
+    expect_cpu_contiguous(input, "all_gather_into_tensor");
+    expect_cpu_contiguous(output, "all_gather_into_tensor");
+    if (output.numel() != getSize() * input.numel())
+      throw InvalidInput("all_gather_into_tensor: the output holds " + std::to_string(output.numel()) +
+                         " elements, not " + std::to_string(getSize()) + " x " + std::to_string(input.numel()));
+    call([&](Communicator& c) { c.all_gather(input.data_ptr(), output.data_ptr(), static_cast<std::size_t>(input.numel()),
+                      dtype_of(input, "all_gather_into_tensor")); });
+    return done();
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    expect_one(outputs.size(), "reduce_scatter");
+    expect_one(inputs.size(), "reduce_scatter");
+    expect_sum(opts.reduceOp, "reduce_scatter");
+    at::Tensor& out = outputs[0];
+    expect_cpu_contiguous(out, "reduce_scatter");
+    if (static_cast<int>(inputs[0].size()) != getSize())
+      throw InvalidInput("reduce_scatter: " + std::to_string(inputs[0].size()) + " input tensors for " +
+                         std::to_string(getSize()) + " ranks");
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& t : inputs[0]) flat.push_back(t.reshape({-1}));
+    at::Tensor staged = at::cat(flat);
+    call([&](Communicator& c) { c.reduce_scatter(staged.data_ptr(), out.data_ptr(), static_cast<std::size_t>(out.numel()),
+                          dtype_of(out, "reduce_scatter")); });
+    return done();
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    expect_sum(opts.reduceOp, "reduce_scatter_tensor");
+    expect_cpu_contiguous(input, "reduce_scatter_tensor");
+    expect_cpu_contiguous(output, "reduce_scatter_tensor");
+    if (input.numel() != getSize() * output.numel())
+      throw InvalidInput("reduce_scatter_tensor: the input holds " + std::to_string(input.numel()) +
+                         " elements, not " + std::to_string(getSize()) + " x " + std::to_string(output.numel()));
+    call([&](Communicator& c) { c.reduce_scatter(input.data_ptr(), output.data_ptr(), static_cast<std::size_t>(output.numel()),
+                          dtype_of(output, "reduce_scatter_tensor")); });
+    return done();
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    call([&](Communicator& c) { c.barrier(); });
+    return done();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> done() { return c10::make_intrusive<DoneWork>(getRank()); }
+  // The communicator, for one call: its CollectiveError is remembered.
+  template <class F>
+  void call(F&& f) {
+    try {
+      f(*comm_);
+    } catch (const CollectiveError&) {
+      collective_failed_ = true;
+      throw;
+    }
+  }
+  std::shared_ptr<Communicator> comm_;
+  bool collective_failed_ = false;
+};
+
+// The ranks of one spawn: a group of a registered backend, each rank's process
+// group made on that rank's own thread.
+class SpawnedGroup {
+ public:
+  SpawnedGroup(const std::string& backend, int n, double timeout_s)
+      : group_(find_backend(backend).make_group(
+            n, std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000)))) {
+    const Backend& b = find_backend(backend);
+    if (auto why = b.unavailable()) throw Unavailable("backend " + backend + ": " + *why);
+  }
+  c10::intrusive_ptr<ProcessGroupCpsim> process_group(int rank) {
+    std::shared_ptr<Communicator> comm = group_->communicator(rank);
+    return c10::make_intrusive<ProcessGroupCpsim>(std::move(comm));
+  }
+  void finish(int rank) { group_->finish(rank); }
+  void fail(int rank, const std::string& what) { group_->fail(rank, what); }
+  void done() { group_->done(); }
+
+ private:
+  std::shared_ptr<Group> group_;
+};
+
+}  // namespace cpsim::torch_backend
+
+PYBIND11_MODULE(_C, m) {
+  namespace py = pybind11;
+  using namespace cpsim::torch_backend;
+  m.doc() = "cpsim's torch.distributed backend (the ProcessGroup) and its spawned groups";
+  py::module::import("torch.distributed");  // c10d::ProcessGroup's Python type first
+  // cpsim's error classes as Python exceptions (RuntimeError's when torch's own
+  // bindings carry them: the spawn then reads collective_failed()).
+  py::register_exception<cpsim::CollectiveError>(m, "CollectiveError", PyExc_RuntimeError);
+  py::register_exception<cpsim::Aborted>(m, "Aborted", PyExc_RuntimeError);
+  py::register_exception<cpsim::Unsupported>(m, "Unsupported", PyExc_NotImplementedError);
+  py::register_exception<cpsim::InvalidInput>(m, "InvalidInput", PyExc_ValueError);
+  py::class_<ProcessGroupCpsim, c10d::ProcessGroup, c10::intrusive_ptr<ProcessGroupCpsim>>(m, "ProcessGroupCpsim")
+      .def("backend_name", &ProcessGroupCpsim::getBackendName)
+      .def("collective_failed", &ProcessGroupCpsim::collective_failed);
+  py::class_<SpawnedGroup, std::shared_ptr<SpawnedGroup>>(m, "SpawnedGroup")
+      .def(py::init<const std::string&, int, double>(), py::arg("backend"), py::arg("world_size"), py::arg("timeout"))
+      .def("process_group", &SpawnedGroup::process_group, py::call_guard<py::gil_scoped_release>())
+      .def("finish", &SpawnedGroup::finish, py::call_guard<py::gil_scoped_release>())
+      .def("fail", &SpawnedGroup::fail, py::call_guard<py::gil_scoped_release>())
+      .def("done", &SpawnedGroup::done, py::call_guard<py::gil_scoped_release>());
+  m.def("backends", [] { return cpsim::backend_names(); });
+}

@@ -1,0 +1,104 @@
+"""The torch.distributed backend on cpsim's ranks (cpsim.torch.spawn): every
+collective torch code calls lands on cpsim's communicators, bitwise, and a
+choreography mistake is a named error in under the timeout, never a hang."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpsim.torch as ct
+
+BACKENDS = ["threads", "gloo"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_collectives_agree_with_their_definitions(backend):
+    def step(rank, world):
+        assert dist.get_rank() == rank and dist.get_world_size() == world
+        x = torch.arange(3, dtype=torch.float64) + 10 * rank
+        out = torch.empty(3 * world, dtype=torch.float64)
+        dist.all_gather_into_tensor(out, x)
+        parts = [torch.empty(3, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(parts, x)
+        summed = x.clone()
+        dist.all_reduce(summed)
+        mine = torch.empty(2, dtype=torch.float32)
+        dist.reduce_scatter_tensor(mine, torch.arange(2 * world, dtype=torch.float32) * (rank + 1))
+        b = torch.tensor([rank], dtype=torch.int64)
+        dist.broadcast(b, src=world - 1)
+        dist.barrier()
+        return out, torch.cat(parts), summed, mine, b
+
+    world = 3
+    for out, parts, summed, mine, b in ct.spawn(step, world, backend=backend):
+        want = torch.cat([torch.arange(3, dtype=torch.float64) + 10 * r for r in range(world)])
+        assert torch.equal(out, want) and torch.equal(parts, want)
+        assert torch.equal(summed, torch.arange(3, dtype=torch.float64) * world + 10 * sum(range(world)))
+        assert b.item() == world - 1
+    ranks = ct.spawn(lambda r, w: dist.get_rank(), 4, backend=backend)
+    assert ranks == [0, 1, 2, 3]
+    scattered = ct.spawn(step, world, backend=backend)
+    total = sum(r + 1 for r in range(world))
+    for rank, (_, _, _, mine, _) in enumerate(scattered):
+        assert torch.equal(mine, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * total)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_skips_a_collective_is_named_not_hung(backend):
+    def step(rank, world):
+        x = torch.ones(4)
+        if rank != 1:  # rank 1 returns early: its peers would block forever
+            dist.all_reduce(x)
+
+    start = time.monotonic()
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(step, 3, backend=backend, timeout=5)
+    assert time.monotonic() - start < 5
+    text = str(e.value)
+    assert "rank 1" in text and "all_reduce" in text, text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_calls_and_sizes_are_named(backend):
+    def sizes(rank, world):
+        dist.all_reduce(torch.ones(4 + rank))
+
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(sizes, 2, backend=backend, timeout=5)
+    assert "all_reduce" in str(e.value), str(e.value)
+
+    def calls(rank, world):
+        x = torch.ones(2)
+        if rank == 0:
+            dist.all_reduce(x)
+        else:
+            dist.broadcast(x, src=0)
+
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(calls, 2, backend=backend, timeout=5)
+    assert "all_reduce" in str(e.value) and "broadcast" in str(e.value), str(e.value)
+
+
+def test_a_rank_that_raises_is_the_error_and_its_peers_stop():
+    def step(rank, world):
+        if rank == 2:
+            raise ValueError("a planted failure")
+        dist.all_reduce(torch.ones(1))
+
+    start = time.monotonic()
+    with pytest.raises(ct.RankFailed) as e:
+        ct.spawn(step, 3, timeout=5)
+    assert time.monotonic() - start < 5
+    assert e.value.rank == 2 and "a planted failure" in str(e.value)
+
+
+def test_what_cpsim_does_not_support_is_a_typed_error():
+    def step(rank, world):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.MAX)
+
+    with pytest.raises(ct.RankFailed) as e:
+        ct.spawn(step, 2, timeout=5)
+    assert "cpsim does not support all_reduce with a reduction other than SUM" in str(e.value)
+    # Outside a spawn, torch.distributed is as it was.
+    assert not dist.is_initialized()
