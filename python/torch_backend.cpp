@@ -7,9 +7,15 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
+#include <tuple>
 
 #include "core/comm/communicator.hpp"
 #include "core/comm/registry.hpp"
@@ -57,11 +63,106 @@ class DoneWork : public c10d::Work {
 
 }  // namespace
 
+// The point-to-point messages of one spawn: torch's send and recv, which only the
+// two ranks call (cpsim's send_recv is a step every rank takes). A send is
+// buffered and returns; a recv waits for the next message from its source with
+// its tag, and checks its count and dtype. What would hang is a named error: a
+// recv whose sender stopped or never sends within the timeout, a size or dtype
+// that differs, and (at the end) a message no recv took.
+class Mailbox {
+ public:
+  Mailbox(int ranks, std::chrono::milliseconds timeout) : state_(ranks, "running"), sent_(ranks, 0), timeout_(timeout) {}
+
+  void send(int src, int dst, int tag, const void* data, std::size_t count, DType dtype) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    check_peer(src, dst, "send to");
+    Message m{std::string(static_cast<const char*>(data), count * dtype_size(dtype)), count, dtype, ++sent_[src]};
+    queues_[{src, dst, tag}].push_back(std::move(m));
+    cv_.notify_all();
+  }
+
+  void recv(int dst, int src, int tag, void* data, std::size_t count, DType dtype) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    check_peer(dst, src, "recv from");
+    const std::string what = "rank " + std::to_string(dst) + " waits in recv from rank " + std::to_string(src) +
+                             " (tag " + std::to_string(tag) + ", " + std::to_string(count) + " " +
+                             dtype_name(dtype) + ")";
+    auto& queue = queues_[{src, dst, tag}];
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (queue.empty()) {
+      if (!failure_.empty()) throw CollectiveError(what + ", but the group stopped: " + failure_);
+      if (state_[src] != "running")
+        throw CollectiveError(what + ", but rank " + std::to_string(src) + " " + state_[src] +
+                              " without sending it" + pending_of(src, dst));
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && queue.empty())
+        throw CollectiveError(what + " and nothing came within " + std::to_string(timeout_.count()) + " ms" +
+                              pending_of(src, dst));
+    }
+    Message m = std::move(queue.front());
+    queue.pop_front();
+    if (m.count != count || m.dtype != dtype)
+      throw CollectiveError("rank " + std::to_string(dst) + "'s recv from rank " + std::to_string(src) + " (tag " +
+                            std::to_string(tag) + ") expects " + std::to_string(count) + " " + dtype_name(dtype) +
+                            "; rank " + std::to_string(src) + "'s send #" + std::to_string(m.seq) + " holds " +
+                            std::to_string(m.count) + " " + dtype_name(m.dtype));
+    std::memcpy(data, m.bytes.data(), m.bytes.size());
+  }
+
+  // A rank stopped: returned, or threw (then every waiting recv stops too).
+  void stopped(int rank, const std::string& how, bool failed) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    state_[rank] = how;
+    if (failed && failure_.empty()) failure_ = "rank " + std::to_string(rank) + " " + how;
+    cv_.notify_all();
+  }
+
+  // The messages no recv took, as one report ("" when none).
+  std::string unreceived() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::ostringstream os;
+    for (const auto& [key, queue] : queues_)
+      for (const Message& m : queue)
+        os << (os.tellp() > 0 ? "\n  " : "a send no recv took:\n  ") << "rank " << std::get<0>(key) << "'s send #"
+           << m.seq << " to rank " << std::get<1>(key) << " (tag " << std::get<2>(key) << ", " << m.count << " "
+           << dtype_name(m.dtype) << ")";
+    return os.str();
+  }
+
+ private:
+  struct Message {
+    std::string bytes;
+    std::size_t count;
+    DType dtype;
+    int seq;
+  };
+  void check_peer(int me, int peer, const char* op) const {
+    if (peer < 0 || peer >= static_cast<int>(state_.size()) || peer == me)
+      throw InvalidInput("rank " + std::to_string(me) + ": " + op + " rank " + std::to_string(peer) + " in a group of " +
+                         std::to_string(state_.size()));
+  }
+  // What src did send dst, with other tags (a tag mix-up reads as a hang otherwise).
+  std::string pending_of(int src, int dst) const {
+    std::string out;
+    for (const auto& [key, queue] : queues_)
+      if (std::get<0>(key) == src && std::get<1>(key) == dst && !queue.empty())
+        out += "; rank " + std::to_string(src) + " sent it " + std::to_string(queue.size()) + " with tag " +
+               std::to_string(std::get<2>(key));
+    return out;
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<std::tuple<int, int, int>, std::deque<Message>> queues_;
+  std::vector<std::string> state_;
+  std::vector<int> sent_;
+  std::string failure_;
+  std::chrono::milliseconds timeout_;
+};
+
 // One rank's process group over one rank's communicator.
 class ProcessGroupCpsim : public c10d::ProcessGroup {
  public:
-  ProcessGroupCpsim(std::shared_ptr<Communicator> comm)
-      : c10d::ProcessGroup(comm->rank(), comm->size()), comm_(std::move(comm)) {}
+  ProcessGroupCpsim(std::shared_ptr<Communicator> comm, std::shared_ptr<Mailbox> mailbox)
+      : c10d::ProcessGroup(comm->rank(), comm->size()), comm_(std::move(comm)), mailbox_(std::move(mailbox)) {}
 
   const std::string getBackendName() const override { return "cpsim"; }
   // Whether a call of this rank ended in cpsim's CollectiveError (the report of
@@ -151,6 +252,22 @@ class ProcessGroupCpsim : public c10d::ProcessGroup {
     return done();
   }
 
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    expect_one(tensors.size(), "send");
+    const at::Tensor& t = tensors[0];
+    expect_cpu_contiguous(t, "send");
+    point_to_point([&] { mailbox_->send(getRank(), dst, tag, t.data_ptr(), t.numel(), dtype_of(t, "send")); });
+    return done();
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    expect_one(tensors.size(), "recv");
+    at::Tensor& t = tensors[0];
+    expect_cpu_contiguous(t, "recv");
+    point_to_point([&] { mailbox_->recv(getRank(), src, tag, t.data_ptr(), t.numel(), dtype_of(t, "recv")); });
+    return done();
+  }
+
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
     call([&](Communicator& c) { c.barrier(); });
     return done();
@@ -168,7 +285,17 @@ class ProcessGroupCpsim : public c10d::ProcessGroup {
       throw;
     }
   }
+  template <class F>
+  void point_to_point(F&& f) {
+    try {
+      f();
+    } catch (const CollectiveError&) {
+      collective_failed_ = true;
+      throw;
+    }
+  }
   std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Mailbox> mailbox_;
   bool collective_failed_ = false;
 };
 
@@ -177,21 +304,32 @@ class ProcessGroupCpsim : public c10d::ProcessGroup {
 class SpawnedGroup {
  public:
   SpawnedGroup(const std::string& backend, int n, double timeout_s)
-      : group_(find_backend(backend).make_group(
-            n, std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000)))) {
+      : group_(find_backend(backend).make_group(n, milliseconds(timeout_s))),
+        mailbox_(std::make_shared<Mailbox>(n, milliseconds(timeout_s))) {
     const Backend& b = find_backend(backend);
     if (auto why = b.unavailable()) throw Unavailable("backend " + backend + ": " + *why);
   }
   c10::intrusive_ptr<ProcessGroupCpsim> process_group(int rank) {
     std::shared_ptr<Communicator> comm = group_->communicator(rank);
-    return c10::make_intrusive<ProcessGroupCpsim>(std::move(comm));
+    return c10::make_intrusive<ProcessGroupCpsim>(std::move(comm), mailbox_);
   }
-  void finish(int rank) { group_->finish(rank); }
-  void fail(int rank, const std::string& what) { group_->fail(rank, what); }
+  void finish(int rank) {
+    mailbox_->stopped(rank, "returned", false);
+    group_->finish(rank);
+  }
+  void fail(int rank, const std::string& what) {
+    mailbox_->stopped(rank, "threw: " + what, true);
+    group_->fail(rank, what);
+  }
   void done() { group_->done(); }
+  std::string unreceived() { return mailbox_->unreceived(); }
 
  private:
+  static std::chrono::milliseconds milliseconds(double s) {
+    return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000));
+  }
   std::shared_ptr<Group> group_;
+  std::shared_ptr<Mailbox> mailbox_;
 };
 
 }  // namespace cpsim::torch_backend
@@ -215,6 +353,7 @@ PYBIND11_MODULE(_C, m) {
       .def("process_group", &SpawnedGroup::process_group, py::call_guard<py::gil_scoped_release>())
       .def("finish", &SpawnedGroup::finish, py::call_guard<py::gil_scoped_release>())
       .def("fail", &SpawnedGroup::fail, py::call_guard<py::gil_scoped_release>())
-      .def("done", &SpawnedGroup::done, py::call_guard<py::gil_scoped_release>());
+      .def("done", &SpawnedGroup::done, py::call_guard<py::gil_scoped_release>())
+      .def("unreceived", &SpawnedGroup::unreceived);
   m.def("backends", [] { return cpsim::backend_names(); });
 }

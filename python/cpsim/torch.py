@@ -12,7 +12,9 @@ thread sees its own default process group (backend "cpsim"), so torch.distribute
 calls without a group go to that rank. Every call passes cpsim's call check first:
 a rank that skips a collective its peers enter, a different collective, size or
 dtype, a rank that raises, or one that never arrives ends every rank within the
-timeout with cpsim's one-line error naming each rank's call.
+timeout with cpsim's one-line error naming each rank's call. send and recv are
+paired: a recv whose sender stopped or never sends, a size or dtype that
+differs, or a send no recv takes is a named error too.
 """
 import threading
 
@@ -85,12 +87,15 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
     def run(rank):
         try:
             _local.pg = groups[rank] = group.process_group(rank)
+            # Group ranks are global ranks (irecv and friends translate through this map).
+            c10d._pg_group_ranks[_local.pg] = {r: r for r in range(world_size)}
             results[rank] = fn(rank, world_size, *args)
             group.finish(rank)
         except BaseException as e:  # noqa: B902 - every failure ends the rank and tells its peers
             errors[rank] = e
             group.fail(rank, "%s: %s" % (type(e).__name__, e))
         finally:
+            c10d._pg_group_ranks.pop(groups[rank], None)
             _local.pg = None
 
     _install()
@@ -119,4 +124,7 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
     if reported:
         rank, error = reported[0]
         raise CollectiveError(str(error)) from error
+    unreceived = group.unreceived()
+    if unreceived:
+        raise CollectiveError(unreceived)
     return results

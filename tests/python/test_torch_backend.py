@@ -102,3 +102,57 @@ def test_what_cpsim_does_not_support_is_a_typed_error():
     assert "cpsim does not support all_reduce with a reduction other than SUM" in str(e.value)
     # Outside a spawn, torch.distributed is as it was.
     assert not dist.is_initialized()
+
+
+def test_send_and_recv_pair_up_around_a_ring():
+    def step(rank, world):
+        out = torch.full((3,), float(rank))
+        got = torch.empty(3)
+        if rank % 2 == 0:  # even ranks send first: blocking sends return once buffered
+            dist.send(out, dst=(rank + 1) % world)
+            dist.recv(got, src=(rank - 1) % world)
+        else:
+            dist.recv(got, src=(rank - 1) % world)
+            dist.send(out, dst=(rank + 1) % world)
+        req = dist.isend(out * 2, dst=(rank + 1) % world, tag=7)
+        got2 = torch.empty(3)
+        dist.irecv(got2, src=(rank - 1) % world, tag=7).wait()
+        req.wait()
+        return got, got2
+
+    world = 4
+    for rank, (got, got2) in enumerate(ct.spawn(step, world)):
+        assert torch.equal(got, torch.full((3,), float((rank - 1) % world)))
+        assert torch.equal(got2, torch.full((3,), 2.0 * ((rank - 1) % world)))
+
+
+def test_a_recv_whose_sender_never_sends_is_named_not_hung():
+    def step(rank, world):
+        if rank == 1:
+            dist.recv(torch.empty(4), src=0)
+
+    start = time.monotonic()
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(step, 2, timeout=5)
+    assert time.monotonic() - start < 5
+    assert "rank 1 waits in recv from rank 0" in str(e.value) and "returned" in str(e.value), str(e.value)
+
+
+def test_send_and_recv_of_different_sizes_or_a_send_nobody_takes_are_named():
+    def sizes(rank, world):
+        if rank == 0:
+            dist.send(torch.ones(6, dtype=torch.int64), dst=1)
+        else:
+            dist.recv(torch.empty(4), src=0)
+
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(sizes, 2, timeout=5)
+    assert "expects 4 float32" in str(e.value) and "holds 6 int64" in str(e.value), str(e.value)
+
+    def unreceived(rank, world):
+        if rank == 0:
+            dist.send(torch.ones(2), dst=1, tag=3)
+
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(unreceived, 2, timeout=5)
+    assert "a send no recv took" in str(e.value) and "tag 3" in str(e.value), str(e.value)
