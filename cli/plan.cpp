@@ -42,7 +42,7 @@ PlanLoad load_of(const std::string& name, const ShardPlan& plan, const Layout& l
                  const std::vector<std::vector<std::int64_t>>& costs, const ModelArgs& m) {
   PlanLoad out{name, plan, {}, 1};
   const int c = plan.ranks();
-  const std::int64_t B = static_cast<std::int64_t>(costs.size()), P = plan.cuts.back(), W = m.conv_width;
+  const std::int64_t B = static_cast<std::int64_t>(costs.size()), W = m.conv_width;
   const std::int64_t S = layout.doc_ids.dim(1);
   const auto id = [&](std::int64_t b, std::int64_t t) { return t < S ? layout.doc_ids.get_int(b * S + t) : kPadDocId; };
   double total = 0, most = 0;

@@ -245,8 +245,10 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                      {"is_first_rank", "pre_num_ranks == 0"},
                      {"is_last_rank", "post_num_ranks == 0"}}},
                    {"tolerance", {{"note", "each key's own tolerance is in files.<file>.<key>.tolerance"},
-                                  {"bitwise", "batch, doc ids, contexts, halo, gathered, gather_grad_x (summed in rank "
-                                              "order), sparse_attention_kept, targets"},
+                                  {"bitwise", "batch, doc ids, contexts, halo, gathered, sparse_attention_kept, targets"},
+                                  {"summed_across_ranks",
+                                   "gather_grad_x is a sum over ranks, written in rank order: another order (a "
+                                   "ring, Gloo, NCCL) rounds differently, so it is held to relative_rmse_conv"},
                                   {"relative_rmse_conv", golden_tolerances(dt).conv},
                                   {"relative_rmse_recurrence", golden_tolerances(dt).recurrence},
                                   {"relative_rmse_layers", golden_tolerances(dt).layers}}},
@@ -260,9 +262,9 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
         starts("padded."))
       return 0;
     const GoldenTolerances tol = golden_tolerances(dt);
-    // A rank-order sum: bitwise in float64; in a narrower dtype, a reduce-scatter
-    // in another order rounds differently.
-    if (key == "gather_grad_x") return dt == DType::f64 ? 0 : tol.conv;
+    // A sum over ranks: a reduce-scatter in another order than the reference's
+    // rank order rounds differently, in float64 too (torch's Gloo all_reduce does).
+    if (key == "gather_grad_x") return tol.conv;
     if (starts("conv_") || key == "halo_grad") return tol.conv;
     if (starts("rope_") || starts("attention_") || starts("sparse_attention_") || starts("loss")) return tol.layers;
     return tol.recurrence;
