@@ -36,5 +36,6 @@ int run_fuzz(FuzzArgs a);
 int run_show(const ShowArgs& a);
 int run_golden(const GoldenArgs& a);
 int run_plan(const PlanArgs& a);
+int run_harness(const HarnessArgs& a);
 
 }  // namespace cpsim::cli

@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
       case Command::golden: return run_golden(o.golden);
       case Command::plan: return run_plan(o.plan);
       case Command::bench: return run_bench(o.bench);
+      case Command::harness: return run_harness(o.harness);
       case Command::launch: {
         sim::LaunchOptions launch = o.launch.launch;
         launch.grace = milliseconds_of(o.launch.grace);

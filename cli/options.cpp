@@ -102,6 +102,22 @@ Parsed parse_options(int argc, char** argv) {
   f->footer("Example:\n  cpsim fuzz --cases 300 --seed 7 --max-cp 8\n"
             "  cpsim fuzz --family examples/families/te_thd_2cp.json --cases 500 --plan balanced\n"
             "  then replay a failure: cpsim check cpsim-counterexample.json --cp N --seed S");
+  HarnessArgs& harness = o.harness;
+  auto* h = app.add_subcommand("harness", "the generator side of the Python property harness (cpsim.torch.check)");
+  h->add_option("--cases", harness.cases, "layouts to draw")->check(CLI::Range(1, 10000000));
+  std::uint64_t harness_seed = 0;
+  auto* hs = h->add_option("--seed", harness_seed, "generator seed (default: RapidCheck's)");
+  h->add_option("--max-cp", harness.max_cp, "largest CP size drawn")->check(CLI::Range(1, 64));
+  h->add_option("--cp", harness.cp, "every case at this CP size (a drawn plan's cuts become equal intervals)")
+      ->check(CLI::Range(1, 64));
+  h->add_option("--family", harness.family, "draw only members of this layout family")->check(CLI::ExistingFile);
+  h->add_option("--plan", harness.plan, "equal, balanced or random (drawn cuts)")
+      ->check(CLI::IsMember({"equal", "balanced", "random"}));
+  h->add_option("--cost", harness.cost, "the balanced plan's token cost");
+  h->add_option("--conv-width", harness.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
+  h->add_flag("--shard-primary", harness.shard_primary, "input_ids sharded like the other keys");
+  h->add_option("--workdir", harness.workdir, "where each case's golden folder is written")->required();
+  h->footer("Speaks a line protocol on stdin/stdout (cli/harness.cpp); run it through cpsim.torch.check.");
   ShowArgs& show = o.show;
   auto* s = app.add_subcommand("show", "draw a batch's layout: documents, padding, shard cuts, halos");
   add_batch_or_family(s, show.batch, show.family, show.samples, show.seed,
@@ -198,7 +214,9 @@ Parsed parse_options(int argc, char** argv) {
               : gd->parsed() ? Command::golden
               : pl->parsed() ? Command::plan
               : b->parsed()  ? Command::bench
+              : h->parsed()  ? Command::harness
                              : Command::launch;
+  if (h->parsed() && hs->count() > 0) harness.seed = harness_seed;
   return {o, kExitOk};
 }
 

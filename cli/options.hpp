@@ -68,6 +68,20 @@ struct FuzzArgs {
   std::string family;  // draw only members of this layout family (a family file)
 };
 
+// cpsim harness: the generator side of cpsim.torch.check (cli/harness.cpp).
+struct HarnessArgs {
+  int cases = 100;
+  int max_cp = 8;
+  int cp = 0;  // every case at this CP size (the processes of a job); 0: drawn, 1..max_cp
+  std::string family;
+  std::string plan = "equal";  // equal, balanced (by cost) or random (drawn cuts)
+  std::string cost = "attention";
+  std::optional<std::uint64_t> seed;  // RapidCheck's (RC_PARAMS, else random) when unset
+  int conv_width = 4;
+  bool shard_primary = false;
+  std::string workdir;
+};
+
 struct ShowArgs {
   std::string batch;
   PlanArg plan;
@@ -120,7 +134,7 @@ struct PlanArgs {
   ModelArgs model;
 };
 
-enum class Command { check, fuzz, show, golden, plan, launch, bench };
+enum class Command { check, fuzz, show, golden, plan, launch, bench, harness };
 
 struct Options {
   Command command = Command::check;
@@ -131,6 +145,7 @@ struct Options {
   PlanArgs plan;
   LaunchArgs launch;
   BenchArgs bench;
+  HarnessArgs harness;
 };
 
 // The options of argv, or the exit status when parsing ended the run (--help: 0,

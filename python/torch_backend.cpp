@@ -20,6 +20,7 @@
 #include "core/comm/communicator.hpp"
 #include "core/comm/registry.hpp"
 #include "core/error.hpp"
+#include "sim/job/job.hpp"
 
 namespace cpsim::torch_backend {
 
@@ -253,6 +254,7 @@ class ProcessGroupCpsim : public c10d::ProcessGroup {
   }
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    expect_mailbox("send");
     expect_one(tensors.size(), "send");
     const at::Tensor& t = tensors[0];
     expect_cpu_contiguous(t, "send");
@@ -261,6 +263,7 @@ class ProcessGroupCpsim : public c10d::ProcessGroup {
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    expect_mailbox("recv");
     expect_one(tensors.size(), "recv");
     at::Tensor& t = tensors[0];
     expect_cpu_contiguous(t, "recv");
@@ -275,6 +278,11 @@ class ProcessGroupCpsim : public c10d::ProcessGroup {
 
  private:
   c10::intrusive_ptr<c10d::Work> done() { return c10::make_intrusive<DoneWork>(getRank()); }
+  void expect_mailbox(const char* op) const {
+    if (!mailbox_)
+      throw Unsupported(std::string("cpsim does not support ") + op +
+                        " between processes (ranks as threads of one process have it: cpsim.torch.spawn)");
+  }
   // The communicator, for one call: its CollectiveError is remembered.
   template <class F>
   void call(F&& f) {
@@ -332,6 +340,68 @@ class SpawnedGroup {
   std::shared_ptr<Mailbox> mailbox_;
 };
 
+// One session of a job (sim::ProcessJob::Session) as a process group: the
+// program's own (the job's group) or one case of the harness (a fresh group).
+class JobSession {
+ public:
+  explicit JobSession(std::unique_ptr<sim::ProcessJob::Session> session)
+      : session_(std::move(session)), pg_(c10::make_intrusive<ProcessGroupCpsim>(session_->communicator(), nullptr)) {}
+  c10::intrusive_ptr<ProcessGroupCpsim> process_group() { return pg_; }
+  // The program returned: a peer still in a call learns it; a peer's call that
+  // this rank did not join is reported here.
+  void finish() {
+    if (ended_) return;
+    ended_ = true;
+    try {
+      session_->finish();
+    } catch (const CollectiveError&) {
+      collective_failed_ = true;
+      throw;
+    }
+  }
+  // The program raised: every peer fails with this rank's error.
+  void fail(const std::string& what) {
+    if (ended_) return;
+    ended_ = true;
+    session_->fail(what);
+  }
+  bool collective_failed() const { return collective_failed_ || pg_->collective_failed(); }
+
+ private:
+  std::unique_ptr<sim::ProcessJob::Session> session_;
+  c10::intrusive_ptr<ProcessGroupCpsim> pg_;
+  bool ended_ = false, collective_failed_ = false;
+};
+
+// This process's rank of a multi-process job (cpsim launch, torchrun, Slurm, Open
+// MPI with CPSIM_STORE): sessions over Gloo between the processes, every call
+// checked across them.
+class JobGroup {
+ public:
+  explicit JobGroup(double timeout_s) : timeout_(static_cast<std::int64_t>(timeout_s * 1000)) {
+    auto config = sim::job_from_environment();
+    if (!config)
+      throw InvalidInput(
+          "cpsim.torch.init_process_group: no rank in the environment; start the ranks with "
+          "cpsim launch -n N -- python3 SCRIPT (or a launcher that sets RANK and WORLD_SIZE, with CPSIM_STORE)");
+    config->timeout = timeout_;
+    job_ = std::make_unique<sim::ProcessJob>(*config);
+  }
+  int rank() const { return job_->rank(); }
+  int size() const { return job_->size(); }
+  // name "": the job's own group (the program's default group); another name: a
+  // fresh group every process opens under that name.
+  std::shared_ptr<JobSession> session(const std::string& name) {
+    return std::make_shared<JobSession>(job_->open_session(name, timeout_, find_backend("gloo").job_transport));
+  }
+  // The job's last barrier.
+  void leave() { job_->leave(); }
+
+ private:
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<sim::ProcessJob> job_;
+};
+
 }  // namespace cpsim::torch_backend
 
 PYBIND11_MODULE(_C, m) {
@@ -355,5 +425,16 @@ PYBIND11_MODULE(_C, m) {
       .def("fail", &SpawnedGroup::fail, py::call_guard<py::gil_scoped_release>())
       .def("done", &SpawnedGroup::done, py::call_guard<py::gil_scoped_release>())
       .def("unreceived", &SpawnedGroup::unreceived);
+  py::class_<JobSession, std::shared_ptr<JobSession>>(m, "JobSession")
+      .def("process_group", &JobSession::process_group)
+      .def("finish", &JobSession::finish, py::call_guard<py::gil_scoped_release>())
+      .def("fail", &JobSession::fail, py::call_guard<py::gil_scoped_release>())
+      .def("collective_failed", &JobSession::collective_failed);
+  py::class_<JobGroup, std::shared_ptr<JobGroup>>(m, "JobGroup")
+      .def(py::init<double>(), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def("rank", &JobGroup::rank)
+      .def("size", &JobGroup::size)
+      .def("session", &JobGroup::session, py::arg("name"), py::call_guard<py::gil_scoped_release>())
+      .def("leave", &JobGroup::leave, py::call_guard<py::gil_scoped_release>());
   m.def("backends", [] { return cpsim::backend_names(); });
 }

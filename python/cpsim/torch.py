@@ -16,6 +16,8 @@ timeout with cpsim's one-line error naming each rank's call. send and recv are
 paired: a recv whose sender stopped or never sends, a size or dtype that
 differs, or a send no recv takes is a named error too.
 """
+import atexit
+import sys
 import threading
 
 import torch
@@ -128,3 +130,74 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
     if unreceived:
         raise CollectiveError(unreceived)
     return results
+
+
+_job = None      # this process's rank of its job (init_process_group)
+_session = None  # the program's session of it: the default group
+
+
+def init_process_group(timeout=20.0):
+    """Makes this process one rank of the job `cpsim launch -n N -- python3 SCRIPT`
+    started (or torchrun, Slurm, Open MPI, with CPSIM_STORE naming the store) and
+    the default torch.distributed group a cpsim group over the job's Gloo
+    transport: every call is checked across the processes, so a rank that skips a
+    collective, calls another one or another size, raises, or never arrives ends
+    every rank within `timeout` with cpsim's one-line error. Returns the group.
+    (send and recv between processes are not supported: spawn() has them.)"""
+    global _job, _session
+    if _job is not None:
+        raise RuntimeError("cpsim.torch.init_process_group: this process already joined its job")
+    _job = _C.JobGroup(float(timeout))
+    _session = _job.session("")
+    pg = _session.process_group()
+    # torch's own store stays in this process: the processes met in cpsim's store
+    # when the job was joined, so torch's store-based barrier after init (which
+    # counts the ranks in its store) is told that every rank is there.
+    local = dist.HashStore()
+
+    def create(store, rank, size, timeout):
+        local.add("store_based_barrier_key:%d" % c10d._group_count, size - 1)
+        return pg
+
+    if hasattr(dist.Backend, "CPSIM"):
+        dist.Backend.CPSIM = create
+    else:
+        dist.Backend.register_backend("cpsim", create)
+    dist.init_process_group("cpsim", store=local, rank=_job.rank(), world_size=_job.size())
+    atexit.register(_finish_job)
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        # The program raised: every peer learns it (a rank that only relays
+        # cpsim's report of what the ranks did prints that one line).
+        session = _session
+        if session is not None:
+            reported = isinstance(value, CollectiveError) or (
+                isinstance(value, RuntimeError) and session.collective_failed())
+            session.fail("%s: %s" % (kind.__name__, value))
+            if reported:
+                sys.stderr.write("rank %d: %s\n" % (_job.rank(), value))
+                return
+        previous(kind, value, traceback)
+
+    sys.excepthook = excepthook
+    return pg
+
+
+def _finish_job():
+    global _job, _session
+    job, session, _job, _session = _job, _session, None, None
+    if job is None:
+        return
+    try:
+        session.finish()  # a peer still in a call learns that this rank returned
+        job.leave()
+    except Exception as e:  # noqa: BLE001 - atexit cannot raise: say it and fail the exit status
+        sys.stderr.write("rank %d: %s\n" % (job.rank(), e))
+        sys.stderr.flush()
+        import os
+        os._exit(1)
+
+
+# The property harness (cpsim/harness.py): cpsim.torch.check(step, ...).
+from cpsim.harness import CheckFailed, RankCase, check  # noqa: E402,F401

@@ -91,6 +91,28 @@ void ProcessJob::expect_same(std::uint64_t fingerprint) {
                   " a different job than rank 0: the command line or the batch files differ");
 }
 
+ProcessJob::Session::Session(std::shared_ptr<GlooRank> rank, std::unique_ptr<Communicator> comm)
+    : rank_(std::move(rank)), comm_(std::move(comm)) {}
+
+ProcessJob::Session::~Session() = default;
+
+void ProcessJob::Session::finish() {
+  rank_->finish();
+  if (rank_->broken()) throw Aborted(rank_->broken_reason());
+}
+
+void ProcessJob::Session::fail(const std::string& what) noexcept { rank_->fail(what); }
+
+std::unique_ptr<ProcessJob::Session> ProcessJob::open_session(const std::string& name,
+                                                              std::chrono::milliseconds timeout,
+                                                              const JobTransport& transport) {
+  if (!failure_.empty()) throw Aborted("the job stopped at an earlier failure: " + failure_);
+  std::shared_ptr<GlooRank> g = name.empty() ? all_ : connect(config_.size, "session/" + name);
+  g->begin(timeout);
+  std::unique_ptr<Communicator> comm = transport(g, config_.size);
+  return std::make_unique<Session>(std::move(g), std::move(comm));
+}
+
 [[noreturn]] void ProcessJob::fail(const std::string& why) {
   failure_ = why;
   // Peers that wait on this process (ranks sitting a run out) learn at once.

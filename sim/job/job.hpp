@@ -62,6 +62,30 @@ class ProcessJob final : public Job {
   void run(int n, const RankFn& fn, std::chrono::milliseconds timeout, const RankOutputs& outputs,
            const JobTransport& transport) override;
 
+  // A session: this process's rank of a group of every process, held open for
+  // calls that come as a program makes them (the torch backend's process group),
+  // not for one run_ranks run. Each call is checked over the session's own side
+  // channel under `timeout`. name "" is the job's own group; any other name
+  // connects a fresh group (every process must open it), so that what fails in
+  // it (a mismatch, a rank that raised) stays in it.
+  class Session {
+   public:
+    Session(std::shared_ptr<GlooRank> rank, std::unique_ptr<Communicator> comm);
+    ~Session();
+    const std::shared_ptr<Communicator>& communicator() const { return comm_; }
+    // The program returned: a peer still in a call learns it (and this rank's
+    // finish throws the report); a transport failure throws too.
+    void finish();
+    // The program raised: peers fail with "rank R threw: what". Never throws.
+    void fail(const std::string& what) noexcept;
+
+   private:
+    std::shared_ptr<GlooRank> rank_;
+    std::shared_ptr<Communicator> comm_;
+  };
+  std::unique_ptr<Session> open_session(const std::string& name, std::chrono::milliseconds timeout,
+                                        const JobTransport& transport);
+
   // Every process must run the same job: same command, same batch bytes. Each
   // passes a fingerprint of its own; throws InvalidInput naming the ranks that
   // differ from rank 0 (say, a batch file that changed on one host), on every

@@ -1,6 +1,8 @@
 """The torch.distributed backend on cpsim's ranks (cpsim.torch.spawn): every
 collective torch code calls lands on cpsim's communicators, bitwise, and a
 choreography mistake is a named error in under the timeout, never a hang."""
+import os
+import sys
 import time
 
 import pytest
@@ -156,3 +158,33 @@ def test_send_and_recv_of_different_sizes_or_a_send_nobody_takes_are_named():
     with pytest.raises(ct.CollectiveError) as e:
         ct.spawn(unreceived, 2, timeout=5)
     assert "a send no recv took" in str(e.value) and "tag 3" in str(e.value), str(e.value)
+
+
+# Ranks as processes: cpsim launch -n N -- python3 job_script.py MODE, each calling
+# cpsim.torch.init_process_group().
+def _launch(mode, n=3, timeout=10):
+    import subprocess
+    binary = os.environ.get("CPSIM_BINARY")
+    if not binary:
+        pytest.skip("CPSIM_BINARY (the cpsim executable) is not set: run through CTest")
+    script = os.path.join(os.path.dirname(__file__), "job_script.py")
+    env = dict(os.environ, JOB_TIMEOUT=str(timeout))
+    start = time.monotonic()
+    p = subprocess.run([binary, "launch", "-n", str(n), "--", sys.executable, script, mode], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    return p.returncode, p.stdout.decode(), time.monotonic() - start
+
+
+def test_processes_of_a_launch_run_torch_collectives_on_cpsim():
+    rc, out, _ = _launch("collectives")
+    assert rc == 0, out
+    assert all("rank %d: collectives agree" % r in out for r in range(3)), out
+
+
+@pytest.mark.parametrize("mode,words", [("skip", ["rank 1", "all_reduce"]), ("raise", ["rank 2", "ValueError"]),
+                                        ("sizes", ["all_gather"]), ("send", ["does not support send"])])
+def test_processes_that_disagree_end_in_a_named_error_not_a_hang(mode, words):
+    rc, out, took = _launch(mode, timeout=10)
+    assert rc != 0, out
+    assert took < 60, (took, out)
+    assert all(w in out for w in words), (words, out)

@@ -1,0 +1,407 @@
+"""cpsim.torch.check: property-test a user's per-rank PyTorch CP step.
+
+    def step(case):                      # runs on every rank, as that rank
+        local = my_shard_batch(case.batch, case.rank, case.cp, case.pad_token_id)
+        return {"batch": local, "gathered": my_gather_sequence(case.x)}
+    cpsim.torch.check(step, cases=200, max_cp=8)
+
+cpsim's generators draw the layouts (random ones, or the members of a family
+file); for each, cpsim's references (never the code under test) give every
+rank's expected values, the ranks run `step` on a simulated group (torch
+collectives land on cpsim's communicators, call-checked), and what the step
+returned is compared with the expected values, forward and backward. A failure
+is shrunk to the smallest layout and raised as CheckFailed (an AssertionError,
+so a plain pytest test reports it), with the layout as a BATCH file that
+`cpsim check` replays.
+
+What the step may return (any subset; each is compared when present):
+
+  "batch"          dict: the local batch after sharding (every key cpsim's
+                   shard_batch gives: the batch's keys padded to P and cut,
+                   input_ids global unless shard_primary, padding_mask and
+                   position_ids)
+  "doc_ids"        [B, P] global document ids (i + 1 on document i's span, 0 on
+                   padding beyond the documents)
+  "local_doc_ids"  [B, L] this rank's slice of them
+  "cu_seqlens"     one 1-D tensor per row: the boundaries of the runs of equal
+                   local doc ids, [0, ..., L]
+  "gathered"       [B, P, C] gather_sequence(case.x); its gradient to case.x is
+                   checked for the upstream gradient of this rank
+  "halo"           [B, L + W - 1, C] convolution_history(case.x, W); its gradient
+                   to case.x is checked for the conv's gradient of the window
+  "attention_o"    [B, L, H, D] document-masked causal attention of case.q over
+                   the gathered case.k, case.v after RoPE by position (scale
+                   case.softmax_scale, base case.rope_base; 0 for a query that
+                   sees no key); gradients to case.q, case.k, case.v checked
+
+Gradients are taken in that order on every rank, one autograd.grad per output,
+as a training step's backward would: a rank whose output has no path to a
+collective (no anchor) skips that collective's backward, and its peers' wait is
+reported by name, never a hang.
+"""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+
+import torch
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+OUTPUTS = ("batch", "doc_ids", "local_doc_ids", "cu_seqlens", "gathered", "halo", "attention_o")
+
+
+class CheckFailed(AssertionError):
+    """The step disagreed with cpsim's references. `batch` is the smallest failing
+    layout as BATCH JSON text, `path` where it was saved, `cp` the CP size,
+    `failure` what went wrong."""
+
+    def __init__(self, message, failure, batch, path, cp, plan):
+        super().__init__(message)
+        self.failure, self.batch, self.path, self.cp, self.plan = failure, batch, path, cp, plan
+
+
+def load_safetensors(path):
+    """A safetensors file as {key: torch tensor} (copies: the step may write to them)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    body = bytearray(data[8 + n:])
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        dtype = _DTYPES[entry["dtype"]]
+        if end == begin:
+            out[key] = torch.empty(entry["shape"], dtype=dtype)
+        else:
+            out[key] = torch.frombuffer(body[begin:end], dtype=dtype).reshape(entry["shape"]).clone()
+    return out
+
+
+class RankCase:
+    """What one rank's step gets: the raw batch as the packer gave it (global
+    [B, S] tensors, this rank's own copy), the CP geometry, and this rank's
+    shards of the activations (leaves that require grad)."""
+
+    def __init__(self, golden, rank):
+        m = golden.manifest
+        cuts = golden.cuts
+        lo, hi = cuts[rank], cuts[rank + 1]
+        self.rank, self.cp = rank, golden.cp
+        self.batch = {k: v.clone() for k, v in golden.batch.items()}
+        self.pad_token_id = m["pad_token_id"]
+        self.conv_width = m["conv_width"]
+        self.cuts = list(cuts)  # rank r holds [cuts[r], cuts[r+1]) of the padded rows
+        self.S, self.P = m["S"], m["P"]
+        self.shard_primary = m.get("shard_primary", False)
+        self.softmax_scale, self.rope_base = m["softmax_scale"], m["rope_base"]
+
+        def leaf(key):
+            return golden.inputs[key][:, lo:hi].clone().requires_grad_(True)
+
+        self.x = leaf("x")
+        self.q, self.k, self.v = leaf("attention_q"), leaf("attention_k"), leaf("attention_v")
+
+    def __repr__(self):
+        return "RankCase(rank=%d, cp=%d, S=%d, P=%d)" % (self.rank, self.cp, self.S, self.P)
+
+
+class _Golden:
+    def __init__(self, folder):
+        with open(os.path.join(folder, "manifest.json")) as f:
+            self.manifest = json.load(f)
+        m = self.manifest
+        self.cp = m["cp"]
+        self.cuts = m.get("cuts") or [r * m["L"] for r in range(self.cp + 1)]
+        self.inputs = load_safetensors(os.path.join(folder, "inputs.safetensors"))
+        self.reference = load_safetensors(os.path.join(folder, "reference.safetensors"))
+        self.ranks = [load_safetensors(os.path.join(folder, "rank_%d.safetensors" % r)) for r in range(self.cp)]
+        self.batch = {k.split(".", 1)[1]: v for k, v in self.inputs.items()
+                      if k.startswith("inputs.") or k.startswith("stand_in.")}
+
+    def tolerance(self, file, key):
+        return self.manifest["files"][file][key]["tolerance"] or 0.0
+
+
+def _difference(name, got, want, tolerance):
+    """'' when got matches want (bitwise, or within the relative RMSE), else why not."""
+    if not isinstance(got, torch.Tensor):
+        try:
+            got = torch.as_tensor(got)
+        except Exception as e:  # noqa: BLE001 - reported as the step's mistake
+            return "%s: not a tensor (%s)" % (name, e)
+    got = got.detach()
+    if tuple(got.shape) != tuple(want.shape):
+        return "%s: shape %s, expected %s" % (name, list(got.shape), list(want.shape))
+    if want.is_floating_point() and tolerance > 0:
+        w, g = want.double(), got.double()
+        den = w.square().mean().sqrt().item() if w.numel() else 0.0
+        num = (w - g).square().mean().sqrt().item() if w.numel() else 0.0
+        err = 0.0 if num == 0 else (float("inf") if den == 0 else num / den)
+        if not err <= tolerance:
+            off = (~((w - g).abs() <= tolerance * max(den, 1e-300))).nonzero()
+            at = [int(i) for i in off[0]] if len(off) else []
+            return "%s: relative RMSE %.3g > %.3g; first differs at %s: %r, expected %r" % (
+                name, err, tolerance, at, g[tuple(at)].item() if at else None, w[tuple(at)].item() if at else None)
+        return ""
+    g = got.to(want.dtype) if got.dtype != want.dtype and not want.is_floating_point() else got
+    wrong = (g != want).nonzero() if g.dtype == want.dtype else None
+    if wrong is None:
+        return "%s: dtype %s, expected %s" % (name, got.dtype, want.dtype)
+    if len(wrong):
+        at = tuple(int(i) for i in wrong[0])
+        return "%s: %d wrong elements, first at %s: %r, expected %r" % (
+            name, len(wrong), list(at), g[at].item(), want[at].item())
+    return ""
+
+
+def _run_rank(golden, step, rank):
+    """One rank: the step, then its outputs' comparisons and gradients, in the
+    same order on every rank. Returns the first difference ('' when none)."""
+    case = RankCase(golden, rank)
+    out = step(case)
+    if not isinstance(out, dict):
+        raise TypeError("the step returned %s, not a dict of outputs" % type(out).__name__)
+    unknown = sorted(set(out) - set(OUTPUTS))
+    if unknown:
+        raise ValueError("the step returned %s; cpsim.torch.check compares %s" % (unknown, list(OUTPUTS)))
+    mine = golden.ranks[rank]
+    rfile = "rank_%d.safetensors" % rank
+    found = []
+
+    def against(name, got, key, file=rfile, want=None):
+        want = mine[key] if want is None else want
+        why = _difference("rank %d %s" % (rank, name), got, want, golden.tolerance(file, key))
+        if why:
+            found.append(why)
+
+    if "batch" in out:
+        local = out["batch"]
+        for key in sorted(k for k in mine if k.startswith("batch.")):
+            name = key[len("batch."):]
+            if name not in local:
+                found.append("rank %d batch: no %s (shard_batch gives %s)" % (
+                    rank, name, sorted(k[6:] for k in mine if k.startswith("batch."))))
+            else:
+                against("batch " + name, local[name], key)
+    if "doc_ids" in out:
+        against("doc_ids", out["doc_ids"], "doc_ids", "reference.safetensors", golden.reference["doc_ids"])
+    if "local_doc_ids" in out:
+        against("local_doc_ids", out["local_doc_ids"], "local_doc_ids")
+    if "cu_seqlens" in out:
+        rows = [k for k in mine if k.startswith("row_cu_seqlens.")]
+        if len(out["cu_seqlens"]) != len(rows):
+            found.append("rank %d cu_seqlens: %d rows, expected %d" % (rank, len(out["cu_seqlens"]), len(rows)))
+        else:
+            for b, cu in enumerate(out["cu_seqlens"]):
+                key = "row_cu_seqlens.%d" % b
+                against("cu_seqlens[%d]" % b, torch.as_tensor(cu).to(mine[key].dtype), key)
+
+    lo, hi = golden.cuts[rank], golden.cuts[rank + 1]
+
+    def backward(name, output, leaves, upstream, expected):
+        """This rank's part of the output's backward (collectives included)."""
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            # No path back from this output: a training step would not run its
+            # backward here, and neither does the harness.
+            for leaf, key in zip(leaves, expected):
+                if mine[key].abs().sum() != 0:
+                    found.append("rank %d %s: no gradient reaches the inputs (the output does not require grad)"
+                                 % (rank, name))
+                    break
+            return
+        grads = torch.autograd.grad(output, leaves, grad_outputs=upstream, retain_graph=True, allow_unused=True)
+        for leaf, grad, key in zip(leaves, grads, expected):
+            against("%s gradient (%s)" % (name, key), torch.zeros_like(leaf) if grad is None else grad, key)
+
+    if "gathered" in out:
+        against("gathered", out["gathered"], "gathered")
+        backward("gathered", out["gathered"], [case.x], golden.inputs["gather_grad.%d" % rank], ["gather_grad_x"])
+    if "halo" in out:
+        against("halo", out["halo"], "halo")
+        backward("halo", out["halo"], [case.x], mine["halo_grad"], ["conv_dx"])
+    if "attention_o" in out:
+        against("attention_o", out["attention_o"], "attention_o")
+        backward("attention_o", out["attention_o"], [case.q, case.k, case.v],
+                 golden.inputs["attention_grad_o"][:, lo:hi],
+                 ["attention_dq", "attention_dk", "attention_dv"])
+    return found[0] if found else ""
+
+
+def _verdict(folder, step, backend, timeout):
+    from cpsim import torch as ct  # the spawn (cpsim.torch imports this module)
+    golden = _Golden(folder)
+    try:
+        found = ct.spawn(lambda rank, world: _run_rank(golden, step, rank), golden.cp, backend=backend,
+                         timeout=timeout)
+    except ct.RankFailed as e:
+        return "rank %d raised %s" % (e.rank, str(e).split(": ", 1)[1])
+    except ct.CollectiveError as e:
+        return "the ranks' calls did not match: %s" % e
+    return next((f for f in found if f), "")
+
+
+def _exchange(text, group):
+    """Every process's text, over the job's own group (a length, then the bytes as int64)."""
+    import torch.distributed as dist
+    world = dist.get_world_size(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([data.numel()]), group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.int64)
+    padded[:data.numel()] = data
+    parts = [torch.zeros(longest, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [bytes(p[:int(n)].tolist()).decode() for p, n in zip(parts, lengths)]
+
+
+def _job_verdict(folder, step, case_number):
+    """One case in a job: this process runs its rank of the step on a fresh group
+    of every process; the verdicts of all processes are agreed over the job's
+    own group, so every process's generator takes the same branch."""
+    from cpsim import torch as ct
+    job, main = ct._job, ct._session.process_group()
+    rank = job.rank()
+    golden = _Golden(folder)
+    session = job.session("case%d" % case_number)
+    pg = session.process_group()
+    ct._local.pg = pg
+    ct.c10d._pg_group_ranks[pg] = {r: r for r in range(golden.cp)}
+    own, why = False, ""
+    try:
+        why = _run_rank(golden, step, rank)
+        session.finish()  # a peer still in a call learns that this rank returned
+    except BaseException as e:  # noqa: B902 - every failure is this case's verdict
+        if session.collective_failed() or isinstance(e, ct.CollectiveError):
+            why = "the ranks' calls did not match: %s" % e
+        else:
+            own, why = True, "rank %d raised %s: %s" % (rank, type(e).__name__, e)
+            session.fail("%s: %s" % (type(e).__name__, e))
+    finally:
+        ct._local.pg = None
+        ct.c10d._pg_group_ranks.pop(pg, None)
+    verdicts = _exchange(("1" if own else "0") + why, main)
+    del session
+    # A rank's own exception first (its peers' reports are its consequence).
+    for v in verdicts:
+        if v[:1] == "1":
+            return v[1:]
+    return next((v[1:] for v in verdicts if v[1:]), "")
+
+
+def _cpsim_binary():
+    binary = os.environ.get("CPSIM_BINARY")
+    if binary:
+        return binary
+    try:
+        from cpsim._build import CPSIM_BINARY  # written by the build
+        return CPSIM_BINARY
+    except ImportError:
+        return shutil.which("cpsim") or "cpsim"
+
+
+def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backend="threads", timeout=20.0,
+          conv_width=4, shard_primary=False, out=None):
+    """Property-tests `step(case) -> dict` (see the module's text) on `cases`
+    layouts drawn by cpsim at CP 1..max_cp (a family file's members when
+    `family` names one), every case on a simulated group of `backend` (threads
+    or gloo). `plan`: how the ranks cut the padded rows: equal (the default:
+    what an equal-interval implementation expects), balanced, or random (drawn
+    cuts, empty intervals included: the step must follow case.cuts). Returns
+    the number of cases run; raises CheckFailed with the smallest failing
+    layout, saved as a BATCH file to `out` (default: a file in the temporary
+    folder).
+
+    In a process of a job (after cpsim.torch.init_process_group(), under
+    `cpsim launch -n N`), every case runs at CP size N, this process being its
+    rank, on a fresh group of the processes (`backend` and `timeout` are the
+    job's); every process must call check() with the same arguments.
+
+    The layouts come from `cpsim harness` (the cpsim executable: CPSIM_BINARY,
+    else the build's, else cpsim on the PATH), which draws and shrinks them
+    with RapidCheck and writes each case's expected values."""
+    if plan not in ("equal", "balanced", "random"):
+        raise ValueError("plan: equal, balanced or random, not %r" % (plan,))
+    from cpsim import torch as ct
+    in_job = ct._job is not None
+    if in_job:
+        # A process of a job (init_process_group): every case at the job's size,
+        # each process its rank; every process draws the same cases (one seed).
+        import torch.distributed as dist
+        chosen = torch.tensor([int.from_bytes(os.urandom(6), "little") if seed is None else int(seed)])
+        dist.broadcast(chosen, src=0, group=ct._session.process_group())
+        seed, max_cp = int(chosen), ct._job.size()
+        ct._install()  # each case's group is this thread's default group while it runs
+    workdir = tempfile.mkdtemp(prefix="cpsim-check-")
+    command = [_cpsim_binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--max-cp",
+               str(int(max_cp)), "--plan", plan, "--conv-width", str(int(conv_width))]
+    if in_job:
+        command += ["--cp", str(int(max_cp))]
+    if family:
+        command += ["--family", family]
+    if seed is not None:
+        command += ["--seed", str(int(seed))]
+    if shard_primary:
+        command += ["--shard-primary"]
+    try:
+        generator = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     universal_newlines=True, bufsize=1)
+        last_failure = None  # the last failing verdict is the smallest failure's, whole
+        number = 0
+        try:
+            for line in generator.stdout:
+                line = line.rstrip("\n")
+                if line == "done":
+                    break
+                if not line.startswith("case "):
+                    raise RuntimeError("cpsim harness said %r" % line)
+                number += 1
+                why = (_job_verdict(line[len("case "):], step, number) if in_job
+                       else _verdict(line[len("case "):], step, backend, timeout))
+                if why:
+                    last_failure = why
+                # One line back: the verdict's first line leads, the rest joined.
+                generator.stdin.write(("fail " + " | ".join(why.splitlines())) + "\n" if why else "ok\n")
+                generator.stdin.flush()
+        except BaseException:
+            generator.kill()
+            generator.wait()
+            raise
+        generator.stdin.close()
+        errors = generator.stderr.read()
+        code = generator.wait()
+        if code not in (0, 1):
+            raise RuntimeError("cpsim harness exited %d: %s" % (code, errors.strip()))
+        with open(os.path.join(workdir, "result.json")) as f:
+            result = json.load(f)
+        if result["ok"]:
+            return result["ran"]
+        if last_failure is not None:
+            result["failure"] = last_failure
+        if "batch" not in result:
+            raise CheckFailed("cpsim.torch.check: %s" % result["report"], result["failure"], None, None, None, plan)
+        path = out or os.path.join(tempfile.gettempdir(), "cpsim-counterexample-%d.json" % os.getpid())
+        with open(path, "w") as f:
+            f.write(result["batch"])
+        replay = "cpsim check %s --cp %d" % (path, result["cp"])
+        if result["cuts"] is not None:
+            with open(path + ".plan.json", "w") as f:
+                json.dump({"cuts": result["cuts"]}, f)
+            replay += " --plan %s.plan.json" % path
+        elif result["plan"] != "equal":
+            replay += " --plan " + result["plan"].split(":")[0]
+        message = ("cpsim.torch.check: %s\nsmallest failing layout (cp=%d, plan %s), saved to %s:\n%s"
+                   "\nreplay the references with: %s" % (result["failure"], result["cp"], result["plan"], path,
+                                                         json.dumps(json.loads(result["batch"])), replay))
+        raise CheckFailed(message, result["failure"], result["batch"], path, result["cp"], result["plan"])
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if in_job:
+            ct._uninstall()

@@ -1,0 +1,20 @@
+"""One rank of `cpsim launch -n N -- python3 job_harness.py VARIANT`: the example
+CP step under cpsim.torch.check with ranks as processes."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torch"))
+import cp_step  # noqa: E402
+
+import cpsim.torch as ct  # noqa: E402
+
+variant = sys.argv[1]
+cases = int(sys.argv[2])
+ct.init_process_group(timeout=10)
+step = cp_step.step if variant == "faithful" else cp_step.VARIANTS[variant]
+try:
+    n = ct.check(step, cases=cases, seed=11)
+    print("rank %d: %d layouts hold at cp %d" % (ct._job.rank(), n, ct._job.size()))
+except ct.CheckFailed as e:
+    print("rank %d: %s" % (ct._job.rank(), str(e).splitlines()[0]))
+    sys.exit(1)

@@ -1,0 +1,43 @@
+"""One rank of a job that `cpsim launch -n N -- python3 job_script.py MODE` starts
+(tests/python/test_torch_backend.py): torch.distributed calls on the cpsim
+backend across processes."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import cpsim.torch as ct
+
+mode = sys.argv[1]
+ct.init_process_group(timeout=float(os.environ.get("JOB_TIMEOUT", "10")))
+rank, world = dist.get_rank(), dist.get_world_size()
+assert dist.get_backend() == "cpsim", dist.get_backend()
+x = torch.arange(3, dtype=torch.float64) + 10 * rank
+if mode == "collectives":
+    out = torch.empty(3 * world, dtype=torch.float64)
+    dist.all_gather_into_tensor(out, x)
+    assert torch.equal(out, torch.cat([torch.arange(3, dtype=torch.float64) + 10 * r for r in range(world)])), out
+    summed = x.clone()
+    dist.all_reduce(summed)
+    assert torch.equal(summed, torch.arange(3, dtype=torch.float64) * world + 10 * sum(range(world))), summed
+    mine = torch.empty(2)
+    dist.reduce_scatter_tensor(mine, torch.arange(2 * world, dtype=torch.float32) * (rank + 1))
+    total = sum(r + 1 for r in range(world))
+    assert torch.equal(mine, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * total), mine
+    b = torch.tensor([rank])
+    dist.broadcast(b, src=world - 1)
+    assert b.item() == world - 1
+    dist.barrier()
+    print("rank %d: collectives agree" % rank)
+elif mode == "skip":
+    if rank != 1:  # rank 1 returns without the all_reduce its peers enter
+        dist.all_reduce(x)
+elif mode == "raise":
+    if rank == world - 1:
+        raise ValueError("the step of rank %d broke" % rank)
+    dist.all_reduce(x)
+elif mode == "sizes":
+    dist.all_gather_into_tensor(torch.empty(world * (2 + rank)), torch.ones(2 + rank))
+elif mode == "send":
+    dist.send(x, dst=(rank + 1) % world)

@@ -1,0 +1,153 @@
+"""The Python property harness (cpsim.torch.check) on the example CP step of
+examples/torch/cp_step.py: the faithful step holds at CP 1-8 on every backend,
+and each planted bug is reported (a shrunk counterexample, or the collective the
+other ranks wait in, named in under the timeout)."""
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import cpsim.torch as ct
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torch"))
+import cp_step  # noqa: E402
+
+CASES = int(os.environ.get("CPSIM_HARNESS_CASES", "60"))
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_the_faithful_step_holds_at_cp_1_to_8(backend):
+    assert ct.check(cp_step.step, cases=CASES, max_cp=8, backend=backend, seed=11) == CASES
+
+
+def test_the_faithful_step_holds_on_every_shipped_family():
+    families = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "families")
+    for name in sorted(os.listdir(families)):
+        with open(os.path.join(families, name)) as f:
+            low = (json.load(f).get("cp") or [1])[0]  # the family's CP range, [min, max]
+        if low > 8:
+            continue
+        assert ct.check(cp_step.step, cases=10, max_cp=8, family=os.path.join(families, name), seed=5) == 10, name
+
+
+def test_an_anchor_left_out_is_named_in_under_the_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(cp_step.VARIANTS["no_anchor"], cases=CASES, max_cp=8, seed=11, timeout=10,
+                 out=str(tmp_path / "smallest.json"))
+    assert time.monotonic() - start < 60
+    failure = e.value.failure
+    # The rank that skipped its backward stopped while its peers wait in the gather's reduce_scatter.
+    assert "reduce_scatter" in failure and "rank" in failure, failure
+    assert e.value.cp >= 2
+    assert os.path.exists(str(tmp_path / "smallest.json"))
+
+
+def test_a_halo_from_the_wrong_neighbour_is_shrunk(tmp_path):
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(cp_step.VARIANTS["wrong_neighbour"], cases=CASES, max_cp=8, seed=11,
+                 out=str(tmp_path / "smallest.json"))
+    assert "halo" in e.value.failure, e.value.failure
+    batch = json.loads(e.value.batch)
+    tokens = torch.tensor(batch["input_ids"]).numel()
+    # Shrunk: two ranks and a handful of tokens show it.
+    assert e.value.cp == 2 and tokens <= 4, (e.value.cp, batch)
+    with open(str(tmp_path / "smallest.json")) as f:
+        assert json.load(f) == batch
+
+
+def test_positions_restarted_per_rank_are_caught():
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(cp_step.VARIANTS["restart_positions"], cases=CASES, max_cp=8, seed=11)
+    assert "position_ids" in e.value.failure, e.value.failure
+    assert torch.tensor(json.loads(e.value.batch)["input_ids"]).numel() <= 4, e.value
+
+
+def test_a_wrong_gradient_alone_is_caught():
+    # Forward right, backward wrong: the gather's gradient summed over ranks but not scattered.
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return cp_step._AllGatherSequence.forward(ctx, x, 1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            full = grad.contiguous().clone()
+            torch.distributed.all_reduce(full)
+            L = full.shape[1] // torch.distributed.get_world_size()
+            return full[:, :L]  # rank 0's part on every rank
+
+    def step(case):
+        return {"gathered": Wrong.apply(case.x)}
+
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(step, cases=CASES, max_cp=8, seed=3)
+    assert "gathered gradient" in e.value.failure, e.value.failure
+
+
+def test_a_step_that_raises_or_returns_what_cpsim_does_not_compare_is_reported():
+    def raises(case):
+        if case.rank == case.cp - 1 and case.cp > 1:
+            raise KeyError("no such key")
+        return {}
+
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(raises, cases=20, max_cp=4, seed=1)
+    assert "raised KeyError" in e.value.failure and e.value.cp == 2, e.value.failure
+
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(lambda case: {"logits": case.x}, cases=5, max_cp=2, seed=1)
+    assert "logits" in e.value.failure and "compares" in e.value.failure, e.value.failure
+
+
+def test_drawn_plans_reach_a_step_that_follows_the_cuts():
+    # An equal-interval step under drawn cuts fails (it assumes equal intervals) ...
+    with pytest.raises(ct.CheckFailed):
+        ct.check(cp_step.step, cases=CASES, max_cp=4, plan="random", seed=2)
+
+    # ... while one that follows case.cuts holds.
+    def step(case):
+        lo, hi = case.cuts[case.rank], case.cuts[case.rank + 1]
+        _, doc_ids, _ = cp_step.shard_batch(case.batch, 0, 1, case.pad_token_id)
+        P = case.cuts[-1]
+        ids = torch.zeros(doc_ids.shape[0], P, dtype=torch.int64)
+        ids[:, :doc_ids.shape[1]] = doc_ids[:, :P]
+        return {"doc_ids": ids, "local_doc_ids": ids[:, lo:hi],
+                "cu_seqlens": [cp_step.segment_cu_seqlens(row) for row in ids[:, lo:hi]]}
+
+    assert ct.check(step, cases=CASES, max_cp=4, plan="random", seed=2) == CASES
+
+
+# Ranks as processes: cpsim launch -n N -- python3 job_harness.py VARIANT CASES, each
+# process calling cpsim.torch.init_process_group() and then cpsim.torch.check.
+def _launch_harness(n, variant, cases):
+    import subprocess
+    binary = os.environ.get("CPSIM_BINARY")
+    if not binary:
+        pytest.skip("CPSIM_BINARY (the cpsim executable) is not set: run through CTest")
+    script = os.path.join(os.path.dirname(__file__), "job_harness.py")
+    p = subprocess.run([binary, "launch", "-n", str(n), "--", sys.executable, script, variant, str(cases)],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    return p.returncode, p.stdout.decode()
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_the_faithful_step_holds_with_ranks_as_processes(n):
+    rc, out = _launch_harness(n, "faithful", 8)
+    assert rc == 0, out
+    assert all("rank %d: 8 layouts hold at cp %d" % (r, n) in out for r in range(n)), out
+
+
+@pytest.mark.parametrize("variant,words", [
+    ("no_anchor", ["calls did not match", "reduce_scatter", "returned"]),
+    ("wrong_neighbour", ["halo"]),
+    ("restart_positions", ["position_ids"])])
+def test_each_planted_bug_is_reported_with_ranks_as_processes(variant, words):
+    start = time.monotonic()
+    rc, out = _launch_harness(3, variant, 40)
+    assert rc == 1, out
+    assert time.monotonic() - start < 120, out
+    assert all(w in out for w in words), (words, out)
