@@ -276,8 +276,46 @@ class ProcessGroupCpsim : public c10d::ProcessGroup {
     return done();
   }
 
+  // What cpsim's communicators do not have: a typed error (cpsim.torch's
+  // Unsupported, a NotImplementedError), never torch's generic one.
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>&,
+                                                     const c10d::AllreduceCoalescedOptions&) override {
+    throw unsupported("all_reduce_coalesced");
+  }
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>&, const c10d::ReduceOptions&) override {
+    throw unsupported("reduce");
+  }
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>&, std::vector<at::Tensor>&,
+                                                     const c10d::AllgatherOptions&) override {
+    throw unsupported("all_gather_coalesced");
+  }
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>&, std::vector<at::Tensor>&,
+                                        const c10d::GatherOptions&) override {
+    throw unsupported("gather");
+  }
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>&, std::vector<std::vector<at::Tensor>>&,
+                                         const c10d::ScatterOptions&) override {
+    throw unsupported("scatter");
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor&, at::Tensor&, std::vector<int64_t>&, std::vector<int64_t>&,
+                                               const c10d::AllToAllOptions&) override {
+    throw unsupported("all_to_all_single");
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>&, std::vector<at::Tensor>&,
+                                          const c10d::AllToAllOptions&) override {
+    throw unsupported("all_to_all");
+  }
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
+    throw unsupported("recv from any source");
+  }
+
  private:
   c10::intrusive_ptr<c10d::Work> done() { return c10::make_intrusive<DoneWork>(getRank()); }
+  static Unsupported unsupported(const char* op) {
+    return Unsupported(std::string("cpsim does not support ") + op +
+                       " (its communicators have all_gather, reduce_scatter, all_reduce, broadcast, barrier and "
+                       "send/recv)");
+  }
   void expect_mailbox(const char* op) const {
     if (!mailbox_)
       throw Unsupported(std::string("cpsim does not support ") + op +

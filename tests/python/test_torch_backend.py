@@ -188,3 +188,25 @@ def test_processes_that_disagree_end_in_a_named_error_not_a_hang(mode, words):
     assert rc != 0, out
     assert took < 60, (took, out)
     assert all(w in out for w in words), (words, out)
+
+
+def test_what_cpsim_does_not_have_is_a_typed_error():
+    def step(rank, world):
+        x = torch.ones(world)
+        calls = {
+            "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(world), x),
+            "reduce": lambda: dist.reduce(x, dst=0),
+            "gather": lambda: dist.gather(x, [torch.empty(world) for _ in range(world)] if rank == 0 else None, dst=0),
+            "scatter": lambda: dist.scatter(x, [torch.ones(world) for _ in range(world)] if rank == 0 else None, src=0),
+        }
+        said = {}
+        for name, call in calls.items():
+            try:
+                call()
+            except NotImplementedError as e:  # cpsim.torch's Unsupported
+                said[name] = str(e)
+        return said
+
+    for said in ct.spawn(step, 2):
+        assert sorted(said) == ["all_to_all_single", "gather", "reduce", "scatter"], said
+        assert all(("cpsim does not support " + name) in text for name, text in said.items()), said
