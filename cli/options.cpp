@@ -62,7 +62,23 @@ Parsed parse_options(int argc, char** argv) {
   Options o;
   CLI::App app{"cpsim: verify contiguous context parallelism over packed sequences"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", kVersion);
+  // The version, and what each backend can do here (gpu-check reads the GPU count
+  // from the nccl line: CUDA's device count, which honours CUDA_VISIBLE_DEVICES).
+  app.set_version_flag("--version", [] {
+    std::string out = kVersion;
+    out += "\nbackends:";
+    for (const std::string& name : backend_names()) {
+      const Backend& b = find_backend(name);
+      out += "\n  " + name + ": ";
+      if (const auto why = b.unavailable()) {
+        out += "unavailable: " + *why;
+        continue;
+      }
+      const auto [most, why] = b.max_ranks();
+      out += most > 0 ? "up to " + std::to_string(most) + " ranks in one process (" + why + ")" : "available";
+    }
+    return out;
+  });
   app.footer("Run 'cpsim COMMAND --help' for a command's options and an example.");
   // Every option's help shows its default ([20] after --timeout, say).
   app.option_defaults()->always_capture_default();

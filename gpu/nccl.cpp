@@ -12,8 +12,10 @@
 // NCCL's sums follow its rings and trees, not rank order: the capability says so.
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -57,6 +59,15 @@ struct NcclRank {
   int device = 0;
   cudaStream_t stream = nullptr;
   std::string aborted;
+  // Recorded around each collective: the watchdog's clock starts when `started`
+  // is reached (work queued before the call is not the call), and the call is
+  // done when `ended` is (work queued after it is not either).
+  cudaEvent_t started = nullptr, ended = nullptr;
+  void events() {
+    if (started) return;
+    CPSIM_CUDA(cudaEventCreateWithFlags(&started, cudaEventDisableTiming));
+    CPSIM_CUDA(cudaEventCreateWithFlags(&ended, cudaEventDisableTiming));
+  }
 };
 
 class NcclTransport final : public Communicator {
@@ -100,17 +111,33 @@ class NcclTransport final : public Communicator {
   template <class F>
   void run(const char* what, CallOptions o, F&& enqueue) {
     if (!r_->aborted.empty()) throw Aborted("the nccl communicator was aborted: " + r_->aborted);
+    r_->events();
+    CPSIM_CUDA(cudaEventRecord(r_->started, r_->stream));
     const ncclResult_t r = enqueue();
     if (r != ncclSuccess && r != ncclInProgress)
       abort(std::string("rank ") + std::to_string(rank_) + ": " + what + " failed to start: " + ncclGetErrorString(r));
+    CPSIM_CUDA(cudaEventRecord(r_->ended, r_->stream));
     watch(what, o.timeout_or(timeout_));
   }
 
-  // The watchdog: the call completes, or its communicator is aborted and the call fails.
+  // The watchdog: the call completes, or its communicator is aborted and the call
+  // fails. The limit counts from the moment the stream reaches the call.
   void watch(const char* what, std::chrono::milliseconds limit) {
-    const auto deadline = Clock::now() + limit;
+    std::optional<Clock::time_point> deadline;
+    // Work queued before the call may run long, but not forever.
+    const auto reach_by = Clock::now() + 10 * limit;
     for (int spins = 0;; ++spins) {
-      const cudaError_t q = cudaStreamQuery(r_->stream);
+      if (!deadline && Clock::now() > reach_by)
+        abort("timeout: rank " + std::to_string(rank_) + "'s stream did not reach " + what + " within " +
+              std::to_string(10 * limit.count()) + " ms: the work queued before it did not finish");
+      if (!deadline) {
+        const cudaError_t s = cudaEventQuery(r_->started);
+        if (s == cudaSuccess) deadline = Clock::now() + limit;
+        else if (s != cudaErrorNotReady)
+          abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error before " + what + ": " +
+                cudaGetErrorString(s));
+      }
+      const cudaError_t q = cudaEventQuery(r_->ended);
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady)
         abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error in " + what + ": " + cudaGetErrorString(q));
@@ -118,7 +145,7 @@ class NcclTransport final : public Communicator {
       (void)ncclCommGetAsyncError(r_->comm, &async);
       if (async != ncclSuccess && async != ncclInProgress)
         abort(std::string("rank ") + std::to_string(rank_) + ": NCCL error in " + what + ": " + ncclGetErrorString(async));
-      if (Clock::now() > deadline)
+      if (deadline && Clock::now() > *deadline)
         abort("timeout: rank " + std::to_string(rank_) + " waited " + std::to_string(limit.count()) + " ms for " + what +
               " on nccl; every rank had agreed to run it (the call check passed), so a peer stopped inside it");
       if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -229,7 +256,13 @@ std::unique_ptr<Communicator> job_transport(const std::shared_ptr<SideChannel>& 
     std::lock_guard<std::mutex> lock(job_mutex);
     r = job_ranks[n];
   }
-  if (!r || !r->aborted.empty()) {
+  // Every rank rebuilds, or none: a rank whose own communicator is fine must not
+  // keep it while a peer that aborted makes a new one (the two would never meet).
+  const std::uint8_t mine = (!r || !r->aborted.empty()) ? 1 : 0;
+  std::vector<std::uint8_t> all(static_cast<std::size_t>(n));
+  side->all_gather_bytes(&mine, all.data(), 1);
+  if (std::find(all.begin(), all.end(), 1) != all.end()) {
+    if (r && r->comm) (void)ncclCommAbort(r->comm);
     r = std::make_shared<NcclRank>();
     r->device = local_device(side->rank());
     r->stream = rank_stream(r->device, 0);

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <vector>
 #include <utility>
 
 #include "core/device.hpp"
@@ -53,10 +54,15 @@ void use_device(int device) {
 // allocator does.
 class CudaRuntime final : public DeviceRuntime {
  public:
+  // From the pool of the tensor's own device (cudaMallocAsync would take the pool
+  // of the stream's device, which is another one when a rank thread allocates for
+  // a peer).
   void* allocate(Device device, std::size_t bytes) override {
     use_device(device.index);
+    cudaMemPool_t pool;
+    CPSIM_CUDA(cudaDeviceGetDefaultMemPool(&pool, device.index));
     void* p = nullptr;
-    CPSIM_CUDA(cudaMallocAsync(&p, bytes ? bytes : 1, current_cuda_stream()));
+    CPSIM_CUDA(cudaMallocFromPoolAsync(&p, bytes ? bytes : 1, pool, current_cuda_stream()));
     return p;
   }
   void deallocate(Device device, void* ptr, std::size_t) noexcept override {
@@ -100,6 +106,21 @@ void activate_cuda() {
       CPSIM_CUDA(cudaDeviceGetDefaultMemPool(&pool, d));
       std::uint64_t keep = UINT64_MAX;
       CPSIM_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+      // Peers read these tensors directly (in-process NCCL's P2P, peer copies), and a
+      // pool's memory does not follow cudaDeviceEnablePeerAccess: open the pool to
+      // every device that can reach this one. Devices that cannot go through
+      // NCCL's own staging (and cudaMemcpyPeerAsync's), which needs no access.
+      std::vector<cudaMemAccessDesc> access;
+      for (int peer = 0; peer < probe().count; ++peer) {
+        int can = 0;
+        if (peer == d || cudaDeviceCanAccessPeer(&can, peer, d) != cudaSuccess || !can) continue;
+        cudaMemAccessDesc a{};
+        a.location.type = cudaMemLocationTypeDevice;
+        a.location.id = peer;
+        a.flags = cudaMemAccessFlagsProtReadWrite;
+        access.push_back(a);
+      }
+      if (!access.empty()) CPSIM_CUDA(cudaMemPoolSetAccess(pool, access.data(), access.size()));
     }
     static CudaRuntime runtime;
     register_device_runtime(DeviceKind::cuda, &runtime);

@@ -20,6 +20,15 @@ for b in "${bins[@]}"; do
 done
 # Libraries beyond glibc, the driver and NCCL.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libpthread\.so|libdl\.so|librt\.so|libutil\.so|libcuda\.so|libnccl\.so|libnvidia)'
+# A library ldd cannot find goes with nothing: say which, and stop (the driver and
+# NCCL come from the GPU machine, so their absence here is expected).
+missing=$(for b in "${bins[@]}"; do ldd "$build/$b" | awk -v b="$b" '/=> not found/ {print b ": " $1}'; done |
+  grep -vE ": (libcuda\.so|libnccl\.so|libnvidia)" | sort -u || true)
+if [ -n "$missing" ]; then
+  echo "gpu-bundle: libraries not found (set LD_LIBRARY_PATH to where they are, then make gpu-bundle again):" >&2
+  echo "$missing" | sed 's/^/  /' >&2
+  exit 1
+fi
 for b in "${bins[@]}"; do
   ldd "$build/$b" | awk '/=> \// {print $1, $3}' | while read -r name path; do
     [[ "$name" =~ $skip ]] && continue

@@ -117,14 +117,34 @@ TEST(CudaKernels, MovementAndSumsAreBitwiseTheHostKernels) {
     EXPECT_TRUE(h2.bitwise_equal(g2) && h2.bitwise_equal(blocks)) << "sequence_to_blocks " << dtype_name(dt);
 
     const Tensor a = random_tensor({B, L, C}, dt, 50), b = random_tensor({B, L, C}, dt, 51);
-    auto [h3, g3] = both_sides({a, b}, a, [&](const auto& k, auto& in, Tensor& out) {
+    // Each positions kernel compared on its own (a copy after an add would hide the add).
+    const auto positions = [&](const auto& k, auto& in, Tensor& out) {
       kernels::PositionCopy p;
       p.src = in[1].raw(), p.dst = out.raw(), p.rows = B, p.src_len = p.dst_len = L, p.from = 3, p.to = 5, p.n = 20;
       p.position_bytes = static_cast<std::size_t>(C) * dtype_size(dt);
-      k.add_positions(p, dt, stream());
-      k.copy_positions(p, stream());
+      return p;
+    };
+    auto [h3, g3] = both_sides({a, b}, a, [&](const auto& k, auto& in, Tensor& out) {
+      k.add_positions(positions(k, in, out), dt, stream());
     });
-    EXPECT_TRUE(h3.bitwise_equal(g3)) << "add/copy positions " << dtype_name(dt);
+    EXPECT_TRUE(h3.bitwise_equal(g3)) << "add_positions " << dtype_name(dt);
+    auto [h3c, g3c] = both_sides({a, b}, a, [&](const auto& k, auto& in, Tensor& out) {
+      k.copy_positions(positions(k, in, out), stream());
+    });
+    EXPECT_TRUE(h3c.bitwise_equal(g3c)) << "copy_positions " << dtype_name(dt);
+
+    // slice: inside the source, before it and past its end (the fill).
+    const Tensor rows = random_tensor({B, L}, dt, 52);
+    for (const std::int64_t start : {std::int64_t{0}, std::int64_t{-3}, L - 10}) {
+      const std::int64_t len = 25;
+      auto [h5, g5] = both_sides({rows}, Tensor({B, len}, dt), [&](const auto& k, auto& in, Tensor& out) {
+        kernels::Slice sl;
+        sl.src = in[0].raw(), sl.dst = out.raw(), sl.rows = B, sl.src_len = L, sl.start = start, sl.len = len;
+        sl.element_bytes = dtype_size(dt), sl.fill = 1;
+        k.slice(sl, stream());
+      });
+      EXPECT_TRUE(h5.bitwise_equal(g5)) << "slice from " << start << " " << dtype_name(dt);
+    }
 
     auto [h4, g4] = both_sides({a, b, blocks}, a, [&](const auto& k, auto& in, Tensor& out) {
       // The pointer list lives on the side that sums.
@@ -162,6 +182,36 @@ TEST(CudaKernels, LayoutKernelsAreBitwiseTheHostKernels) {
   });
   EXPECT_EQ(counts[0], counts[1]);
   EXPECT_TRUE(h3.bitwise_equal(g3)) << "segment_starts";
+
+  // doc_ids_from_starts: ids and padding, each compared on its own.
+  const std::int64_t R = 3, D = 4, len = 50;
+  Tensor starts({R, D + 1}, DType::i64), real({R, D}, DType::i64);
+  for (std::int64_t b = 0; b < R; ++b) {
+    const std::int64_t occupied[4] = {7 + b, 5, 9, 3}, used[4] = {5 + b, 5, 2, 0};
+    std::int64_t at = 0;
+    for (std::int64_t d = 0; d < D; ++d) {
+      starts.set(b * (D + 1) + d, at);
+      real.set(b * D + d, used[d]);
+      at += occupied[d];
+    }
+    starts.set(b * (D + 1) + D, at);
+  }
+  const auto doc_ids = [&](bool want_padding, const Tensor& like) {
+    return both_sides({starts, real, Tensor({R, len}, DType::i64), Tensor({R, len}, DType::b8)}, like,
+                      [&](const auto& k, auto& in, Tensor& out) {
+                        kernels::DocIds a;
+                        a.starts = static_cast<const std::int64_t*>(in[0].raw());
+                        a.real = static_cast<const std::int64_t*>(in[1].raw());
+                        a.ids = want_padding ? static_cast<std::int64_t*>(in[2].raw()) : static_cast<std::int64_t*>(out.raw());
+                        a.padding = want_padding ? static_cast<bool*>(out.raw()) : static_cast<bool*>(in[3].raw());
+                        a.rows = R, a.seq_len = len, a.docs = D;
+                        k.doc_ids_from_starts(a, stream());
+                      });
+  };
+  auto [h4, g4] = doc_ids(false, Tensor({R, len}, DType::i64));
+  EXPECT_TRUE(h4.bitwise_equal(g4)) << "doc_ids_from_starts ids";
+  auto [h5, g5] = doc_ids(true, Tensor({R, len}, DType::b8));
+  EXPECT_TRUE(h5.bitwise_equal(g5)) << "doc_ids_from_starts padding";
 }
 
 TEST(CudaKernels, ConvMatchesTheHostKernels) {
@@ -179,15 +229,30 @@ TEST(CudaKernels, ConvMatchesTheHostKernels) {
       k.conv_forward(a, dt, stream());
     });
     EXPECT_LT(relative_rmse(h, g), dt == DType::f32 ? 1e-6 : 1e-13) << "conv_forward " << dtype_name(dt);
-    auto [h2, g2] = both_sides({x, starts, w, gy, Tensor({C, W}, dt), Tensor({C}, dt)}, Tensor({B, NW, C}, dt),
-                               [&](const auto& k, auto& in, Tensor& out) {
-                                 kernels::Conv a;
-                                 a.x = in[0].raw(), a.run_start = static_cast<const std::int64_t*>(in[1].raw()),
-                                 a.w = in[2].raw(), a.gy = in[3].raw(), a.gx = out.raw(), a.gw = in[4].raw(),
-                                 a.gbias = in[5].raw(), a.rows = B, a.outputs = N, a.channels = C, a.width = W;
-                                 k.conv_backward(a, dt, stream());
-                               });
-    EXPECT_LT(relative_rmse(h2, g2), dt == DType::f32 ? 1e-6 : 1e-13) << "conv_backward " << dtype_name(dt);
+    // The backward's three outputs, each compared on its own: the one under test is
+    // `out`, the other two land in scratch inputs.
+    enum class Grad { x, w, bias };
+    const auto backward = [&](Grad which, const Tensor& like) {
+      return both_sides({x, starts, w, gy, Tensor({B, NW, C}, dt), Tensor({C, W}, dt), Tensor({C}, dt)}, like,
+                        [&](const auto& k, auto& in, Tensor& out) {
+                          kernels::Conv a;
+                          a.x = in[0].raw(), a.run_start = static_cast<const std::int64_t*>(in[1].raw()),
+                          a.w = in[2].raw(), a.gy = in[3].raw(), a.gx = in[4].raw(), a.gw = in[5].raw(),
+                          a.gbias = in[6].raw(), a.rows = B, a.outputs = N, a.channels = C, a.width = W;
+                          (which == Grad::x ? a.gx : which == Grad::w ? a.gw : a.gbias) = out.raw();
+                          k.conv_backward(a, dt, stream());
+                        });
+    };
+    const double tol = dt == DType::f32 ? 1e-6 : 1e-13;
+    auto [hx, gx] = backward(Grad::x, Tensor({B, NW, C}, dt));
+    EXPECT_LT(relative_rmse(hx, gx), tol) << "conv_backward gx " << dtype_name(dt);
+    auto [hw, gw] = backward(Grad::w, Tensor({C, W}, dt));
+    EXPECT_LT(relative_rmse(hw, gw), tol) << "conv_backward gw " << dtype_name(dt);
+    auto [hb, gb] = backward(Grad::bias, Tensor({C}, dt));
+    EXPECT_LT(relative_rmse(hb, gb), tol) << "conv_backward gbias " << dtype_name(dt);
+    // And each is not trivially zero (a kernel that wrote nothing would agree with itself).
+    EXPECT_GT(relative_rmse(hw, Tensor({C, W}, dt)), 0.5) << "gw on the host is all zeros";
+    EXPECT_GT(relative_rmse(hb, Tensor({C}, dt)), 0.5) << "gbias on the host is all zeros";
   }
 }
 
