@@ -24,6 +24,7 @@
 #include "core/comm/registry.hpp"
 #include "core/comm/rendezvous.hpp"
 #include "gpu/cuda.hpp"
+#include "gpu/nccl_loader.hpp"
 
 namespace cpsim::gpu {
 
@@ -208,6 +209,7 @@ class NcclGroup final : public Group {
  public:
   NcclGroup(int n, std::chrono::milliseconds timeout) : timeout_(timeout) {
     activate_cuda();
+    if (auto why = nccl_unavailable()) throw Unavailable(*why);
     if (n > cuda_device_count()) throw Unavailable(too_many_ranks(n, cuda_device_count()));
     ranks_ = clique(n);
     rendezvous_ = std::make_shared<Rendezvous>(n, timeout);
@@ -251,6 +253,7 @@ std::map<int, std::shared_ptr<NcclRank>> job_ranks;  // by group size
 
 std::unique_ptr<Communicator> job_transport(const std::shared_ptr<SideChannel>& side, int n) {
   activate_cuda();
+  if (auto why = nccl_unavailable()) throw Unavailable(*why);
   std::shared_ptr<NcclRank> r;
   {
     std::lock_guard<std::mutex> lock(job_mutex);
@@ -285,11 +288,14 @@ const BackendRegistrar registrar{Backend{
     "nccl", "NCCL, one rank per GPU: threads over this process's GPUs, or one process per GPU (cpsim launch)",
     kNcclCapabilities,
     [](int n, std::chrono::milliseconds timeout) { return std::make_shared<NcclGroup>(n, timeout); },
-    [] { return cuda_unavailable(); },
+    [] {
+      if (auto why = cuda_unavailable()) return why;
+      return nccl_unavailable();  // NCCL is looked for on first use, not at start
+    },
     job_transport,
     [] {
       const int devices = cuda_device_count();
-      return std::pair<int, std::string>{devices, too_many_ranks(devices)};
+      return std::pair<int, std::string>{devices, too_many_ranks(devices) + "; NCCL: " + nccl_library_path()};
     }}};
 
 }  // namespace

@@ -22,8 +22,19 @@ bin=${1:-$here}
 examples=${2:-$here/examples}
 [ -d "$examples" ] || examples="$here/../examples"
 limit=${GPU_CHECK_LIMIT:-280}
-# NCCL comes from this machine: NCCL_HOME, LD_LIBRARY_PATH, or the CUDA toolkit.
-export LD_LIBRARY_PATH="$bin/lib${NCCL_HOME:+:$NCCL_HOME/lib:$NCCL_HOME/lib64}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}:/usr/local/cuda/lib64:/usr/local/cuda/lib"
+# NCCL comes from this machine, loaded when the nccl backend is first used:
+# CPSIM_NCCL_LIBRARY, NCCL_HOME, PyTorch's pip packages (nvidia/nccl/lib),
+# LD_LIBRARY_PATH, or the CUDA toolkit. The summary says which one was used.
+torch_nccl=""
+for py in python3 /usr/bin/python3; do
+  command -v "$py" >/dev/null || continue
+  torch_nccl=$("$py" -c 'import importlib.util as u, os
+s = u.find_spec("nvidia.nccl")
+for d in (s.submodule_search_locations or []) if s else []:
+    if os.path.exists(os.path.join(d, "lib", "libnccl.so.2")): print(os.path.join(d, "lib")); break' 2>/dev/null)
+  [ -n "$torch_nccl" ] && break
+done
+export LD_LIBRARY_PATH="$bin/lib${NCCL_HOME:+:$NCCL_HOME/lib:$NCCL_HOME/lib64}${torch_nccl:+:$torch_nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}:/usr/local/cuda/lib64:/usr/local/cuda/lib"
 export CPSIM_BINARY="$bin/cpsim" CPSIM_EXAMPLES="$examples"
 cpsim="$bin/cpsim"
 
@@ -74,10 +85,17 @@ step() {  # name, cap in seconds, command...
   return $rc
 }
 
-# The GPU count as CUDA reports it: the nccl backend's rank limit (one per GPU).
-gpus=$("$cpsim" --version 2>/dev/null | sed -n 's/^  nccl: up to \([0-9]*\) ranks.*/\1/p')
+# The GPU count as CUDA reports it: the nccl backend's rank limit (one per GPU),
+# and the NCCL it loaded (or why none).
+version=$("$cpsim" --version 2>/dev/null)
+gpus=$(sed -n 's/^  nccl: up to \([0-9]*\) ranks.*/\1/p' <<<"$version")
+if [ -z "$gpus" ]; then
+  gpus=$(sed -n 's/^  cuda-sim: up to \([0-9]*\) ranks.*/\1/p' <<<"$version")
+fi
 [ "${gpus:-0}" -ge 1 ] 2>/dev/null || gpus=1
 summary+=("$(printf '%-44s %s' "GPUs (CUDA's count)" "$gpus")")
+nccl=$(sed -n 's/^  nccl: .*NCCL: \(.*\))$/\1/p; s/^  nccl: unavailable: \(.*\)$/unavailable: \1/p' <<<"$version")
+summary+=("$(printf '%-44s %s' "NCCL" "${nccl:-unknown}")")
 
 step "GPU tests" 90 "$bin/cpsim_gpu_tests"
 step "check examples, cuda-sim, cp 1,2,4,8" 40 "$cpsim" check "$examples"/*.json --backend cuda-sim --cp 1,2,4,8

@@ -14,6 +14,7 @@
 #include "core/loss.hpp"
 #include "core/kernels/table.hpp"
 #include "gpu/cuda.hpp"
+#include "gpu/nccl_loader.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
 #include "verify/random.hpp"
@@ -404,5 +405,31 @@ TEST(Nccl, MismatchedCallsNeverReachNccl) {
     FAIL() << "no error";
   } catch (const CollectiveError& e) {
     EXPECT_NE(std::string(e.what()).find("broadcast"), std::string::npos) << e.what();
+  }
+}
+
+// NCCL is loaded on the nccl backend's first use: no binary needs libnccl.so.2 to
+// start, and one that cannot find it says where it looked. (No device needed.)
+TEST(NcclLoader, NoBinaryNeedsNcclToStartAndAMissingOneIsNamedWithWhereItLooked) {
+  using namespace std::chrono_literals;
+  for (const std::string& binary : {kCpsim, std::string(CPSIM_GPU_TESTS_BINARY)}) {
+    const auto needed = cpsim::testing::run_process({"/usr/bin/readelf", "-d", binary}, 60s);
+    ASSERT_EQ(needed.status, 0) << needed.err;
+    EXPECT_EQ(needed.out.find("libnccl"), std::string::npos) << binary << " needs NCCL at start:\n" << needed.out;
+  }
+  const auto version = cpsim::testing::run_process(
+      {"/usr/bin/env", "LD_LIBRARY_PATH=", "CPSIM_NCCL_LIBRARY=/nowhere/libnccl.so.2", kCpsim, "--version"}, 60s);
+  EXPECT_EQ(version.status, 0) << version.err;
+
+  const gpu::NcclLibrary missing = gpu::load_nccl({"/nowhere/libnccl.so.2", "libnccl-not-a-library.so.9"});
+  EXPECT_EQ(missing.handle, nullptr);
+  for (const char* said : {"/nowhere/libnccl.so.2", "libnccl-not-a-library.so.9", "CPSIM_NCCL_LIBRARY", "LD_LIBRARY_PATH"})
+    EXPECT_NE(missing.error.find(said), std::string::npos) << missing.error;
+  // Where the toolkit keeps it (this build found its header there), it loads.
+  for (const char* path : {"/usr/local/cuda/lib64/libnccl.so.2", "/usr/local/cuda/lib/libnccl.so.2"}) {
+    if (!std::filesystem::exists(path)) continue;
+    const gpu::NcclLibrary found = gpu::load_nccl({"/nowhere/libnccl.so.2", path});
+    EXPECT_NE(found.handle, nullptr) << found.error;
+    EXPECT_NE(found.path.find("libnccl.so.2"), std::string::npos) << found.path;
   }
 }

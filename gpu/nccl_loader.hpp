@@ -1,0 +1,25 @@
+// NCCL loaded at run time (gpu/nccl_loader.cpp): nothing links libnccl.so.2.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+
+namespace cpsim::gpu {
+
+struct NcclLibrary {
+  void* handle = nullptr;
+  std::string path;   // the file loaded
+  std::string error;  // why none was, naming every place it looked
+};
+// The first of `candidates` (paths, or names the dynamic loader resolves) that loads.
+NcclLibrary load_nccl(const std::vector<std::string>& candidates);
+
+// Why the nccl backend cannot find NCCL (looked for once), or nothing.
+std::optional<std::string> nccl_unavailable();
+// The NCCL in use ("" when none could be loaded).
+std::string nccl_library_path();
+
+}  // namespace cpsim::gpu
