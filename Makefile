@@ -40,7 +40,7 @@ test-asan: deps
 
 test-tsan: deps
 	cmake -S . -B build-tsan $(CHECK_FLAGS) -DCPSIM_SANITIZE=thread
-	cmake --build build-tsan -j $(JOBS) --target cpsim_tests cpsim cpsim_world_probe
+	cmake --build build-tsan -j $(JOBS) --target cpsim_thread_tests cpsim cpsim_world_probe
 	cd build-tsan && RC_PARAMS="$${RC_PARAMS:-$(SANITIZER_CASES)}" \
 	  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
 	  ctest --output-on-failure -j $(JOBS) -R '$(TSAN_TESTS)'

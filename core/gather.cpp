@@ -21,9 +21,6 @@ void move(const void* src, std::int64_t src_len, std::int64_t from, void* dst, s
                                               kernels::current_stream());
 }
 
-const std::byte* at(const Tensor& t, std::int64_t elements) {
-  return static_cast<const std::byte*>(t.raw()) + elements * static_cast<std::int64_t>(dtype_size(t.dtype()));
-}
 std::byte* at(Tensor& t, std::int64_t elements) {
   return static_cast<std::byte*>(t.raw()) + elements * static_cast<std::int64_t>(dtype_size(t.dtype()));
 }

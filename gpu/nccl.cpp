@@ -107,6 +107,18 @@ class NcclTransport final : public Communicator {
     run("broadcast", o, [&] { return ncclBroadcast(buf, buf, count, nccl_type(dt), root, r_->comm, r_->stream); });
   }
   void barrier(CallOptions) override {}  // the call check before it is the barrier
+  // The end of a run in a job: the rank's stream drained, and no asynchronous
+  // NCCL error left behind.
+  void finish_run() override {
+    if (!r_->aborted.empty() || !r_->comm) return;
+    const cudaError_t e = cudaStreamSynchronize(r_->stream);
+    if (e != cudaSuccess)
+      abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error at the end of the run: " + cudaGetErrorString(e));
+    ncclResult_t async = ncclSuccess;
+    (void)ncclCommGetAsyncError(r_->comm, &async);
+    if (async != ncclSuccess && async != ncclInProgress)
+      abort(std::string("rank ") + std::to_string(rank_) + ": NCCL error at the end of the run: " + ncclGetErrorString(async));
+  }
 
  private:
   template <class F>

@@ -251,7 +251,9 @@ TEST(Cli, ARunThatCannotCompleteIsExitThree) {
 // address space allows) aborts (exit 3, ABORTED cells), never FAIL.
 TEST(Cli, MemoryIsEstimatedFirstAndRunningOutAborts) {
   const auto path = std::filesystem::temp_directory_path() / ("cpsim-oom-" + std::to_string(::getpid()) + ".json");
-  std::ofstream(path) << "{\"seq_len\": 200000, \"seq_lens\": [[150000, 50000]]}\n";
+  // Large enough that running out comes in the first rows, whatever the binary
+  // itself maps of the address space (it no longer maps NCCL at start).
+  std::ofstream(path) << "{\"seq_len\": 2000000, \"seq_lens\": [[1500000, 500000]]}\n";
   const auto refused = run_process({kCpsim, "check", path.string(), "--cp", "2", "--max-memory", "64M"}, 60s);
   EXPECT_EQ(refused.status, 2) << refused.out << refused.err;
   EXPECT_THAT(refused.err, AllOf(HasSubstr("needs about"), HasSubstr("at cp 2"), HasSubstr("over the limit of 67 MB")));

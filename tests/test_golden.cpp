@@ -39,7 +39,7 @@ std::filesystem::path fresh_dir(const std::string& name) {
 
 TEST(Golden, FolderReadsBackAndHoldsTheReferences) {
   const BatchFile f = read_batch_file(kExamples + "packed_two_rows.json");
-  const LayoutCase c{f.batch, f.pad_token_id, 3, 5, std::nullopt};
+  const LayoutCase c{f.batch, f.pad_token_id, 3, 5, std::nullopt, PlanChoice{}};
   CheckOptions o;
   o.conv_width = 6;
   const auto dir = fresh_dir("cpsim-golden");
@@ -152,7 +152,7 @@ TEST(Golden, AnIndependentNumpyImplementationAgrees) {
   const auto plan_file = fresh_dir("cpsim-golden-py-plan") / "plan.json";
   std::filesystem::create_directories(plan_file.parent_path());
   std::ofstream(plan_file) << R"({"cuts": [0, 9, 9, 12, 16]})";
-  for (const std::string plan : {std::string("balanced"), plan_file.string()}) {
+  for (const std::string& plan : {std::string("balanced"), plan_file.string()}) {
     const auto pdir = fresh_dir("cpsim-golden-py-plans");
     const auto pg = cpsim::testing::run_process({CPSIM_BINARY, "golden", kExamples + "packed_two_rows.json", "--cp", "4",
                                                  "--out", pdir.string(), "--plan", plan},

@@ -75,6 +75,9 @@ class Communicator {
   virtual void broadcast(void* buf, std::size_t count, DType dtype, int root,
                          CallOptions opts = {}) = 0;
   virtual void barrier(CallOptions opts = {}) = 0;
+  // The rank's function returned: a backend that queues work (a device stream)
+  // waits for it here and reports an error that came late (throws Aborted).
+  virtual void finish_run() {}
 };
 
 // One rank of a group, or none: the identity cases of SPEC §3.

@@ -21,6 +21,7 @@ class ForwardingCommunicator : public Communicator {
   std::string backend_name() const override { return inner_->backend_name(); }
   Capabilities capabilities() const override { return inner_->capabilities(); }
   Device device() const override { return inner_->device(); }
+  void finish_run() override { inner_->finish_run(); }
 
   void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     before(call_record(CollectiveKind::all_gather, count, dt), o);

@@ -140,6 +140,7 @@ void ProcessJob::run(int n, const RankFn& fn, std::chrono::milliseconds timeout,
       g->begin(timeout);
       const std::unique_ptr<Communicator> comm = transport(g, n);
       fn(*comm);
+      comm->finish_run();  // what the rank queued is done, and no late error came
       g->finish();
     } catch (...) {
       failure = classify_failure(std::current_exception());
