@@ -172,7 +172,7 @@ def init_process_group(timeout=20.0):
         # cpsim's report of what the ranks did prints that one line).
         session = _session
         if session is not None:
-            reported = isinstance(value, CollectiveError) or (
+            reported = isinstance(value, (CollectiveError, _C.Aborted)) or (
                 isinstance(value, RuntimeError) and session.collective_failed())
             session.fail("%s: %s" % (kind.__name__, value))
             if reported:

@@ -39,5 +39,10 @@ elif mode == "raise":
     dist.all_reduce(x)
 elif mode == "sizes":
     dist.all_gather_into_tensor(torch.empty(world * (2 + rank)), torch.ones(2 + rank))
+elif mode == "stall":
+    if rank == 1:  # never arrives at the all_reduce its peers wait in
+        import time
+        time.sleep(1000)
+    dist.all_reduce(x)
 elif mode == "send":
     dist.send(x, dst=(rank + 1) % world)

@@ -162,7 +162,7 @@ def test_send_and_recv_of_different_sizes_or_a_send_nobody_takes_are_named():
 
 # Ranks as processes: cpsim launch -n N -- python3 job_script.py MODE, each calling
 # cpsim.torch.init_process_group().
-def _launch(mode, n=3, timeout=10):
+def _launch(mode, n=3, timeout=10, grace=30):
     import subprocess
     binary = os.environ.get("CPSIM_BINARY")
     if not binary:
@@ -170,7 +170,8 @@ def _launch(mode, n=3, timeout=10):
     script = os.path.join(os.path.dirname(__file__), "job_script.py")
     env = dict(os.environ, JOB_TIMEOUT=str(timeout))
     start = time.monotonic()
-    p = subprocess.run([binary, "launch", "-n", str(n), "--", sys.executable, script, mode], env=env,
+    p = subprocess.run([binary, "launch", "-n", str(n), "--grace", str(grace), "--", sys.executable, script, mode],
+                       env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     return p.returncode, p.stdout.decode(), time.monotonic() - start
 
@@ -210,3 +211,10 @@ def test_what_cpsim_does_not_have_is_a_typed_error():
     for said in ct.spawn(step, 2):
         assert sorted(said) == ["all_to_all_single", "gather", "reduce", "scatter"], said
         assert all(("cpsim does not support " + name) in text for name, text in said.items()), said
+
+
+def test_a_process_that_never_arrives_is_named_within_the_timeout():
+    rc, out, took = _launch("stall", timeout=5, grace=3)
+    assert rc != 0, out
+    assert took < 60, (took, out)
+    assert "rank 1, which never arrived" in out and "all_reduce" in out, out
