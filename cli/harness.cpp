@@ -30,17 +30,6 @@ namespace cpsim::cli {
 
 using namespace cpsim::verify;
 
-namespace {
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-}  // namespace
-
 int run_harness(const HarnessArgs& a) {
   if (a.workdir.empty()) throw UsageError("cpsim harness: --workdir is required");
   std::optional<LayoutFamily> family;
@@ -88,9 +77,7 @@ int run_harness(const HarnessArgs& a) {
   nlohmann::json result{{"ok", outcome.ok && !stopped}, {"stopped", stopped}, {"ran", ran},
                         {"failure", failure}, {"report", outcome.report}};
   if (smallest && !stopped) {
-    const std::string batch_path = (std::filesystem::path(a.workdir) / "smallest.json").string();
-    write_batch_json(batch_path, smallest->batch, smallest->pad_token_id);
-    result["batch"] = read_text(batch_path);
+    result["batch"] = batch_to_json(smallest->batch, smallest->pad_token_id, true) + "\n";
     result["cp"] = smallest->cp;
     result["seed"] = smallest->seed;
     result["plan"] = plan_choice_name(smallest->plan);

@@ -121,9 +121,17 @@ class _Golden:
         self.cuts = m.get("cuts") or [r * m["L"] for r in range(self.cp + 1)]
         self.inputs = load_safetensors(os.path.join(folder, "inputs.safetensors"))
         self.reference = load_safetensors(os.path.join(folder, "reference.safetensors"))
-        self.ranks = [load_safetensors(os.path.join(folder, "rank_%d.safetensors" % r)) for r in range(self.cp)]
+        self.folder = folder
+        self._ranks = {}
         self.batch = {k.split(".", 1)[1]: v for k, v in self.inputs.items()
                       if k.startswith("inputs.") or k.startswith("stand_in.")}
+
+    def rank(self, r):
+        """Rank r's expected values, read once when first asked for (a process of a
+        job reads only its own rank's file)."""
+        if r not in self._ranks:
+            self._ranks[r] = load_safetensors(os.path.join(self.folder, "rank_%d.safetensors" % r))
+        return self._ranks[r]
 
     def tolerance(self, file, key):
         return self.manifest["files"][file][key]["tolerance"] or 0.0
@@ -171,7 +179,7 @@ def _run_rank(golden, step, rank):
     unknown = sorted(set(out) - set(OUTPUTS))
     if unknown:
         raise ValueError("the step returned %s; cpsim.torch.check compares %s" % (unknown, list(OUTPUTS)))
-    mine = golden.ranks[rank]
+    mine = golden.rank(rank)
     rfile = "rank_%d.safetensors" % rank
     found = []
 
