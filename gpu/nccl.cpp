@@ -10,10 +10,15 @@
 // an asynchronous NCCL error, or no completion within the timeout, aborts the
 // communicator (ncclCommAbort) and fails the call; a hang is never the outcome.
 // NCCL's sums follow its rings and trees, not rank order: the capability says so.
+// Ranks run on CUDA devices, or on the host device a loaded NCCL library brings
+// (gpu/nccl_host_device.h: cpsim's NCCL test double), through one small interface
+// (RankDevice): streams, events, synchronisation.
 #include <nccl.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <new>
 #include <map>
 #include <optional>
 #include <mutex>
@@ -23,7 +28,9 @@
 #include "core/comm/call_check.hpp"
 #include "core/comm/registry.hpp"
 #include "core/comm/rendezvous.hpp"
+#include "core/device.hpp"
 #include "gpu/cuda.hpp"
+#include "gpu/nccl_host_device.h"
 #include "gpu/nccl_loader.hpp"
 
 namespace cpsim::gpu {
@@ -54,20 +61,139 @@ ncclDataType_t nccl_type(DType dt) {
 // Sums; for bool, or (the max of 0 and 1), as the other backends do.
 ncclRedOp_t nccl_sum(DType dt) { return dt == DType::b8 ? ncclMax : ncclSum; }
 
+// Where the ranks run: the streams their NCCL calls go on, the events that say a
+// call is done, and the memory and kernels of their tensors.
+class RankDevice {
+ public:
+  virtual ~RankDevice() = default;
+  virtual std::optional<std::string> unavailable() const = 0;
+  virtual int count() const = 0;
+  virtual void activate() = 0;  // registers the device runtime and kernels
+  virtual void* stream(int device) = 0;
+  virtual void bind(int device, void* stream) = 0;  // this thread's device and stream
+  virtual void* event() = 0;
+  virtual void record(void* event, void* stream) = 0;
+  // True once the stream has reached the event; an error's text goes to `error`.
+  virtual bool reached(void* event, std::string& error) = 0;
+  virtual std::string synchronize(void* stream) = 0;  // "" or the error
+};
+
+class CudaRankDevice final : public RankDevice {
+ public:
+  std::optional<std::string> unavailable() const override { return cuda_unavailable(); }
+  int count() const override { return cuda_device_count(); }
+  void activate() override { activate_cuda(); }
+  void* stream(int device) override { return rank_stream(device, 0); }
+  void bind(int device, void* stream) override { bind_rank_thread(device, static_cast<cudaStream_t>(stream)); }
+  void* event() override {
+    cudaEvent_t e = nullptr;
+    CPSIM_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  void record(void* event, void* stream) override {
+    CPSIM_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+  }
+  bool reached(void* event, std::string& error) override {
+    const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (q != cudaSuccess && q != cudaErrorNotReady) error = cudaGetErrorString(q);
+    return q == cudaSuccess;
+  }
+  std::string synchronize(void* stream) override {
+    const cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+    return e == cudaSuccess ? std::string() : cudaGetErrorString(e);
+  }
+};
+
+// Tensors of cuda:N in host memory, for a host device: its kernels are the host's.
+class HostMemory final : public DeviceRuntime {
+ public:
+  explicit HostMemory(int devices) : devices_(devices) {}
+  void* allocate(Device device, std::size_t bytes) override {
+    if (device.index < 0 || device.index >= devices_)
+      throw InvalidInput("the NCCL library's host device has cuda:0..cuda:" + std::to_string(devices_ - 1) + ", not " +
+                         device.str());
+    return ::operator new(bytes ? bytes : 1, std::align_val_t{64});
+  }
+  void deallocate(Device, void* p, std::size_t) noexcept override { ::operator delete(p, std::align_val_t{64}); }
+  void zero(Device, void* p, std::size_t bytes) override { std::memset(p, 0, bytes); }
+  void copy(void* dst, Device, const void* src, Device, std::size_t bytes) override {
+    if (bytes) std::memmove(dst, src, bytes);
+  }
+
+ private:
+  int devices_;
+};
+
+class HostRankDevice final : public RankDevice {
+ public:
+  explicit HostRankDevice(const cpsimNcclHostDeviceTable* t) : t_(t), memory_(t->devices) {}
+  std::optional<std::string> unavailable() const override { return std::nullopt; }
+  int count() const override { return t_->devices; }
+  void activate() override {
+    static const bool once = [this] {
+      register_device_runtime(DeviceKind::cuda, &memory_);
+      kernels::register_kernels(DeviceKind::cuda, &kernels::kernels_for(Device::host()));
+      return true;
+    }();
+    (void)once;
+  }
+  void* stream(int device) override {
+    std::lock_guard<std::mutex> lock(m_);
+    void*& s = streams_[device];
+    if (!s) s = t_->stream_create(device);
+    return s;
+  }
+  void bind(int, void* stream) override { kernels::current_stream() = stream; }
+  void* event() override { return t_->event_create(); }
+  void record(void* event, void* stream) override { t_->event_record(event, stream); }
+  bool reached(void* event, std::string&) override { return t_->event_query(event) != 0; }
+  std::string synchronize(void* stream) override {
+    t_->stream_synchronize(stream);
+    return {};
+  }
+
+ private:
+  const cpsimNcclHostDeviceTable* t_;
+  HostMemory memory_;
+  std::mutex m_;
+  std::map<int, void*> streams_;
+};
+
+// The host device of the loaded NCCL library when it brings one, else CUDA.
+RankDevice& rank_device() {
+  static RankDevice* d = []() -> RankDevice* {
+    if (auto* f = reinterpret_cast<cpsimNcclHostDeviceFn>(nccl_library_symbol("cpsimNcclHostDevice"))) {
+      const cpsimNcclHostDeviceTable* t = f();
+      if (t && t->abi == CPSIM_NCCL_HOST_DEVICE_ABI && t->devices > 0) return new HostRankDevice(t);
+    }
+    return new CudaRankDevice;
+  }();
+  return *d;
+}
+
+// Why the nccl backend cannot run here, or nothing.
+std::optional<std::string> nccl_backend_unavailable() {
+  // A library that brings its own device needs no CUDA; otherwise CUDA is said first.
+  if (!nccl_unavailable() && !rank_device().unavailable()) return std::nullopt;
+  if (auto why = cuda_unavailable()) return why;
+  return nccl_unavailable();
+}
+
 // One rank's NCCL communicator and why it was aborted, if it was.
 struct NcclRank {
   ncclComm_t comm = nullptr;
   int device = 0;
-  cudaStream_t stream = nullptr;
+  void* stream = nullptr;
   std::string aborted;
   // Recorded around each collective: the watchdog's clock starts when `started`
   // is reached (work queued before the call is not the call), and the call is
   // done when `ended` is (work queued after it is not either).
-  cudaEvent_t started = nullptr, ended = nullptr;
+  void* started = nullptr;
+  void* ended = nullptr;
   void events() {
     if (started) return;
-    CPSIM_CUDA(cudaEventCreateWithFlags(&started, cudaEventDisableTiming));
-    CPSIM_CUDA(cudaEventCreateWithFlags(&ended, cudaEventDisableTiming));
+    started = rank_device().event();
+    ended = rank_device().event();
   }
 };
 
@@ -83,37 +209,36 @@ class NcclTransport final : public Communicator {
   Device device() const override { return Device::cuda(r_->device); }
 
   void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
-    run("all_gather", o, [&] { return ncclAllGather(send, recv, count, nccl_type(dt), r_->comm, r_->stream); });
+    run("all_gather", o, [&] { return ncclAllGather(send, recv, count, nccl_type(dt), r_->comm, stream()); });
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     run("reduce_scatter", o,
-        [&] { return ncclReduceScatter(send, recv, count, nccl_type(dt), nccl_sum(dt), r_->comm, r_->stream); });
+        [&] { return ncclReduceScatter(send, recv, count, nccl_type(dt), nccl_sum(dt), r_->comm, stream()); });
   }
   void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override {
-    run("all_reduce", o, [&] { return ncclAllReduce(buf, buf, count, nccl_type(dt), nccl_sum(dt), r_->comm, r_->stream); });
+    run("all_reduce", o, [&] { return ncclAllReduce(buf, buf, count, nccl_type(dt), nccl_sum(dt), r_->comm, stream()); });
   }
   void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
     run("send_recv", o, [&] {
       ncclResult_t r = ncclGroupStart();
       if (r == ncclSuccess && step.dst >= 0)
-        r = ncclSend(step.send, step.send_count, nccl_type(dt), step.dst, r_->comm, r_->stream);
+        r = ncclSend(step.send, step.send_count, nccl_type(dt), step.dst, r_->comm, stream());
       if (r == ncclSuccess && step.src >= 0)
-        r = ncclRecv(step.recv, step.recv_count, nccl_type(dt), step.src, r_->comm, r_->stream);
+        r = ncclRecv(step.recv, step.recv_count, nccl_type(dt), step.src, r_->comm, stream());
       const ncclResult_t end = ncclGroupEnd();
       return r == ncclSuccess ? end : r;
     });
   }
   void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
-    run("broadcast", o, [&] { return ncclBroadcast(buf, buf, count, nccl_type(dt), root, r_->comm, r_->stream); });
+    run("broadcast", o, [&] { return ncclBroadcast(buf, buf, count, nccl_type(dt), root, r_->comm, stream()); });
   }
   void barrier(CallOptions) override {}  // the call check before it is the barrier
   // The end of a run in a job: the rank's stream drained, and no asynchronous
   // NCCL error left behind.
   void finish_run() override {
     if (!r_->aborted.empty() || !r_->comm) return;
-    const cudaError_t e = cudaStreamSynchronize(r_->stream);
-    if (e != cudaSuccess)
-      abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error at the end of the run: " + cudaGetErrorString(e));
+    const std::string e = rank_device().synchronize(r_->stream);
+    if (!e.empty()) abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error at the end of the run: " + e);
     ncclResult_t async = ncclSuccess;
     (void)ncclCommGetAsyncError(r_->comm, &async);
     if (async != ncclSuccess && async != ncclInProgress)
@@ -121,15 +246,17 @@ class NcclTransport final : public Communicator {
   }
 
  private:
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(r_->stream); }
+
   template <class F>
   void run(const char* what, CallOptions o, F&& enqueue) {
     if (!r_->aborted.empty()) throw Aborted("the nccl communicator was aborted: " + r_->aborted);
     r_->events();
-    CPSIM_CUDA(cudaEventRecord(r_->started, r_->stream));
+    rank_device().record(r_->started, r_->stream);
     const ncclResult_t r = enqueue();
     if (r != ncclSuccess && r != ncclInProgress)
       abort(std::string("rank ") + std::to_string(rank_) + ": " + what + " failed to start: " + ncclGetErrorString(r));
-    CPSIM_CUDA(cudaEventRecord(r_->ended, r_->stream));
+    rank_device().record(r_->ended, r_->stream);
     watch(what, o.timeout_or(timeout_));
   }
 
@@ -143,21 +270,21 @@ class NcclTransport final : public Communicator {
       if (!deadline && Clock::now() > reach_by)
         abort("timeout: rank " + std::to_string(rank_) + "'s stream did not reach " + what + " within " +
               std::to_string(10 * limit.count()) + " ms: the work queued before it did not finish");
+      std::string error;
       if (!deadline) {
-        const cudaError_t s = cudaEventQuery(r_->started);
-        if (s == cudaSuccess) deadline = Clock::now() + limit;
-        else if (s != cudaErrorNotReady)
-          abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error before " + what + ": " +
-                cudaGetErrorString(s));
+        if (rank_device().reached(r_->started, error)) deadline = Clock::now() + limit;
+        else if (!error.empty())
+          abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error before " + what + ": " + error);
       }
-      const cudaError_t q = cudaEventQuery(r_->ended);
-      if (q == cudaSuccess) return;
-      if (q != cudaErrorNotReady)
-        abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error in " + what + ": " + cudaGetErrorString(q));
+      // The error is read after the completion: a call that fails (or whose peer
+      // failed) may still reach its end on the stream, with wrong data.
+      const bool done = rank_device().reached(r_->ended, error);
+      if (!error.empty()) abort(std::string("rank ") + std::to_string(rank_) + ": CUDA error in " + what + ": " + error);
       ncclResult_t async = ncclSuccess;
       (void)ncclCommGetAsyncError(r_->comm, &async);
       if (async != ncclSuccess && async != ncclInProgress)
         abort(std::string("rank ") + std::to_string(rank_) + ": NCCL error in " + what + ": " + ncclGetErrorString(async));
+      if (done) return;
       if (deadline && Clock::now() > *deadline)
         abort("timeout: rank " + std::to_string(rank_) + " waited " + std::to_string(limit.count()) + " ms for " + what +
               " on nccl; every rank had agreed to run it (the call check passed), so a peer stopped inside it");
@@ -211,7 +338,7 @@ std::vector<std::shared_ptr<NcclRank>> clique(int n) {
     auto rank = std::make_shared<NcclRank>();
     rank->comm = comms[r];
     rank->device = r;
-    rank->stream = rank_stream(r, 0);
+    rank->stream = rank_device().stream(r);
     ranks.push_back(rank);
   }
   return ranks;
@@ -220,22 +347,22 @@ std::vector<std::shared_ptr<NcclRank>> clique(int n) {
 class NcclGroup final : public Group {
  public:
   NcclGroup(int n, std::chrono::milliseconds timeout) : timeout_(timeout) {
-    activate_cuda();
-    if (auto why = nccl_unavailable()) throw Unavailable(*why);
-    if (n > cuda_device_count()) throw Unavailable(too_many_ranks(n, cuda_device_count()));
+    if (auto why = nccl_backend_unavailable()) throw Unavailable(*why);
+    rank_device().activate();
+    if (n > rank_device().count()) throw Unavailable(too_many_ranks(n, rank_device().count()));
     ranks_ = clique(n);
     rendezvous_ = std::make_shared<Rendezvous>(n, timeout);
   }
   std::unique_ptr<Communicator> communicator(int rank) override {
     const auto& r = ranks_.at(rank);
-    bind_rank_thread(r->device, r->stream);
+    rank_device().bind(r->device, r->stream);
     return checked_communicator(std::make_unique<NcclTransport>(r, rank, static_cast<int>(ranks_.size()), timeout_),
                                 rendezvous_channel(rendezvous_, rank));
   }
   void finish(int rank) override {
-    const cudaError_t e = cudaStreamSynchronize(ranks_[rank]->stream);
+    const std::string e = rank_device().synchronize(ranks_[rank]->stream);
     kernels::current_stream() = nullptr;
-    if (e != cudaSuccess) throw Aborted(std::string("CUDA error at the end of the run: ") + cudaGetErrorString(e));
+    if (!e.empty()) throw Aborted("CUDA error at the end of the run: " + e);
     rendezvous_->finish(rank);
   }
   void fail(int rank, const std::string& what) override {
@@ -256,16 +383,16 @@ class NcclGroup final : public Group {
 // the job rank modulo the visible devices.
 int local_device(int rank) {
   for (const char* key : {"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"})
-    if (const char* v = std::getenv(key)) return std::atoi(v) % cuda_device_count();
-  return rank % cuda_device_count();
+    if (const char* v = std::getenv(key)) return std::atoi(v) % rank_device().count();
+  return rank % rank_device().count();
 }
 
 std::mutex job_mutex;
 std::map<int, std::shared_ptr<NcclRank>> job_ranks;  // by group size
 
 std::unique_ptr<Communicator> job_transport(const std::shared_ptr<SideChannel>& side, int n) {
-  activate_cuda();
-  if (auto why = nccl_unavailable()) throw Unavailable(*why);
+  if (auto why = nccl_backend_unavailable()) throw Unavailable(*why);
+  rank_device().activate();
   std::shared_ptr<NcclRank> r;
   {
     std::lock_guard<std::mutex> lock(job_mutex);
@@ -280,8 +407,8 @@ std::unique_ptr<Communicator> job_transport(const std::shared_ptr<SideChannel>& 
     if (r && r->comm) (void)ncclCommAbort(r->comm);
     r = std::make_shared<NcclRank>();
     r->device = local_device(side->rank());
-    r->stream = rank_stream(r->device, 0);
-    bind_rank_thread(r->device, r->stream);
+    r->stream = rank_device().stream(r->device);
+    rank_device().bind(r->device, r->stream);
     ncclUniqueId id{};
     if (side->rank() == 0) CPSIM_NCCL(ncclGetUniqueId(&id));
     side->broadcast_bytes(&id, sizeof id, 0);
@@ -292,7 +419,7 @@ std::unique_ptr<Communicator> job_transport(const std::shared_ptr<SideChannel>& 
     std::lock_guard<std::mutex> lock(job_mutex);
     job_ranks[n] = r;
   }
-  bind_rank_thread(r->device, r->stream);
+  rank_device().bind(r->device, r->stream);
   return checked_communicator(std::make_unique<NcclTransport>(r, side->rank(), n, side->timeout()), side);
 }
 
@@ -300,13 +427,10 @@ const BackendRegistrar registrar{Backend{
     "nccl", "NCCL, one rank per GPU: threads over this process's GPUs, or one process per GPU (cpsim launch)",
     kNcclCapabilities,
     [](int n, std::chrono::milliseconds timeout) { return std::make_shared<NcclGroup>(n, timeout); },
-    [] {
-      if (auto why = cuda_unavailable()) return why;
-      return nccl_unavailable();  // NCCL is looked for on first use, not at start
-    },
+    [] { return nccl_backend_unavailable(); },  // NCCL is looked for on first use, not at start
     job_transport,
     [] {
-      const int devices = cuda_device_count();
+      const int devices = nccl_backend_unavailable() ? cuda_device_count() : rank_device().count();
       return std::pair<int, std::string>{devices, too_many_ranks(devices) + "; NCCL: " + nccl_library_path()};
     }}};
 

@@ -71,6 +71,11 @@ std::optional<std::string> nccl_unavailable() {
 
 std::string nccl_library_path() { return loaded().path; }
 
+void* nccl_library_symbol(const char* name) {
+  const NcclLibrary& l = loaded();
+  return l.handle ? dlsym(l.handle, name) : nullptr;
+}
+
 }  // namespace cpsim::gpu
 
 // The entry points gpu/nccl.cpp uses, forwarding to the loaded library.

@@ -21,5 +21,9 @@ NcclLibrary load_nccl(const std::vector<std::string>& candidates);
 std::optional<std::string> nccl_unavailable();
 // The NCCL in use ("" when none could be loaded).
 std::string nccl_library_path();
+// A symbol of the loaded NCCL library (nullptr when none is loaded or it has no
+// such symbol): how the nccl backend finds a host device the library brings
+// (gpu/nccl_host_device.h), and tests the NCCL test double's controls.
+void* nccl_library_symbol(const char* name);
 
 }  // namespace cpsim::gpu

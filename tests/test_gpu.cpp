@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "tests/backend_sweeps.hpp"
 #include "tests/subprocess.hpp"
 
 #include "core/attention.hpp"
@@ -300,27 +301,15 @@ TEST(CudaKernels, LayersMatchTheHostKernels) {
     }
 }
 
-namespace {
-void property_table_holds(const std::string& backend, int max_cp, int cases) {
-  const auto gen = gen_layout_case(max_cp);
-  CheckOptions o;
-  o.backend = backend;
-  for (int i = 0; i < cases; ++i) {
-    LayoutCase c = gen(rc::Random(4242 + i), 40).value();
-    c = at_cp(c, 1 + i % max_cp);
-    for (const auto& r : check_all(c, o)) EXPECT_TRUE(r.ok) << backend << " " << r.property << ": " << r.detail << "\n" << c;
-  }
-}
-}  // namespace
 
 TEST(CudaSim, EveryPropertyHoldsOnRandomLayouts) {
   CPSIM_NEEDS_GPU();
-  property_table_holds("cuda-sim", 8, 40);
+  cpsim::testing::property_table_holds("cuda-sim", 8, 40, 4242);
 }
 
 TEST(Nccl, EveryPropertyHoldsAtEveryGroupSizeTheGpusAllow) {
   CPSIM_NEEDS_GPU();
-  property_table_holds("nccl", gpu::cuda_device_count(), 10);
+  cpsim::testing::property_table_holds("nccl", gpu::cuda_device_count(), 10, 4242);
 }
 
 // cuda-sim sums in rank order on the device: bitwise what threads gives.
@@ -328,33 +317,11 @@ TEST(CudaSim, CollectivesAreBitwiseThoseOfThreads) {
   CPSIM_NEEDS_GPU();
   for (int n : {2, 3, 8}) {
     for (DType dt : {DType::f32, DType::bf16, DType::i64, DType::b8}) {
-      const std::int64_t count = 1000;
-      std::vector<Tensor> inputs;
-      for (int r = 0; r < n; ++r) inputs.push_back(random_tensor({n * count}, dt, 100 * n + r));
-      std::map<std::string, std::vector<Tensor>> got;
-      for (const std::string backend : {"threads", "cuda-sim"}) {
-        std::vector<Tensor> gathered(n), scattered(n), reduced(n), cast(n), shifted(n);
-        RunOptions o;
-        o.backend = backend;
-        run_ranks(n, [&](Communicator& comm) {
-          const int r = comm.rank();
-          const Device d = comm.device();
-          const Tensor in = inputs[r].to(d);
-          Tensor g({n * n * count}, dt, d), s({count}, dt, d), a = in.clone(), b = in.clone(), sr({n * count}, dt, d);
-          comm.all_gather(in.raw(), g.raw(), n * count, dt);
-          comm.reduce_scatter(in.raw(), s.raw(), count, dt);
-          comm.all_reduce(a.raw(), n * count, dt);
-          comm.broadcast(b.raw(), n * count, dt, n - 1);
-          SendRecv step{in.raw(), static_cast<std::size_t>(n * count), (r + 1) % n, sr.raw(),
-                        static_cast<std::size_t>(n * count), (r + n - 1) % n};
-          comm.send_recv(step, dt);
-          gathered[r] = g.to(Device::host()), scattered[r] = s.to(Device::host()), reduced[r] = a.to(Device::host());
-          cast[r] = b.to(Device::host()), shifted[r] = sr.to(Device::host());
-        }, o);
-        for (auto* v : {&gathered, &scattered, &reduced, &cast, &shifted}) got[backend].insert(got[backend].end(), v->begin(), v->end());
-      }
-      for (std::size_t i = 0; i < got["threads"].size(); ++i)
-        EXPECT_TRUE(got["threads"][i].bitwise_equal(got["cuda-sim"][i])) << "n=" << n << " " << dtype_name(dt) << " result " << i;
+      const auto threads = cpsim::testing::every_collective("threads", n, dt, 1000);
+      const auto sim = cpsim::testing::every_collective("cuda-sim", n, dt, 1000);
+      for (std::size_t i = 0; i < threads.size(); ++i)
+        EXPECT_TRUE(threads[i].bitwise_equal(sim[i]))
+            << "n=" << n << " " << dtype_name(dt) << " " << cpsim::testing::kSweptCollectives[i / n] << " rank " << i % n;
     }
   }
 }
@@ -393,19 +360,7 @@ TEST(Nccl, MoreRanksThanGpusIsRefusedPointingToCudaSim) {
 TEST(Nccl, MismatchedCallsNeverReachNccl) {
   CPSIM_NEEDS_GPU();
   if (gpu::cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs, this machine has " << gpu::cuda_device_count();
-  RunOptions o;
-  o.backend = "nccl";
-  o.timeout = std::chrono::milliseconds(5000);
-  try {
-    run_ranks(2, [](Communicator& comm) {
-      Tensor t({4}, DType::f32, comm.device()), out({8}, DType::f32, comm.device());
-      if (comm.rank() == 0) comm.all_gather(t.raw(), out.raw(), 4, DType::f32);
-      else comm.broadcast(t.raw(), 4, DType::f32, 0);
-    }, o);
-    FAIL() << "no error";
-  } catch (const CollectiveError& e) {
-    EXPECT_NE(std::string(e.what()).find("broadcast"), std::string::npos) << e.what();
-  }
+  cpsim::testing::expect_mismatch_named("nccl");
 }
 
 // NCCL is loaded on the nccl backend's first use: no binary needs libnccl.so.2 to
