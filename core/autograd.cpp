@@ -75,14 +75,22 @@ Var dot(const Var& x, const Tensor& weights) {
   // The loss is a host scalar whatever device x is on (as .item() would give).
   const Tensor xv = x.value().is_cpu() ? x.value() : x.value().to(Device::host());
   const Tensor wv = weights.is_cpu() ? weights : weights.to(Device::host());
-  double s = 0;
-  for (std::int64_t i = 0; i < wv.numel(); ++i) s += xv.get(i) * wv.get(i);
+  double s = 0;  // left to right, in double, whatever the dtypes
+  visit_dtype(xv.dtype(), [&](auto xt) {
+    visit_dtype(wv.dtype(), [&](auto wt) {
+      const auto* xp = reinterpret_cast<const decltype(xt)*>(xv.raw());
+      const auto* wp = reinterpret_cast<const decltype(wt)*>(wv.raw());
+      for (std::int64_t i = 0; i < wv.numel(); ++i) s += to_f64(xp[i]) * to_f64(wp[i]);
+    });
+  });
   Tensor out = Tensor::full({1}, x.value().dtype(), s);
   const DType dt = x.value().dtype();
   const Device device = x.value().device();
   return record(out, "dot", {x}, [wv, dt, device](const Tensor& g) {
-    Tensor gx = wv.to(dt);
+    // The weights themselves when no conversion is needed (autograd copies a
+    // gradient before it adds to it).
     const double scale = (g.is_cpu() ? g : g.to(Device::host())).get(0);
+    Tensor gx = wv.dtype() == dt && scale == 1.0 ? wv : wv.to(dt);
     if (scale != 1.0)
       for (std::int64_t i = 0; i < gx.numel(); ++i) gx.set(i, gx.get(i) * scale);
     return std::vector<Tensor>{device.is_cpu() ? gx : gx.to(device)};

@@ -40,6 +40,20 @@ DeviceRuntime& device_runtime(DeviceKind kind);
 // Registers (or, with nullptr, removes) the runtime of a non-host kind.
 void register_device_runtime(DeviceKind kind, DeviceRuntime* runtime);
 
+// Host memory, through a cache: blocks of 64 KiB and more are kept when freed (in
+// size classes at most 1/8 apart, up to host_cache_limit() bytes in all) and
+// handed out again, so a step that makes the same tensors every call neither maps
+// nor faults in fresh pages. `zeroed`: the block reads as zeros (a fresh block
+// comes zeroed from the kernel; a reused one is cleared).
+void* host_allocate(std::size_t bytes, bool zeroed);
+void host_deallocate(void* ptr, std::size_t bytes) noexcept;
+// Returns every cached block to the system (between the CP sizes of a check, say).
+void release_host_cache() noexcept;
+std::size_t host_cache_limit();
+// Sets the limit (0: no cache) unless CPSIM_HOST_CACHE fixed it; frees what is over.
+void set_host_cache_limit(std::size_t bytes);
+std::size_t host_cache_bytes();
+
 // Copies `bytes` between any two devices through the right runtime.
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes);
 

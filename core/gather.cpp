@@ -44,16 +44,22 @@ Tensor all_gather_sequence_tensor(const Tensor& x, Communicator& comm, const Sha
   const std::size_t position = static_cast<std::size_t>(inner) * dtype_size(x.dtype());
   // Each rank's block, padded to the longest interval, arrives as [c][B][M...];
   // rank q's first size(q) positions of each row go to [a_q, a_{q+1}) of that row.
-  Tensor block = x;
-  if (M != L) {
-    block = Tensor({B, M * inner}, x.dtype(), x.device());
-    move(x.raw(), L, 0, block.raw(), M, 0, L, B, position, x.device());
-  }
-  Tensor staged({static_cast<std::int64_t>(c) * B * M * inner}, x.dtype(), x.device());
-  comm.all_gather(block.raw(), staged.raw(), static_cast<std::size_t>(B * M * inner), x.dtype());
+  // Every buffer below is written in full before it is read (the cuts cover the
+  // padded row): none is zeroed.
   Shape out_shape = x.shape();
   out_shape[1] = plan.padded_len();
-  Tensor out(out_shape, x.dtype(), x.device());
+  Tensor out = Tensor::empty(out_shape, x.dtype(), x.device());
+  if (plan.equal_sizes() && B == 1) {  // [c][1][L...] is [1][c*L...]: gathered in place
+    comm.all_gather(x.raw(), out.raw(), static_cast<std::size_t>(L * inner), x.dtype());
+    return out;
+  }
+  Tensor block = x;
+  if (M != L) {
+    block = Tensor::empty({B, M * inner}, x.dtype(), x.device());
+    move(x.raw(), L, 0, block.raw(), M, 0, L, B, position, x.device());  // the tail past L is not read
+  }
+  Tensor staged = Tensor::empty({static_cast<std::int64_t>(c) * B * M * inner}, x.dtype(), x.device());
+  comm.all_gather(block.raw(), staged.raw(), static_cast<std::size_t>(B * M * inner), x.dtype());
   if (plan.equal_sizes()) {  // one rearrangement: [c][B][L...] -> [B][c][L...]
     kernels::kernels_for(x.device())
         .blocks_to_sequence({staged.raw(), out.raw(), B, c, static_cast<std::size_t>(L) * position},
@@ -75,7 +81,17 @@ Tensor reduce_scatter_sequence_tensor(const Tensor& grad, Communicator& comm, co
                 " positions for a plan over ", plan.padded_len());
   const std::int64_t B = grad.dim(0), inner = inner_of(grad), M = plan.largest(), L = plan.size(r);
   const std::size_t position = static_cast<std::size_t>(inner) * dtype_size(grad.dtype());
-  Tensor staged({static_cast<std::int64_t>(c) * B * M * inner}, grad.dtype(), grad.device());  // [c][B][M...]
+  Shape local_shape = grad.shape();
+  local_shape[1] = M;
+  Tensor mine = Tensor::empty(local_shape, grad.dtype(), grad.device());  // the reduce-scatter writes it all
+  if (plan.equal_sizes() && B == 1) {  // [1][c*L...] is [c][1][L...]: scattered in place
+    comm.reduce_scatter(grad.raw(), mine.raw(), static_cast<std::size_t>(mine.numel()), grad.dtype());
+    return mine;
+  }
+  // [c][B][M...]; under unequal cuts each block's tail past its rank's size stays zero.
+  Tensor staged = plan.equal_sizes()
+                      ? Tensor::empty({static_cast<std::int64_t>(c) * B * M * inner}, grad.dtype(), grad.device())
+                      : Tensor({static_cast<std::int64_t>(c) * B * M * inner}, grad.dtype(), grad.device());
   if (plan.equal_sizes())
     kernels::kernels_for(grad.device())
         .sequence_to_blocks({grad.raw(), staged.raw(), B, c, static_cast<std::size_t>(M) * position},
@@ -84,13 +100,10 @@ Tensor reduce_scatter_sequence_tensor(const Tensor& grad, Communicator& comm, co
     for (int q = 0; q < c; ++q)
       move(grad.raw(), plan.padded_len(), plan.begin(q), at(staged, q * B * M * inner), M, 0, plan.size(q), B, position,
            grad.device());
-  Shape local_shape = grad.shape();
-  local_shape[1] = M;
-  Tensor mine(local_shape, grad.dtype(), grad.device());
   comm.reduce_scatter(staged.raw(), mine.raw(), static_cast<std::size_t>(mine.numel()), grad.dtype());
   if (M == L) return mine;
   local_shape[1] = L;
-  Tensor out(local_shape, grad.dtype(), grad.device());
+  Tensor out = Tensor::empty(local_shape, grad.dtype(), grad.device());
   move(mine.raw(), M, 0, out.raw(), L, 0, L, B, position, grad.device());
   return out;
 }

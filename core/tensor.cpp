@@ -4,6 +4,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 
 namespace cpsim {
@@ -62,19 +63,25 @@ std::int64_t shape_numel(const Shape& s) {
   return n;
 }
 
-Storage::Storage(std::size_t bytes, Device device)
-    : data_(static_cast<std::byte*>(device_runtime(device.kind).allocate(device, bytes))),
+Storage::Storage(std::size_t bytes, Device device, bool zeroed)
+    : data_(static_cast<std::byte*>(device.is_cpu() ? host_allocate(bytes, zeroed)
+                                                    : device_runtime(device.kind).allocate(device, bytes))),
       nbytes_(bytes),
       device_(device) {
-  if (!device.is_cpu()) device_runtime(device.kind).zero(device, data_, bytes);  // the host's comes zeroed
+  if (zeroed && !device.is_cpu()) device_runtime(device.kind).zero(device, data_, bytes);  // the host's comes zeroed
 }
 
 Storage::~Storage() { device_runtime(device_.kind).deallocate(device_, data_, nbytes_); }
 
-Tensor::Tensor(Shape shape, DType dtype, Device device) : shape_(std::move(shape)), dtype_(dtype) {
+Tensor::Tensor(Shape shape, DType dtype, Device device, bool zeroed) : shape_(std::move(shape)), dtype_(dtype) {
   for (auto d : shape_) CPSIM_ENFORCE(d >= 0, "negative dimension in ", shape_str(shape_));
-  storage_ = std::make_shared<Storage>(nbytes(), device);
+  numel_ = shape_numel(shape_);
+  storage_ = std::make_shared<Storage>(nbytes(), device, zeroed);
 }
+
+Tensor::Tensor(Shape shape, DType dtype, Device device) : Tensor(std::move(shape), dtype, device, true) {}
+
+Tensor Tensor::empty(Shape shape, DType dtype, Device device) { return Tensor(std::move(shape), dtype, device, false); }
 
 Tensor Tensor::full(Shape shape, DType dtype, double value) {
   Tensor t(std::move(shape), dtype);
@@ -96,35 +103,11 @@ void Tensor::check_type(DType want) const {
   CPSIM_ENFORCE(want == dtype_, "tensor is ", dtype_name(dtype_), ", accessed as ", dtype_name(want));
 }
 
-void Tensor::check_index(std::int64_t flat) const {
+void Tensor::index_error(std::int64_t flat) const {
   check_host();
-  CPSIM_ENFORCE(flat >= 0 && flat < numel(), "element ", flat, " of a tensor of shape ", shape_str(shape_));
-}
-
-double Tensor::get(std::int64_t flat) const {
-  check_index(flat);
-  return visit_dtype(dtype_, [&](auto tag) {
-    using T = decltype(tag);
-    return to_f64(reinterpret_cast<const T*>(raw())[flat]);
-  });
-}
-
-void Tensor::set(std::int64_t flat, double v) {
-  check_index(flat);
-  visit_dtype(dtype_, [&](auto tag) {
-    using T = decltype(tag);
-    reinterpret_cast<T*>(raw())[flat] = from_f64<T>(v);
-  });
-}
-
-std::int64_t Tensor::get_int(std::int64_t flat) const {
-  check_index(flat);
-  switch (dtype_) {
-    case DType::i64: return data<std::int64_t>()[flat];
-    case DType::i32: return data<std::int32_t>()[flat];
-    case DType::b8: return data<bool>()[flat] ? 1 : 0;
-    default: return static_cast<std::int64_t>(get(flat));
-  }
+  CPSIM_ENFORCE(storage_, "element ", flat, " of an undefined tensor");
+  CPSIM_ENFORCE(false, "element ", flat, " of a tensor of shape ", shape_str(shape_));
+  std::abort();  // not reached
 }
 
 Tensor Tensor::clone() const { return defined() ? to(device()) : Tensor(); }
@@ -141,6 +124,7 @@ Tensor Tensor::reshape(Shape shape) const {
                 shape_str(shape));
   Tensor t = *this;
   t.shape_ = std::move(shape);
+  t.numel_ = shape_numel(t.shape_);
   return t;
 }
 

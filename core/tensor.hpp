@@ -72,7 +72,7 @@ std::int64_t shape_numel(const Shape& s);
 // The bytes of a tensor, owned, on one device.
 class Storage {
  public:
-  Storage(std::size_t bytes, Device device);  // zero-filled
+  Storage(std::size_t bytes, Device device, bool zeroed = true);  // zero-filled, unless not `zeroed`
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -90,6 +90,8 @@ class Tensor {
  public:
   Tensor() = default;
   Tensor(Shape shape, DType dtype, Device device = Device::host());  // zero-filled
+  // Uninitialised: for a result the next kernel or collective writes in full.
+  static Tensor empty(Shape shape, DType dtype, Device device = Device::host());
 
   template <class T>
   static Tensor from(Shape shape, const std::vector<T>& values) {
@@ -106,7 +108,7 @@ class Tensor {
   const Shape& shape() const { return shape_; }
   std::int64_t dim(int i) const;
   int ndim() const { return static_cast<int>(shape_.size()); }
-  std::int64_t numel() const { return shape_numel(shape_); }
+  std::int64_t numel() const { return numel_; }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
   DType dtype() const { return dtype_; }
   Device device() const { return storage_ ? storage_->device() : Device::host(); }
@@ -123,11 +125,31 @@ class Tensor {
   void* raw() { return storage_ ? storage_->data() + offset_ : nullptr; }
   const void* raw() const { return storage_ ? storage_->data() + offset_ : nullptr; }
 
-  // Element access through double / int64, for any dtype, bounds-checked (slow;
-  // tests, references and I/O).
-  double get(std::int64_t flat) const;
-  void set(std::int64_t flat, double v);
-  std::int64_t get_int(std::int64_t flat) const;
+  // Element access through double / int64, for any dtype, bounds-checked (tests,
+  // references and I/O; the checks stay, inline).
+  double get(std::int64_t flat) const {
+    check_index(flat);
+    return visit_dtype(dtype_, [&](auto tag) {
+      using T = decltype(tag);
+      return to_f64(reinterpret_cast<const T*>(raw())[flat]);
+    });
+  }
+  void set(std::int64_t flat, double v) {
+    check_index(flat);
+    visit_dtype(dtype_, [&](auto tag) {
+      using T = decltype(tag);
+      reinterpret_cast<T*>(raw())[flat] = from_f64<T>(v);
+    });
+  }
+  std::int64_t get_int(std::int64_t flat) const {
+    check_index(flat);
+    switch (dtype_) {
+      case DType::i64: return reinterpret_cast<const std::int64_t*>(raw())[flat];
+      case DType::i32: return reinterpret_cast<const std::int32_t*>(raw())[flat];
+      case DType::b8: return reinterpret_cast<const bool*>(raw())[flat] ? 1 : 0;
+      default: return static_cast<std::int64_t>(get(flat));
+    }
+  }
 
   Tensor clone() const;                // same device
   Tensor to(Device device) const;      // a copy on `device` (shares nothing)
@@ -138,9 +160,15 @@ class Tensor {
 
  private:
   void check_type(DType want) const;
-  void check_index(std::int64_t flat) const;
+  void check_index(std::int64_t flat) const {
+    if (!storage_ || !storage_->device().is_cpu() || flat < 0 || flat >= numel_) [[unlikely]]
+      index_error(flat);
+  }
+  [[noreturn]] void index_error(std::int64_t flat) const;
+  Tensor(Shape shape, DType dtype, Device device, bool zeroed);
   void check_host() const;
   Shape shape_;
+  std::int64_t numel_ = 1;  // shape_numel(shape_), kept with it
   DType dtype_ = DType::f32;
   std::shared_ptr<Storage> storage_;
   std::size_t offset_ = 0;

@@ -3,6 +3,8 @@
 // verify/rows/ (layout and shard, gather, halo and conv, recurrence).
 #include "verify/properties.hpp"
 
+#include <sys/resource.h>
+
 #include "core/conv.hpp"
 #include "core/gather.hpp"
 #include "core/recurrence.hpp"
@@ -128,8 +130,19 @@ std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o
   } catch (...) {
     why = std::current_exception();
   }
-  for (const PropertyRow& row : property_table())
+  const auto cpu_now = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  };
+  for (const PropertyRow& row : property_table()) {
+    const double before = cpu_now();
     out.push_back(p ? run_row(row, *p, o) : threw(row.name, c.cp, "could not prepare the case: ", why));
+    out.back().cpu_seconds = cpu_now() - before;
+    // What a row's ranks freed is cached for their next call, not for the next
+    // row (other shapes): the peak stays that of the largest row.
+    release_host_cache();
+  }
   return out;
 }
 

@@ -49,6 +49,9 @@ struct PropertyResult {
   // The run could not complete (a rank timed out or died, memory ran out): no
   // verdict on the code under test, and not a failure of the property.
   bool aborted = false;
+  // CPU time of the process while the row ran (every rank's thread; rows that
+  // share a simulation count it in the first of them).
+  double cpu_seconds = 0;
 };
 
 // One case prepared once: its reference layout and geometry (never from the code

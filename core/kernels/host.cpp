@@ -1,5 +1,7 @@
 // The host instantiation of the one kernel source: Thrust's CPP system, so the
-// CPU property suite runs the very functors a GPU runs.
+// CPU property suite runs the very functors a GPU runs. Pure data movement
+// (rearrangement, position copies) runs as memcpy runs on the host; the functors a
+// GPU runs for it are checked against those runs in tests/test_kernels.cpp.
 #include <array>
 #include <atomic>
 
@@ -15,11 +17,11 @@ namespace cpsim::kernels {
 namespace {
 
 const KernelTable host_table{
-    [](const Rearrange& a, void*) { rearrange<true>(thrust::host, a); },
-    [](const Rearrange& a, void*) { rearrange<false>(thrust::host, a); },
-    [](const PositionCopy& a, void*) { copy_positions(thrust::host, a); },
+    [](const Rearrange& a, void*) { rearrange_runs<true>(a); },
+    [](const Rearrange& a, void*) { rearrange_runs<false>(a); },
+    [](const PositionCopy& a, void*) { copy_position_runs(a); },
     [](const Slice& a, void*) { slice(thrust::host, a); },
-    [](const PositionCopy& a, DType dtype, void*) { add_positions(thrust::host, a, dtype); },
+    [](const PositionCopy& a, DType dtype, void*) { add_position_runs(a, dtype); },
     [](const DocIds& a, void*) { doc_ids_from_starts(thrust::host, a); },
     [](const std::int64_t* ids, std::int64_t* out, std::int64_t rows, std::int64_t len, void*) {
       run_starts(thrust::host, ids, nullptr, out, rows, len);
@@ -32,7 +34,7 @@ const KernelTable host_table{
     [](const Conv& a, DType dtype, void*) { conv_forward(thrust::host, a, dtype); },
     [](const Conv& a, DType dtype, void*) { conv_backward(thrust::host, a, dtype); },
     [](const RecurrenceArgs& a, RecurrenceStep pass, void*) { recurrence_pass(thrust::host, a, pass); },
-    [](const Sum& a, DType dtype, void*) { sum_in_order(thrust::host, a, dtype); },
+    [](const Sum& a, DType dtype, void*) { sum_in_order_blocks(a, dtype); },
     [](const Rope& a, DType dtype, void*) { rope(thrust::host, a, dtype); },
     [](const Attention& a, DType dtype, void*) { attention_forward(thrust::host, a, dtype); },
     [](const Attention& a, DType dtype, void*) { attention_backward(thrust::host, a, dtype); },

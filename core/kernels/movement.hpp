@@ -91,6 +91,45 @@ void rearrange(Policy&& policy, const Rearrange& a) {
   });
 }
 
+// The host's rearrangement and position copy: the same mapping as the functors
+// above, a contiguous run (one rank's row, or n positions of one row) at a time,
+// each one memcpy. (A GPU runs the functors, an element a thread; the CPU suite
+// checks both against each other: tests/test_kernels.cpp.)
+template <bool to_sequence>
+void rearrange_runs(const Rearrange& a) {
+  const auto* src = static_cast<const std::byte*>(a.src);
+  auto* dst = static_cast<std::byte*>(a.dst);
+  for (index_t b = 0; b < a.rows; ++b)
+    for (index_t q = 0; q < a.ranks; ++q) {
+      const index_t seq = (b * a.ranks + q), blk = (q * a.rows + b);
+      const index_t from = to_sequence ? blk : seq, to = to_sequence ? seq : blk;
+      std::memcpy(dst + to * a.row_bytes, src + from * a.row_bytes, a.row_bytes);
+    }
+}
+inline void copy_position_runs(const PositionCopy& a) {
+  if (a.n <= 0) return;
+  const auto* src = static_cast<const std::byte*>(a.src);
+  auto* dst = static_cast<std::byte*>(a.dst);
+  const std::size_t P = a.position_bytes;
+  for (index_t b = 0; b < a.rows; ++b)
+    std::memmove(dst + (b * a.dst_len + a.to) * P, src + (b * a.src_len + a.from) * P, a.n * P);
+}
+
+// The host's add_positions: one row's n*P elements at a time, a loop the compiler
+// vectorises (the same additions as MovePositions<T, true>, element by element).
+inline void add_position_runs(const PositionCopy& a, DType dtype) {
+  if (a.n <= 0) return;
+  with_element(dtype, [&](auto element) {
+    using T = decltype(element);
+    const index_t P = static_cast<index_t>(a.position_bytes / sizeof(T)), run = a.n * P;
+    for (index_t b = 0; b < a.rows; ++b) {
+      const T* __restrict src = static_cast<const T*>(a.src) + (b * a.src_len + a.from) * P;
+      T* __restrict dst = static_cast<T*>(a.dst) + (b * a.dst_len + a.to) * P;
+      for (index_t k = 0; k < run; ++k) accumulate(dst[k], src[k]);
+    }
+  });
+}
+
 template <class Policy>
 void copy_positions(Policy&& policy, const PositionCopy& a) {
   with_word(word_size(a.position_bytes, a.src, a.dst), [&](auto word) {

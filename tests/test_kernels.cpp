@@ -1,0 +1,89 @@
+// The host runs data movement and the rank-order sum as contiguous runs (memcpy,
+// loops vectorised across elements); a GPU runs the one kernel source's functors,
+// an element a thread. Both are run here, on the host, over random shapes, and must
+// agree bitwise: so the functors a GPU runs stay proven on every CI run.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "core/kernels/movement.hpp"
+#include "core/kernels/reduce.hpp"
+#include "verify/random.hpp"
+
+using namespace cpsim;
+using namespace cpsim::kernels;
+
+namespace {
+
+const KernelTable& host() { return kernels_for(Device::host()); }
+
+std::vector<std::uint8_t> random_bytes(std::size_t n, std::mt19937_64& rng) {
+  std::vector<std::uint8_t> v(n);
+  for (auto& b : v) b = static_cast<std::uint8_t>(rng());
+  return v;
+}
+
+}  // namespace
+
+TEST(HostKernels, RearrangementRunsAreTheFunctorsBitwise) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::int64_t rows = 1 + rng() % 4, ranks = 1 + rng() % 8;
+    const std::size_t row_bytes = 1 + rng() % 300;
+    const auto src = random_bytes(rows * ranks * row_bytes, rng);
+    for (bool to_sequence : {true, false}) {
+      std::vector<std::uint8_t> runs(src.size(), 0xEE), functor(src.size(), 0xEE);
+      Rearrange a{src.data(), runs.data(), rows, ranks, row_bytes};
+      (to_sequence ? host().blocks_to_sequence : host().sequence_to_blocks)(a, nullptr);
+      a.dst = functor.data();
+      if (to_sequence) rearrange<true>(thrust::host, a);
+      else rearrange<false>(thrust::host, a);
+      ASSERT_EQ(runs, functor) << "rows " << rows << " ranks " << ranks << " row_bytes " << row_bytes;
+    }
+  }
+}
+
+TEST(HostKernels, PositionCopiesAndAddsAreTheFunctorsBitwise) {
+  std::mt19937_64 rng(12);
+  for (int trial = 0; trial < 300; ++trial) {
+    const DType dt = std::vector<DType>{DType::f32, DType::f64, DType::bf16, DType::i32, DType::i64, DType::b8}[rng() % 6];
+    const std::int64_t rows = 1 + rng() % 3, src_len = 1 + rng() % 40, dst_len = 1 + rng() % 40;
+    const std::int64_t n = rng() % (1 + std::min(src_len, dst_len));
+    const std::int64_t from = rng() % (src_len - n + 1), to = rng() % (dst_len - n + 1), inner = 1 + rng() % 5;
+    const Tensor src = verify::random_tensor({rows, src_len, inner}, dt, rng());
+    const Tensor dst = verify::random_tensor({rows, dst_len, inner}, dt, rng());
+    for (bool add : {false, true}) {
+      Tensor runs = dst.clone(), functor = dst.clone();
+      PositionCopy a{src.raw(), runs.raw(), rows, src_len, dst_len, from, to, n,
+                     static_cast<std::size_t>(inner) * dtype_size(dt)};
+      if (add) host().add_positions(a, dt, nullptr);
+      else host().copy_positions(a, nullptr);
+      a.dst = functor.raw();
+      if (add) add_positions(thrust::host, a, dt);
+      else copy_positions(thrust::host, a);
+      ASSERT_TRUE(runs.bitwise_equal(functor)) << dtype_name(dt) << (add ? " add" : " copy") << " rows " << rows
+                                               << " n " << n << " from " << from << " to " << to;
+    }
+  }
+}
+
+TEST(HostKernels, TheBlockedRankOrderSumIsTheFunctorBitwise) {
+  std::mt19937_64 rng(13);
+  for (int trial = 0; trial < 60; ++trial) {
+    const DType dt = std::vector<DType>{DType::f32, DType::f64, DType::bf16, DType::i32, DType::i64, DType::b8}[rng() % 6];
+    const std::int64_t count = rng() % 5000;  // across the host's 2048-element blocks
+    const int n = 1 + static_cast<int>(rng() % 8);
+    std::vector<Tensor> inputs;
+    std::vector<const void*> srcs;
+    for (int s = 0; s < n; ++s) {
+      inputs.push_back(verify::random_tensor({count}, dt, rng()));
+      srcs.push_back(inputs.back().raw());
+    }
+    Tensor blocked({count}, dt), functor({count}, dt);
+    Sum a{srcs.data(), blocked.raw(), static_cast<std::size_t>(n), static_cast<std::size_t>(count)};
+    host().sum_in_order(a, dt, nullptr);
+    a.dst = functor.raw();
+    sum_in_order(thrust::host, a, dt);
+    ASSERT_TRUE(blocked.bitwise_equal(functor)) << dtype_name(dt) << " n " << n << " count " << count;
+  }
+}
