@@ -1,11 +1,13 @@
 // The host runs data movement and the rank-order sum as contiguous runs (memcpy,
-// loops vectorised across elements); a GPU runs the one kernel source's functors,
-// an element a thread. Both are run here, on the host, over random shapes, and must
+// loops vectorised across elements), and the conv's weight gradient in one pass
+// over the tokens; a GPU runs the one kernel source's functors, an element (or a
+// weight) a thread. Both are run here, on the host, over random shapes, and must
 // agree bitwise: so the functors a GPU runs stay proven on every CI run.
 #include <gtest/gtest.h>
 
 #include <random>
 
+#include "core/kernels/conv.hpp"
 #include "core/kernels/movement.hpp"
 #include "core/kernels/reduce.hpp"
 #include "verify/random.hpp"
@@ -85,5 +87,31 @@ TEST(HostKernels, TheBlockedRankOrderSumIsTheFunctorBitwise) {
     a.dst = functor.raw();
     sum_in_order(thrust::host, a, dt);
     ASSERT_TRUE(blocked.bitwise_equal(functor)) << dtype_name(dt) << " n " << n << " count " << count;
+  }
+}
+
+TEST(HostKernels, TheConvBackwardInOnePassIsTheFunctorsBitwise) {
+  std::mt19937_64 rng(14);
+  for (int trial = 0; trial < 40; ++trial) {
+    const DType dt = rng() % 2 ? DType::f32 : DType::f64;
+    const std::int64_t B = 1 + rng() % 3, W = 1 + rng() % 5, N = 1 + rng() % 60, C = 1 + rng() % 9, NW = N + W - 1;
+    Tensor ids({B, NW}, DType::i64), start({B, NW}, DType::i64);
+    for (std::int64_t i = 0; i < B * NW; ++i) ids.data<std::int64_t>()[i] = static_cast<std::int64_t>(i / (1 + rng() % 7));
+    host().run_starts(ids.data<std::int64_t>(), start.data<std::int64_t>(), B, NW, nullptr);
+    const Tensor x = verify::random_tensor({B, NW, C}, dt, rng()), w = verify::random_tensor({C, W}, dt, rng());
+    const Tensor gy = verify::random_tensor({B, N, C}, dt, rng());
+    std::vector<Tensor> out;
+    for (int side = 0; side < 2; ++side) {
+      Tensor gx({B, NW, C}, dt), gw({C, W}, dt), gb({C}, dt);
+      Conv a;
+      a.x = x.raw(), a.run_start = start.data<std::int64_t>(), a.w = w.raw(), a.gy = gy.raw();
+      a.gx = gx.raw(), a.gw = gw.raw(), a.gbias = gb.raw();
+      a.rows = B, a.outputs = N, a.channels = C, a.width = W;
+      if (side == 0) host().conv_backward(a, dt, nullptr);
+      else conv_backward(thrust::host, a, dt);
+      out.insert(out.end(), {gx, gw, gb});
+    }
+    for (int k = 0; k < 3; ++k)
+      ASSERT_TRUE(out[k].bitwise_equal(out[3 + k])) << "gradient " << k << " " << dtype_name(dt) << " B " << B << " W " << W;
   }
 }

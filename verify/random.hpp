@@ -29,13 +29,17 @@ inline std::uint64_t mix_seed(std::uint64_t a, std::uint64_t b) { return SplitMi
 
 // Values in [-1, 1) for floating dtypes, [-50, 50) for integers, 0/1 for bool.
 inline Tensor random_tensor(const Shape& shape, DType dtype, std::uint64_t seed) {
-  Tensor t(shape, dtype);
+  Tensor t = Tensor::empty(shape, dtype);
   SplitMix64 rng(seed);
-  for (std::int64_t i = 0; i < t.numel(); ++i) {
-    if (is_floating(dtype)) t.set(i, rng.uniform(-1.0, 1.0));
-    else if (dtype == DType::b8) t.set(i, static_cast<double>(rng.below(2)));
-    else t.set(i, static_cast<double>(rng.below(100) - 50));
-  }
+  visit_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* d = t.data<T>();
+    for (std::int64_t i = 0; i < t.numel(); ++i) {
+      if (is_floating(dtype)) d[i] = from_f64<T>(rng.uniform(-1.0, 1.0));
+      else if (dtype == DType::b8) d[i] = from_f64<T>(static_cast<double>(rng.below(2)));
+      else d[i] = from_f64<T>(static_cast<double>(rng.below(100) - 50));
+    }
+  });
   return t;
 }
 

@@ -107,4 +107,34 @@ void conv_backward(Policy&& policy, const Conv& a, DType dtype) {
   });
 }
 
+// The host's backward: the input gradient as above; the weight and bias gradients
+// in one pass over the tokens (ConvWeightGrad runs a pass per weight, strided by
+// C: a thread per weight on a GPU). Each weight still adds its terms in token
+// order (b, then t), so the sums are bitwise ConvWeightGrad's.
+inline void conv_backward_host(const Conv& a, DType dtype) {
+  with_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const index_t N = a.outputs, C = a.channels, W = a.width, NW = N + W - 1;
+    for_each_index(thrust::host, a.rows * NW * C,
+                   ConvInputGrad<T>{a.run_start, static_cast<const T*>(a.w), static_cast<const T*>(a.gy),
+                                    static_cast<T*>(a.gx), N, C, W});
+    const T* x = static_cast<const T*>(a.x);
+    const T* gy = static_cast<const T*>(a.gy);
+    T* gw = static_cast<T*>(a.gw);
+    T* gbias = static_cast<T*>(a.gbias);
+    for (index_t i = 0; i < C * W; ++i) gw[i] = T(0);
+    for (index_t c = 0; c < C; ++c) gbias[c] = T(0);
+    for (index_t b = 0; b < a.rows; ++b)
+      for (index_t t = 0; t < N; ++t) {
+        const index_t first = a.run_start[b * NW + t + W - 1] - t;
+        const T* g = gy + (b * N + t) * C;
+        for (index_t c = 0; c < C; ++c) gbias[c] += g[c];
+        for (index_t j = first > 0 ? first : 0; j < W; ++j) {
+          const T* xj = x + (b * NW + t + j) * C;
+          for (index_t c = 0; c < C; ++c) gw[c * W + j] += xj[c] * g[c];
+        }
+      }
+  });
+}
+
 }  // namespace cpsim::kernels

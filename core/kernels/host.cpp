@@ -32,7 +32,7 @@ const KernelTable host_table{
       return segment_starts(thrust::host, ids, len, out);
     },
     [](const Conv& a, DType dtype, void*) { conv_forward(thrust::host, a, dtype); },
-    [](const Conv& a, DType dtype, void*) { conv_backward(thrust::host, a, dtype); },
+    [](const Conv& a, DType dtype, void*) { conv_backward_host(a, dtype); },
     [](const RecurrenceArgs& a, RecurrenceStep pass, void*) { recurrence_pass(thrust::host, a, pass); },
     [](const Sum& a, DType dtype, void*) { sum_in_order_blocks(a, dtype); },
     [](const Rope& a, DType dtype, void*) { rope(thrust::host, a, dtype); },
