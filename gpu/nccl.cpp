@@ -147,9 +147,12 @@ class HostRankDevice final : public RankDevice {
   void* event() override { return t_->event_create(); }
   void record(void* event, void* stream) override { t_->event_record(event, stream); }
   bool reached(void* event, std::string&) override { return t_->event_query(event) != 0; }
+  // Every call on the stream is under the watchdog, which aborts a stuck one; the
+  // bound is for what is not (a library that never returns).
   std::string synchronize(void* stream) override {
-    t_->stream_synchronize(stream);
-    return {};
+    constexpr long long kLimitMs = 600000;
+    if (t_->stream_synchronize(stream, kLimitMs) == 0) return {};
+    return "the host device's stream did not drain within " + std::to_string(kLimitMs / 1000) + " s";
   }
 
  private:

@@ -79,10 +79,10 @@ struct HostStream {
     std::lock_guard<std::mutex> lock(m);
     return enqueued;
   }
-  void synchronize() {
+  bool synchronize(std::chrono::milliseconds limit) {
     std::unique_lock<std::mutex> lock(m);
     const std::uint64_t target = enqueued;
-    idle.wait(lock, [&] { return completed.load() >= target; });
+    return idle.wait_for(lock, limit, [&] { return completed.load() >= target; });
   }
   void run() {
     for (;;) {
@@ -120,7 +120,9 @@ int device_count() {
 const cpsimNcclHostDeviceTable kTable{
     CPSIM_NCCL_HOST_DEVICE_ABI, 0,
     [](int) -> void* { return new HostStream; },
-    [](void* s) { static_cast<HostStream*>(s)->synchronize(); },
+    [](void* s, long long timeout_ms) {
+      return static_cast<HostStream*>(s)->synchronize(std::chrono::milliseconds(timeout_ms)) ? 0 : 1;
+    },
     []() -> void* { return new HostEvent; },
     [](void* e, void* s) {
       auto* ev = static_cast<HostEvent*>(e);

@@ -20,8 +20,9 @@ typedef struct cpsimNcclHostDeviceTable {
   int devices; /* how many cuda:N it offers */
   /* A new stream (the `cudaStream_t` its NCCL calls take); streams live as long as the process. */
   void* (*stream_create)(int device);
-  /* Blocks until every task queued on `stream` has run. */
-  void (*stream_synchronize)(void* stream);
+  /* Blocks until every task queued on `stream` has run, at most `timeout_ms`:
+   * 0 when it has, 1 when the limit passed first (a call stuck inside it). */
+  int (*stream_synchronize)(void* stream, long long timeout_ms);
   /* An event: recorded on a stream, done once the stream has reached it. */
   void* (*event_create)(void);
   void (*event_record)(void* event, void* stream);
