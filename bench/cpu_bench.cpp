@@ -5,9 +5,9 @@
 //                 counters algbw, busbw (nccl-tests factors), time_vs_ref (time
 //                 over the same-run memcpy + std::barrier reference: 1 = at the
 //                 reference, 10 = ten times slower), wrong (must be 0);
-//   CP operators  gather_sequence forward and backward, convolution_history with
-//                 both exchanges (forward and backward), the packed conv forward and
-//                 backward, the recurrence (its state all-gather and fold, forward
+//   CP operators  gather_sequence forward and backward, convolution_history and
+//                 convolution_halo with both exchanges (forward, and forward and
+//                 backward), the packed conv forward and backward, the recurrence (its state all-gather and fold, forward
 //                 and backward), each against a memcpy of the bytes it gathers;
 //   layout        derive_layout and shard_batch of a packed batch.
 // Times are real (wall) times of rank 0 between two barriers, reported as manual
@@ -149,6 +149,26 @@ void register_operators(const std::string& backend) {
             })
             ->UseManualTime()
             ->Iterations(1);
+        // The history alone: what it moves is W-1 positions, whatever L is.
+        for (const bool with_backward : {false, true})
+          benchmark::RegisterBenchmark((std::string("convolution_halo_") + halo_exchange_name(e) +
+                                        (with_backward ? "_forward_backward" : "_forward") + tail)
+                                           .c_str(),
+                                       [=](benchmark::State& s) {
+                                         timed_ranks(s, backend, n,
+                                                     static_cast<std::size_t>((with_backward ? 2 : 1) * (W - 1) * C * 4),
+                                                     [=](Communicator& comm) {
+                                                       auto x = std::make_shared<Var>(shard(comm, L, C, with_backward));
+                                                       auto up = std::make_shared<Tensor>(
+                                                           verify::random_tensor({1, W - 1, C}, DType::f32, 5));
+                                                       return [x, up, e, W, with_backward, &comm] {
+                                                         const Var h = convolution_halo(*x, &comm, W, e);
+                                                         if (with_backward) backward(dot(h, *up));
+                                                       };
+                                                     });
+                                       })
+              ->UseManualTime()
+              ->Iterations(1);
       }
       benchmark::RegisterBenchmark(("packed_conv_forward_backward" + tail).c_str(), [=](benchmark::State& s) {
         timed_ranks(s, backend, n, static_cast<std::size_t>(L * C * 8), [=](Communicator& comm) {

@@ -61,96 +61,130 @@ void move_raw(const void* src, std::int64_t src_len, std::int64_t from, void* ds
                                               kernels::current_stream());
 }
 
-Tensor history_all_gather(const Tensor& x, Communicator& comm, int width, const ShardPlan& plan) {
+// The exchanges below produce a rank's history alone, [B, H, C] (window slots
+// [0, H): the H global positions before a_r), and run backwards from that
+// history's gradient, adding each owner's part into its dx [B, L, C]. Their cost
+// follows the W-1 positions they move, never L.
+
+Tensor halo_all_gather(const Tensor& x, Communicator& comm, int width, const ShardPlan& plan) {
   const std::int64_t B = x.dim(0), L = x.dim(1), C = x.dim(2), H = width - 1;
   const std::int64_t T = halo_plan(plan, width, comm.rank()).tail, mine = std::min(L, H);
   const int c = comm.size(), r = comm.rank();
   const std::size_t position = static_cast<std::size_t>(C) * dtype_size(x.dtype());
   Tensor tail({B, T, C}, x.dtype(), x.device());  // right-aligned: the last `mine` positions end the slot
   copy_positions(x, L - mine, tail, T - mine, mine, false);
-  Tensor tails({c * B, T, C}, x.dtype(), x.device());  // [c][B][T][C]
+  Tensor tails = Tensor::empty({c * B, T, C}, x.dtype(), x.device());  // [c][B][T][C], every slot gathered
   comm.all_gather(tail.raw(), tails.raw(), static_cast<std::size_t>(tail.numel()), x.dtype());
-  Tensor out({B, L + H, C}, x.dtype(), x.device());  // slots before position 0 stay zero
+  Tensor halo({B, H, C}, x.dtype(), x.device());  // slots before position 0 stay zero
   for (const WindowPart& w : window_parts(plan, H, T, r))
-    move_raw(slot(tails, w.owner, B, T, C), T, w.offset, out.raw(), L + H, w.slot, w.n, B, position, x.device());
-  copy_positions(x, 0, out, H, L, false);
-  return out;
+    move_raw(slot(tails, w.owner, B, T, C), T, w.offset, halo.raw(), H, w.slot, w.n, B, position, x.device());
+  return halo;
 }
 
-Tensor history_all_gather_backward(const Tensor& g, Communicator& comm, int width, const ShardPlan& plan) {
-  const std::int64_t B = g.dim(0), C = g.dim(2), H = width - 1, L = g.dim(1) - H;
+void halo_all_gather_backward(const Tensor& gh, Tensor& dx, Communicator& comm, int width, const ShardPlan& plan) {
+  const std::int64_t B = dx.dim(0), L = dx.dim(1), C = dx.dim(2), H = width - 1;
   const std::int64_t T = halo_plan(plan, width, comm.rank()).tail, mine_n = std::min(L, H);
   const int c = comm.size(), r = comm.rank();
-  const std::size_t position = static_cast<std::size_t>(C) * dtype_size(g.dtype());
+  const std::size_t position = static_cast<std::size_t>(C) * dtype_size(gh.dtype());
   // Each rank moves its history gradient into per-owner tail slots; the
   // reduce-scatter sums the slots in rank order and hands each owner its own.
-  Tensor slots({c * B, T, C}, g.dtype(), g.device());  // [c][B][T][C], zero where nothing lands
+  Tensor slots({c * B, T, C}, gh.dtype(), gh.device());  // [c][B][T][C], zero where nothing lands
   for (const WindowPart& w : window_parts(plan, H, T, r))
-    move_raw(g.raw(), L + H, w.slot, const_cast<std::byte*>(slot(slots, w.owner, B, T, C)), T, w.offset, w.n, B,
-             position, g.device());
-  Tensor mine({B, T, C}, g.dtype(), g.device());
-  comm.reduce_scatter(slots.raw(), mine.raw(), static_cast<std::size_t>(mine.numel()), g.dtype());
-  Tensor dx = positions(g, H, L);
+    move_raw(gh.raw(), H, w.slot, const_cast<std::byte*>(slot(slots, w.owner, B, T, C)), T, w.offset, w.n, B,
+             position, gh.device());
+  Tensor mine = Tensor::empty({B, T, C}, gh.dtype(), gh.device());
+  comm.reduce_scatter(slots.raw(), mine.raw(), static_cast<std::size_t>(mine.numel()), gh.dtype());
   copy_positions(mine, T - mine_n, dx, L - mine_n, mine_n, true);
-  return dx;
 }
 
-Tensor history_send_recv(const Tensor& x, Communicator& comm, int width, const ShardPlan& plan) {
+Tensor halo_send_recv(const Tensor& x, Communicator& comm, int width, const ShardPlan& plan) {
   const std::int64_t B = x.dim(0), L = x.dim(1), C = x.dim(2), H = width - 1;
   const int r = comm.rank();
-  Tensor out({B, L + H, C}, x.dtype(), x.device());
+  Tensor halo({B, H, C}, x.dtype(), x.device());
   for (const HaloHop& hop : halo_plan(plan, width, r).hops) {
-    Tensor send = positions(x, L - hop.send_count, hop.send_count), recv({B, hop.recv_count, C}, x.dtype(), x.device());
+    Tensor send = positions(x, L - hop.send_count, hop.send_count),
+           recv = Tensor::empty({B, hop.recv_count, C}, x.dtype(), x.device());
     comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), hop.dst, recv.raw(),
                     static_cast<std::size_t>(recv.numel()), hop.src},
                    x.dtype());
     // The sender's last recv_count positions end at a_{src+1}, at window slot a_{src+1} - (a_r - H).
     if (hop.src >= 0)
-      copy_positions(recv, 0, out, plan.end(hop.src) - hop.recv_count - (plan.begin(r) - H), hop.recv_count, false);
+      copy_positions(recv, 0, halo, plan.end(hop.src) - hop.recv_count - (plan.begin(r) - H), hop.recv_count, false);
   }
-  copy_positions(x, 0, out, H, L, false);
-  return out;
+  return halo;
 }
 
-Tensor history_send_recv_backward(const Tensor& g, Communicator& comm, int width, const ShardPlan& plan) {
-  const std::int64_t B = g.dim(0), C = g.dim(2), H = width - 1, L = g.dim(1) - H;
+void halo_send_recv_backward(const Tensor& gh, Tensor& dx, Communicator& comm, int width, const ShardPlan& plan) {
+  const std::int64_t B = dx.dim(0), L = dx.dim(1), C = dx.dim(2), H = width - 1;
   const int r = comm.rank();
-  Tensor dx = positions(g, H, L);
   for (const HaloHop& hop : halo_plan(plan, width, r).hops) {
     // The forward hop run backwards: gradients go to src, arrive from dst.
-    Tensor send({B, hop.recv_count, C}, g.dtype(), g.device()), recv({B, hop.send_count, C}, g.dtype(), g.device());
+    Tensor send({B, hop.recv_count, C}, gh.dtype(), gh.device()),
+        recv = Tensor::empty({B, hop.send_count, C}, gh.dtype(), gh.device());
     if (hop.src >= 0)
-      copy_positions(g, plan.end(hop.src) - hop.recv_count - (plan.begin(r) - H), send, 0, hop.recv_count, false);
+      copy_positions(gh, plan.end(hop.src) - hop.recv_count - (plan.begin(r) - H), send, 0, hop.recv_count, false);
     comm.send_recv({send.raw(), static_cast<std::size_t>(send.numel()), hop.src, recv.raw(),
                     static_cast<std::size_t>(recv.numel()), hop.dst},
-                   g.dtype());
+                   gh.dtype());
     if (hop.dst >= 0) copy_positions(recv, 0, dx, L - hop.send_count, hop.send_count, true);
   }
-  return dx;
+}
+
+// One rank's halo exchange, forward and backward; zeros (and nothing to return)
+// without a distributed communicator.
+struct Exchange {
+  Communicator* comm;
+  int width;
+  bool gather;
+  ShardPlan plan;
+
+  Tensor forward(const Tensor& x) const {
+    if (!is_distributed(comm)) return Tensor({x.dim(0), width - 1, x.dim(2)}, x.dtype(), x.device());
+    return gather ? halo_all_gather(x, *comm, width, plan) : halo_send_recv(x, *comm, width, plan);
+  }
+  // Adds the history gradient gh [B, H, C] to its owners' dx [B, L, C].
+  void backward(const Tensor& gh, Tensor& dx) const {
+    if (!is_distributed(comm)) return;
+    if (gather) halo_all_gather_backward(gh, dx, *comm, width, plan);
+    else halo_send_recv_backward(gh, dx, *comm, width, plan);
+  }
+};
+
+Exchange exchange_for(const char* op, const Tensor& x, Communicator* comm, int width, HaloExchange exchange,
+                      const ShardPlan* plan) {
+  CPSIM_ENFORCE(width >= 1, "convolution width must be >= 1, got ", width);
+  CPSIM_ENFORCE(x.ndim() == 3, op, " takes [B, L, C], got ", shape_str(x.shape()));
+  if (!is_distributed(comm)) return {comm, width, false, ShardPlan()};
+  return {comm, width, exchange == HaloExchange::all_gather, plan_for(op, plan, *comm, x.dim(1))};
 }
 
 }  // namespace
 
+Var convolution_halo(const Var& x_masked, Communicator* comm, int width, HaloExchange exchange,
+                     const ShardPlan* plan) {
+  const Tensor& x = x_masked.value();
+  const Exchange ex = exchange_for("convolution_halo", x, comm, width, exchange, plan);
+  return record(ex.forward(x), "convolution_halo", {x_masked}, [ex, x](const Tensor& g) {
+    Tensor dx(x.shape(), g.dtype(), g.device());
+    ex.backward(g, dx);
+    return std::vector<Tensor>{dx};
+  });
+}
+
 Var convolution_history(const Var& x_masked, Communicator* comm, int width, HaloExchange exchange,
                         const ShardPlan* plan) {
-  CPSIM_ENFORCE(width >= 1, "convolution width must be >= 1, got ", width);
-  CPSIM_ENFORCE(x_masked.value().ndim() == 3, "convolution_history takes [B, L, C], got ",
-                shape_str(x_masked.value().shape()));
-  if (width == 1) return x_masked;
   const Tensor& x = x_masked.value();
+  const Exchange ex = exchange_for("convolution_history", x, comm, width, exchange, plan);
+  if (width == 1) return x_masked;
   const std::int64_t H = width - 1, L = x.dim(1);
-  if (!is_distributed(comm)) {
-    Tensor out({x.dim(0), L + H, x.dim(2)}, x.dtype(), x.device());
-    copy_positions(x, 0, out, H, L, false);
-    return record(out, "convolution_history", {x_masked},
-                  [H, L](const Tensor& g) { return std::vector<Tensor>{positions(g, H, L)}; });
-  }
-  const ShardPlan p = plan_for("convolution_history", plan, *comm, L);
-  const bool gather = exchange == HaloExchange::all_gather;
-  Tensor out = gather ? history_all_gather(x, *comm, width, p) : history_send_recv(x, *comm, width, p);
-  return record(out, "convolution_history", {x_masked}, [comm, width, gather, p](const Tensor& g) {
-    return std::vector<Tensor>{gather ? history_all_gather_backward(g, *comm, width, p)
-                                      : history_send_recv_backward(g, *comm, width, p)};
+  const Tensor halo = ex.forward(x);
+  Tensor out = Tensor::empty({x.dim(0), L + H, x.dim(2)}, x.dtype(), x.device());
+  copy_positions(halo, 0, out, 0, H, false);
+  copy_positions(x, 0, out, H, L, false);
+  return record(out, "convolution_history", {x_masked}, [ex, H, L](const Tensor& g) {
+    Tensor dx = positions(g, H, L);
+    ex.backward(positions(g, 0, H), dx);
+    return std::vector<Tensor>{dx};
   });
 }
 

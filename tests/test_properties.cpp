@@ -171,6 +171,26 @@ CPSIM_BACKEND_PROP(Distributed, HaloBackwardReturnsEachGradientToItsOwner) {
   assert_holds(check_halo_backward(c, conv_options(backend)));
 }
 
+// convolution_halo (the history alone) through the same rows: the test prepends
+// it to the shard itself, so the rows' references judge the halo's values, and the
+// gradients it returns to the owners of the history positions.
+HaloFn halo_then_shard() {
+  return [](const Var& x, Communicator* comm, int width, HaloExchange e, const ShardPlan* plan) {
+    const Var halo = convolution_halo(x, comm, width, e, plan);
+    EXPECT_EQ(halo.value().shape(), Shape({x.value().dim(0), width - 1, x.value().dim(2)}));
+    const std::int64_t H = width - 1, L = x.value().dim(1);
+    return record(cat({halo.value(), x.value()}, 1), "test_prepend", {halo, x}, [H, L](const Tensor& g) {
+      return std::vector<Tensor>{narrow(g, 1, 0, H).clone(), narrow(g, 1, H, L).clone()};
+    });
+  };
+}
+
+CPSIM_BACKEND_PROP(Distributed, HaloAloneIsTheHistoryAndReturnsItsGradientToTheOwners) {
+  const CheckOptions o = conv_options(backend);
+  assert_holds(check_halo_forward(c, o, halo_then_shard()));
+  assert_holds(check_halo_backward(c, o, halo_then_shard()));
+}
+
 CPSIM_BACKEND_PROP(Distributed, ShardedConvForwardMatchesTheUnshardedConv) {
   assert_holds(check_conv_forward(c, conv_options(backend)));
 }
