@@ -66,6 +66,7 @@ std::vector<std::string> notes_of(const BatchFile& f) {
 
 int run_check(CheckArgs a) {
   CheckOptions o = check_options(a.model);
+  o.row_memory = a.row_memory;
   const std::optional<PlanChoice> plan = plan_choice_of(a.plan);
   if (!plan) throw UsageError("--plan random draws plans for fuzz; check takes equal, balanced or a plan file");
   // A plan file fixes the CP size.
@@ -147,6 +148,7 @@ int run_check(CheckArgs a) {
       nlohmann::json j = {{"batch", paths[i]}, {"cp", r.cp},    {"property", r.property},
                           {"ok", r.ok},            {"error", r.error}, {"aborted", r.aborted},
                           {"cpu_seconds", r.cpu_seconds}};
+      if (a.row_memory) j["peak_bytes"] = r.peak_bytes;
       if (!r.ok) j["detail"] = r.detail;
       out["results"].push_back(j);
     }

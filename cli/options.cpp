@@ -94,6 +94,9 @@ Parsed parse_options(int argc, char** argv) {
   add_model_options(c, check.model, "seed of the activations");
   add_plan_options(c, check.plan, false);
   c->add_flag("--json", check.json, "one JSON object instead of a table");
+  c->add_flag("--row-memory", check.row_memory,
+              "measure each row's peak resident memory (peak_bytes in --json; Linux), resetting the process's "
+              "high-water mark before each row");
   c->add_option("--max-memory", check.max_memory,
                 "refuse a batch whose estimated peak memory is larger: 512M, 8G, ... (default: 80% of this machine's "
                 "memory)");

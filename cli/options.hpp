@@ -54,6 +54,7 @@ struct CheckArgs {
   JobArgs job;
   ModelArgs model;
   bool json = false;
+  bool row_memory = false;  // each row's peak resident bytes (resets the process's high-water mark)
   std::string max_memory;  // "8G"; empty: 80% of the machine's memory
 };
 

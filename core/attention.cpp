@@ -76,8 +76,10 @@ Var document_attention(const Var& q, const Var& k, const Var& v, const Tensor& q
   a.o = o.raw(), a.lse = lse.raw();
   kernels::kernels_for(qv.device()).attention_forward(a, qv.dtype(), kernels::current_stream());
   return record(o, "document_attention", {q, k, v}, [a, qv, kv, vv, qi, ki, kp, o, lse](const Tensor& g) {
-    Tensor dq(qv.shape(), qv.dtype(), qv.device()), dk(kv.shape(), kv.dtype(), kv.device()),
-        dv(vv.shape(), vv.dtype(), vv.device());
+    // dq is written in full; dk and dv only at the keys the local queries see
+    // (zeros elsewhere: on the host, pages that are never touched).
+    Tensor dq = Tensor::empty(qv.shape(), qv.dtype(), qv.device()), dk(kv.shape(), kv.dtype(), kv.device()),
+           dv(vv.shape(), vv.dtype(), vv.device());
     kernels::Attention b = a;
     b.d_o = g.raw();
     b.dq = dq.raw(), b.dk = dk.raw(), b.dv = dv.raw();

@@ -45,9 +45,17 @@ void backward(const Var& loss) {
   }
   std::unordered_map<VarImpl*, Tensor> grads;
   grads[loss.impl().get()] = Tensor::full(loss.value().shape(), loss.value().dtype(), 1.0).to(loss.value().device());
-  auto accumulate = [](Tensor& slot, const Tensor& g) {
-    if (!slot.defined()) slot = g.clone();
-    else add_inplace(slot, g);
+  // A gradient no one else holds (an op's fresh result) is adopted, else copied
+  // (it may be an input, a capture, or given twice). A later one is added to the
+  // slot, or the slot to it when it is adopted: the same sums (addition
+  // commutes), and a zero gradient whose pages were never written (an anchor's)
+  // is only read, never faulted in.
+  auto accumulate = [](Tensor& slot, Tensor&& g) {
+    if (!slot.defined()) slot = g.sole_owner() ? std::move(g) : g.clone();
+    else if (g.sole_owner() && g.device() == slot.device()) {
+      add_inplace(g, slot);
+      slot = std::move(g);
+    } else add_inplace(slot, g);
   };
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     VarImpl* v = *it;
@@ -64,7 +72,7 @@ void backward(const Var& loss) {
       if (!in->requires_grad || !in_grads[i].defined()) continue;
       CPSIM_ENFORCE(in_grads[i].shape() == in->value.shape(), node.name, " gradient ", i, " has shape ",
                     shape_str(in_grads[i].shape()), ", input has ", shape_str(in->value.shape()));
-      accumulate(in->grad_fn ? grads[in.get()] : in->grad, in_grads[i]);
+      accumulate(in->grad_fn ? grads[in.get()] : in->grad, std::move(in_grads[i]));
     }
   }
 }

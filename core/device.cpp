@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+
+#include <sys/mman.h>
 
 #include "core/error.hpp"
 
@@ -26,6 +29,37 @@ std::size_t size_class(std::size_t bytes) {
   const std::size_t step = std::max<std::size_t>(top / 8, 4096);
   return (bytes + step - 1) / step * step;
 }
+
+// Blocks (64 KiB and more) are mapped on their own and unmapped when freed: their
+// memory goes back to the system at once (an allocator's per-thread arenas would
+// keep it resident after every rank's thread let go). Blocks of 4 MiB and more
+// are 2 MiB aligned and marked for transparent huge pages: their first touch
+// faults once per 2 MiB, not per 4 KiB. Fresh pages come zeroed from the kernel.
+constexpr std::size_t kPage = 4096;
+constexpr std::size_t kHuge = std::size_t{2} << 20;
+constexpr std::size_t kHugeFrom = 2 * kHuge;
+
+std::size_t mapped_size(std::size_t cls) {
+  const std::size_t unit = cls >= kHugeFrom ? kHuge : kPage;
+  return (cls + unit - 1) / unit * unit;
+}
+
+void* block_allocate(std::size_t cls) {
+  const std::size_t n = mapped_size(cls), slack = cls >= kHugeFrom ? kHuge : 0;
+  void* raw = mmap(nullptr, n + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  if (!slack) return raw;
+  // Keep the 2 MiB aligned part; unmap what lies before and after it.
+  const auto start = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
+  if (aligned > start) munmap(raw, aligned - start);
+  if (const std::size_t after = start + kHuge - aligned) munmap(reinterpret_cast<void*>(aligned + n), after);
+  void* p = reinterpret_cast<void*>(aligned);
+  madvise(p, n, MADV_HUGEPAGE);  // advice only: without THP the block works as it is
+  return p;
+}
+
+void block_free(void* p, std::size_t cls) noexcept { munmap(p, mapped_size(cls)); }
 
 class HostCache {
  public:
@@ -47,7 +81,7 @@ class HostCache {
   }
   void release() noexcept {
     std::lock_guard<std::mutex> lock(m_);
-    for (auto& [cls, p] : free_) std::free(p);
+    for (auto& [cls, p] : free_) block_free(p, cls);
     free_.clear();
     cached_ = 0;
   }
@@ -91,11 +125,11 @@ void* host_allocate(std::size_t bytes, bool zeroed) {
       if (zeroed) std::memset(p, 0, bytes);
       return p;
     }
-    // calloc: fresh pages come zeroed from the kernel, lazily.
-    void* p = zeroed ? std::calloc(cls, 1) : std::malloc(cls);
+    // Fresh pages come zeroed from the kernel, lazily.
+    void* p = block_allocate(cls);
     if (!p) {
       release_host_cache();  // what the cache holds may be what is missing
-      p = zeroed ? std::calloc(cls, 1) : std::malloc(cls);
+      p = block_allocate(cls);
     }
     if (!p) throw std::bad_alloc();
     return p;
@@ -107,8 +141,9 @@ void* host_allocate(std::size_t bytes, bool zeroed) {
 
 void host_deallocate(void* ptr, std::size_t bytes) noexcept {
   if (!ptr) return;
-  if (bytes >= kCachedFrom && host_cache().keep(ptr, size_class(bytes))) return;
-  std::free(ptr);
+  if (bytes < kCachedFrom) return std::free(ptr);
+  const std::size_t cls = size_class(bytes);
+  if (!host_cache().keep(ptr, cls)) block_free(ptr, cls);
 }
 
 void release_host_cache() noexcept { host_cache().release(); }

@@ -1,5 +1,7 @@
 #include "core/tensor.hpp"
 
+#include <algorithm>
+
 #include "core/kernels/table.hpp"
 
 #include <bit>
@@ -84,8 +86,12 @@ Tensor::Tensor(Shape shape, DType dtype, Device device) : Tensor(std::move(shape
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) { return Tensor(std::move(shape), dtype, device, false); }
 
 Tensor Tensor::full(Shape shape, DType dtype, double value) {
-  Tensor t(std::move(shape), dtype);
-  for (std::int64_t i = 0; i < t.numel(); ++i) t.set(i, value);
+  if (value == 0 && !std::signbit(value)) return Tensor(std::move(shape), dtype);  // comes zeroed
+  Tensor t = empty(std::move(shape), dtype);
+  visit_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    std::fill_n(static_cast<T*>(t.raw()), t.numel(), from_f64<T>(value));
+  });
   return t;
 }
 
@@ -114,7 +120,7 @@ Tensor Tensor::clone() const { return defined() ? to(device()) : Tensor(); }
 
 Tensor Tensor::to(Device device) const {
   if (!defined()) return {};
-  Tensor t(shape_, dtype_, device);
+  Tensor t = empty(shape_, dtype_, device);  // written in full below
   copy_bytes(t.raw(), device, raw(), this->device(), nbytes());
   return t;
 }

@@ -157,6 +157,9 @@ class Tensor {
   Tensor to(DType dtype) const;        // converting copy (host)
   bool bitwise_equal(const Tensor& other) const;
   bool same_storage(const Tensor& other) const { return storage_ == other.storage_ && offset_ == other.offset_; }
+  // No other tensor (view, copy, capture) holds this one's storage: it may be
+  // written without anyone else seeing it.
+  bool sole_owner() const { return storage_ && storage_.use_count() == 1; }
 
  private:
   void check_type(DType want) const;

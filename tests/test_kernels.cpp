@@ -8,6 +8,7 @@
 #include <random>
 
 #include "core/kernels/conv.hpp"
+#include "core/kernels/layout.hpp"
 #include "core/kernels/movement.hpp"
 #include "core/kernels/reduce.hpp"
 #include "verify/random.hpp"
@@ -113,5 +114,29 @@ TEST(HostKernels, TheConvBackwardInOnePassIsTheFunctorsBitwise) {
     }
     for (int k = 0; k < 3; ++k)
       ASSERT_TRUE(out[k].bitwise_equal(out[3 + k])) << "gradient " << k << " " << dtype_name(dt) << " B " << B << " W " << W;
+  }
+}
+
+TEST(HostKernels, DocIdRunsAreTheFunctorBitwise) {
+  std::mt19937_64 rng(15);
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::int64_t rows = 1 + rng() % 3, S = 1 + rng() % 60, D = rng() % 12;
+    // Each row: documents of 0-9 positions (empty ones too) packed from 0, then padding.
+    std::vector<std::int64_t> starts(rows * (D + 1)), real(rows * std::max<std::int64_t>(D, 1));
+    for (std::int64_t b = 0; b < rows; ++b) {
+      std::int64_t* s = starts.data() + b * (D + 1);
+      for (std::int64_t d = 0; d < D; ++d) {
+        s[d + 1] = std::min(S, s[d] + static_cast<std::int64_t>(rng() % 10));
+        real[b * D + d] = static_cast<std::int64_t>(rng() % (s[d + 1] - s[d] + 1));
+      }
+    }
+    std::vector<std::int64_t> ids_runs(rows * S, 77), ids_functor(rows * S, 77);
+    std::unique_ptr<bool[]> pad_runs(new bool[rows * S]), pad_functor(new bool[rows * S]);
+    DocIds a{starts.data(), real.data(), ids_runs.data(), pad_runs.get(), rows, S, D};
+    host().doc_ids_from_starts(a, nullptr);
+    a.ids = ids_functor.data(), a.padding = pad_functor.get();
+    doc_ids_from_starts(thrust::host, a);
+    ASSERT_EQ(ids_runs, ids_functor) << "rows " << rows << " S " << S << " D " << D;
+    for (std::int64_t i = 0; i < rows * S; ++i) ASSERT_EQ(pad_runs[i], pad_functor[i]) << i;
   }
 }

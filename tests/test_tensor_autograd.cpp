@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -53,6 +54,49 @@ TEST(Autograd, GradientsAccumulateOverEveryUse) {
   EXPECT_EQ(a.grad().get(0), 3.5);
   backward(loss);  // leaves accumulate across calls, as in PyTorch
   EXPECT_EQ(a.grad().get(0), 7.0);
+}
+
+// Accumulation adopts an op's fresh gradient and adds into it, but never writes a
+// tensor an op still holds: an input, a capture, or a gradient given twice.
+TEST(Autograd, AccumulationNeverWritesATensorSomeoneElseHolds) {
+  const Tensor w1 = Tensor::full({3}, DType::f64, 3.0), w2 = Tensor::full({3}, DType::f64, 0.5);
+  Var a(Tensor::full({3}, DType::f64, 1.0), true);
+  // dot hands back its weights as the gradient: captured, so copied before any add.
+  Var fresh = record(a.value().clone(), "fresh", {a}, [](const Tensor& g) {
+    Tensor out = g.clone();  // a new tensor only this op made
+    return std::vector<Tensor>{out};
+  });
+  backward(add(add(dot(a, w1), dot(a, w2)), dot(fresh, w1)));
+  EXPECT_EQ(w1.get(0), 3.0);
+  EXPECT_EQ(w2.get(0), 0.5);
+  EXPECT_EQ(a.grad().get(2), 6.5);
+  backward(dot(a, w2));  // leaves accumulate across calls
+  EXPECT_EQ(a.grad().get(0), 7.0);
+  EXPECT_EQ(w2.get(0), 0.5);
+  // The same tensor given for two inputs.
+  Var b(Tensor::full({2}, DType::f64, 1.0), true);
+  const Tensor g2 = Tensor::full({2}, DType::f64, 2.0);
+  Var twice = record(Tensor::full({1}, DType::f64, 0.0), "twice", {b, b}, [g2](const Tensor&) {
+    return std::vector<Tensor>{g2, g2};
+  });
+  backward(twice);
+  EXPECT_EQ(b.grad().get(1), 4.0);
+  EXPECT_EQ(g2.get(1), 2.0);
+}
+
+TEST(Tensor, FullFillsEveryDtypeAndToCopiesEverything) {
+  for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::i32, DType::i64, DType::b8}) {
+    const Tensor z = Tensor::full({5, 3}, dt, 0.0), o = Tensor::full({5, 3}, dt, 1.0), m = Tensor::full({2}, dt, -0.0);
+    for (std::int64_t i = 0; i < z.numel(); ++i) {
+      EXPECT_EQ(z.get(i), 0.0);
+      EXPECT_EQ(o.get(i), 1.0);
+    }
+    if (dt == DType::f64) EXPECT_TRUE(std::signbit(m.get(1)));
+    EXPECT_TRUE(o.to(Device::host()).bitwise_equal(o));
+  }
+  const Tensor big = Tensor::full({1 << 20}, DType::f32, 2.5);  // a mapped block
+  EXPECT_EQ(big.get((1 << 20) - 1), 2.5);
+  EXPECT_TRUE(big.clone().bitwise_equal(big));
 }
 
 TEST(Autograd, SharedSubgraphRunsOnce) {

@@ -3,6 +3,8 @@
 // verify/rows/ (layout and shard, gather, halo and conv, recurrence).
 #include "verify/properties.hpp"
 
+#include <cstdio>
+
 #include <sys/resource.h>
 
 #include "core/conv.hpp"
@@ -121,6 +123,29 @@ const std::vector<PropertyRow>& property_table() {
   return table;
 }
 
+namespace {
+
+// Linux's high-water mark of resident memory (VmHWM), and its reset (writing 5 to
+// clear_refs): what one row adds to the peak, measured.
+void reset_peak_resident() {
+  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", f);
+    std::fclose(f);
+  }
+}
+std::int64_t peak_resident_bytes() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  long long kb = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmHWM: %lld kB", &kb) == 1) break;
+  std::fclose(f);
+  return static_cast<std::int64_t>(kb) * 1024;
+}
+
+}  // namespace
+
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o) {
   std::vector<PropertyResult> out;
   std::optional<Prepared> p;
@@ -137,8 +162,10 @@ std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o
   };
   for (const PropertyRow& row : property_table()) {
     const double before = cpu_now();
+    if (o.row_memory) reset_peak_resident();
     out.push_back(p ? run_row(row, *p, o) : threw(row.name, c.cp, "could not prepare the case: ", why));
     out.back().cpu_seconds = cpu_now() - before;
+    if (o.row_memory) out.back().peak_bytes = peak_resident_bytes();
     // What a row's ranks freed is cached for their next call, not for the next
     // row (other shapes): the peak stays that of the largest row.
     release_host_cache();

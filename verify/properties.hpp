@@ -38,6 +38,9 @@ struct CheckOptions {
   std::int64_t rope_dim() const { return 2 * ((key_dim + 1) / 2); }
   std::chrono::milliseconds timeout{20000};
   std::shared_ptr<Job> job = nullptr;  // the multi-process job the runs go to (sim/job/), or none
+  // check_all measures each row's peak resident memory, resetting the process's
+  // high-water mark before each row (the process's own peak is then lost).
+  bool row_memory = false;
 };
 
 struct PropertyResult {
@@ -52,6 +55,10 @@ struct PropertyResult {
   // CPU time of the process while the row ran (every rank's thread; rows that
   // share a simulation count it in the first of them).
   double cpu_seconds = 0;
+  // With CheckOptions::row_memory, the process's peak resident bytes while the row
+  // ran (Linux: its high-water mark, reset before the row); else, or where the
+  // system cannot say, 0.
+  std::int64_t peak_bytes = 0;
 };
 
 // One case prepared once: its reference layout and geometry (never from the code

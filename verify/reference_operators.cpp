@@ -1,6 +1,8 @@
 // Unsharded references of the operators (docs/operators.md): the halo, the packed
 // causal conv, the gated delta rule and the gather's backward, token by token.
 #include <cmath>
+#include <algorithm>
+#include <vector>
 
 #include "verify/reference.hpp"
 #include "verify/random.hpp"
@@ -88,67 +90,89 @@ RecurrenceInputs random_recurrence_inputs(std::int64_t B, std::int64_t P, std::i
   return in;
 }
 
-RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tensor& ids, const Tensor& d_o) {
+namespace {
+// A float64 host tensor's values (the tensor itself when it is one already).
+Tensor f64_of(const Tensor& t) {
+  const Tensor h = !t.defined() || t.is_cpu() ? t : t.to(Device::host());
+  return !h.defined() || h.dtype() == DType::f64 ? h : h.to(DType::f64);
+}
+}  // namespace
+
+RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tensor& ids, const Tensor& d_o_in) {
   const std::int64_t B = in.q.dim(0), P = in.q.dim(1), H = in.q.dim(2), K = in.q.dim(3), V = in.v.dim(3);
   RecurrenceReference r{Tensor({B, P, H, V}, DType::f64), Tensor(in.q.shape(), DType::f64),
                         Tensor(in.k.shape(), DType::f64), Tensor(in.v.shape(), DType::f64),
                         Tensor(in.beta.shape(), DType::f64), Tensor(in.g.shape(), DType::f64)};
-  auto Q = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.q.get(((b * P + t) * H + h) * K + a); };
-  auto Kk = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.k.get(((b * P + t) * H + h) * K + a); };
-  auto Vv = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.v.get(((b * P + t) * H + h) * V + a); };
-  auto Bt = [&](std::int64_t b, std::int64_t t, std::int64_t h) { return in.beta.get((b * P + t) * H + h); };
-  auto Gg = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return in.g.get(((b * P + t) * H + h) * K + a); };
+  const Tensor q = f64_of(in.q), k = f64_of(in.k), v = f64_of(in.v), beta_t = f64_of(in.beta), g = f64_of(in.g),
+               d_o = f64_of(d_o_in);
+  const double *qp = q.data<double>(), *kp = k.data<double>(), *vp = v.data<double>(), *bp = beta_t.data<double>(),
+               *gp = g.data<double>(), *gop = d_o.defined() ? d_o.data<double>() : nullptr;
+  double *O = r.o.data<double>(), *DQ = r.dq.data<double>(), *DK = r.dk.data<double>(), *DV = r.dv.data<double>(),
+         *DB = r.dbeta.data<double>(), *DG = r.dg.data<double>();
+  auto Q = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return qp[((b * P + t) * H + h) * K + a]; };
+  auto Kk = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return kp[((b * P + t) * H + h) * K + a]; };
+  auto Vv = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return vp[((b * P + t) * H + h) * V + a]; };
+  auto Bt = [&](std::int64_t b, std::int64_t t, std::int64_t h) { return bp[(b * P + t) * H + h]; };
+  auto Gg = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t a) { return gp[((b * P + t) * H + h) * K + a]; };
+  const std::vector<double> zero(K * V, 0.0);
+  std::vector<double> S((P + 1) * K * V), A(K * V), u(V), e(V), dS(K * V), dprev(K * V), decay(K);
+  std::vector<bool> starts(P, false);
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H; ++h) {
-      // Forward, keeping S_t for every t (S[t+1] is the state after token t).
-      std::vector<std::vector<double>> S(P + 1, std::vector<double>(K * V, 0.0));
-      std::vector<bool> starts(P, false);
+      // Forward, keeping S_t for every t (S_{t+1}, at S + (t+1)KV, is the state after token t).
+      std::fill(S.begin(), S.begin() + K * V, 0.0);
       for (std::int64_t t = 0; t < P; ++t) {
         starts[t] = t == 0 || ids.get_int(b * P + t) != ids.get_int(b * P + t - 1);
-        const std::vector<double> prev = starts[t] ? std::vector<double>(K * V, 0.0) : S[t];
-        std::vector<double> A(K * V), u(V, 0.0);
-        for (std::int64_t i = 0; i < K; ++i)
-          for (std::int64_t j = 0; j < V; ++j) A[i * V + j] = std::exp(Gg(b, t, h, i)) * prev[i * V + j];
+        const double* prev = starts[t] ? zero.data() : S.data() + t * K * V;
+        double* next = S.data() + (t + 1) * K * V;
+        std::fill(u.begin(), u.end(), 0.0);
+        for (std::int64_t i = 0; i < K; ++i) {
+          const double decay_i = std::exp(Gg(b, t, h, i));
+          for (std::int64_t j = 0; j < V; ++j) A[i * V + j] = decay_i * prev[i * V + j];
+        }
         for (std::int64_t j = 0; j < V; ++j)
           for (std::int64_t i = 0; i < K; ++i) u[j] += Kk(b, t, h, i) * A[i * V + j];
         for (std::int64_t i = 0; i < K; ++i)
           for (std::int64_t j = 0; j < V; ++j)
-            S[t + 1][i * V + j] = A[i * V + j] + Bt(b, t, h) * Kk(b, t, h, i) * (Vv(b, t, h, j) - u[j]);
+            next[i * V + j] = A[i * V + j] + Bt(b, t, h) * Kk(b, t, h, i) * (Vv(b, t, h, j) - u[j]);
         for (std::int64_t j = 0; j < V; ++j) {
           double o = 0;
-          for (std::int64_t i = 0; i < K; ++i) o += S[t + 1][i * V + j] * Q(b, t, h, i);
-          r.o.set(((b * P + t) * H + h) * V + j, o);
+          for (std::int64_t i = 0; i < K; ++i) o += next[i * V + j] * Q(b, t, h, i);
+          O[((b * P + t) * H + h) * V + j] = o;
         }
       }
-      if (!d_o.defined()) continue;
+      if (!gop) continue;
       // Backward, token by token from the end; dS is the gradient of S_t.
-      std::vector<double> dS(K * V, 0.0);
+      std::fill(dS.begin(), dS.end(), 0.0);
       for (std::int64_t t = P - 1; t >= 0; --t) {
-        const std::vector<double> prev = starts[t] ? std::vector<double>(K * V, 0.0) : S[t];
+        const double* prev = starts[t] ? zero.data() : S.data() + t * K * V;
+        const double* next = S.data() + (t + 1) * K * V;
         const double beta = Bt(b, t, h);
-        std::vector<double> A(K * V), u(V, 0.0), e(V, 0.0);
-        for (std::int64_t i = 0; i < K; ++i)
-          for (std::int64_t j = 0; j < V; ++j) A[i * V + j] = std::exp(Gg(b, t, h, i)) * prev[i * V + j];
+        std::fill(u.begin(), u.end(), 0.0);
+        std::fill(e.begin(), e.end(), 0.0);
+        for (std::int64_t i = 0; i < K; ++i) {
+          decay[i] = std::exp(Gg(b, t, h, i));
+          for (std::int64_t j = 0; j < V; ++j) A[i * V + j] = decay[i] * prev[i * V + j];
+        }
         for (std::int64_t j = 0; j < V; ++j)
           for (std::int64_t i = 0; i < K; ++i) u[j] += Kk(b, t, h, i) * A[i * V + j];
         for (std::int64_t i = 0; i < K; ++i) {
           double dq = 0;
           for (std::int64_t j = 0; j < V; ++j) {
-            const double g_o = d_o.get(((b * P + t) * H + h) * V + j);
-            dq += S[t + 1][i * V + j] * g_o;
+            const double g_o = gop[((b * P + t) * H + h) * V + j];
+            dq += next[i * V + j] * g_o;
             dS[i * V + j] += Q(b, t, h, i) * g_o;
           }
-          r.dq.set(((b * P + t) * H + h) * K + i, dq);
+          DQ[((b * P + t) * H + h) * K + i] = dq;
         }
         for (std::int64_t j = 0; j < V; ++j)
           for (std::int64_t i = 0; i < K; ++i) e[j] += Kk(b, t, h, i) * dS[i * V + j];
         double dbeta = 0;
         for (std::int64_t j = 0; j < V; ++j) {
           dbeta += e[j] * (Vv(b, t, h, j) - u[j]);
-          r.dv.set(((b * P + t) * H + h) * V + j, beta * e[j]);
+          DV[((b * P + t) * H + h) * V + j] = beta * e[j];
         }
-        r.dbeta.set((b * P + t) * H + h, dbeta);
-        std::vector<double> dprev(K * V);
+        DB[(b * P + t) * H + h] = dbeta;
         for (std::int64_t i = 0; i < K; ++i) {
           double dk = 0, dg = 0;
           for (std::int64_t j = 0; j < V; ++j) {
@@ -156,12 +180,12 @@ RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tenso
             dk += beta * dS[i * V + j] * (Vv(b, t, h, j) - u[j]) + A[i * V + j] * du;
             const double dA = dS[i * V + j] + Kk(b, t, h, i) * du;
             dg += dA * A[i * V + j];
-            dprev[i * V + j] = starts[t] ? 0.0 : std::exp(Gg(b, t, h, i)) * dA;
+            dprev[i * V + j] = starts[t] ? 0.0 : decay[i] * dA;
           }
-          r.dk.set(((b * P + t) * H + h) * K + i, dk);
-          r.dg.set(((b * P + t) * H + h) * K + i, dg);
+          DK[((b * P + t) * H + h) * K + i] = dk;
+          DG[((b * P + t) * H + h) * K + i] = dg;
         }
-        dS = dprev;
+        dS.swap(dprev);
       }
     }
   return r;

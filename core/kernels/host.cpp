@@ -22,7 +22,7 @@ const KernelTable host_table{
     [](const PositionCopy& a, void*) { copy_position_runs(a); },
     [](const Slice& a, void*) { slice(thrust::host, a); },
     [](const PositionCopy& a, DType dtype, void*) { add_position_runs(a, dtype); },
-    [](const DocIds& a, void*) { doc_ids_from_starts(thrust::host, a); },
+    [](const DocIds& a, void*) { doc_ids_from_start_runs(a); },
     [](const std::int64_t* ids, std::int64_t* out, std::int64_t rows, std::int64_t len, void*) {
       run_starts(thrust::host, ids, nullptr, out, rows, len);
     },

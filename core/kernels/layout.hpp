@@ -42,6 +42,27 @@ struct DocIdsFromStarts {
   }
 };
 
+// The host's doc_ids_from_starts: each document's run filled in one loop (the
+// functor binary-searches the starts for every position); bitwise the same.
+inline void doc_ids_from_start_runs(const DocIds& a) {
+  for (index_t b = 0; b < a.rows; ++b) {
+    const std::int64_t* s = a.starts + b * (a.docs + 1);
+    std::int64_t* ids = a.ids + b * a.seq_len;
+    bool* padding = a.padding + b * a.seq_len;
+    index_t t = 0;
+    for (index_t d = 0; d < a.docs; ++d) {
+      // Positions [s[d], s[d+1]) belong to document d (the functor's last start
+      // <= t); its first real[d] are real.
+      const index_t end = s[d + 1] < a.seq_len ? s[d + 1] : a.seq_len;
+      for (; t < end; ++t) {
+        ids[t] = d + 1;
+        padding[t] = t - s[d] >= a.real[b * a.docs + d];
+      }
+    }
+    for (; t < a.seq_len; ++t) ids[t] = 0, padding[t] = true;  // past the last document
+  }
+}
+
 // Row of a flat position.
 struct RowOf {
   index_t len;

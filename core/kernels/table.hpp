@@ -128,7 +128,8 @@ struct Rope {
 // its keys lie between the previous document's last real token and the query).
 // With `kept` ([B, Lq, topk], ascending, -1 after the last), only those keys.
 // lse [B, Lq, H] is saved by the forward for the backward; a query that sees
-// nothing outputs 0.
+// nothing outputs 0. The backward writes all of dq, and dk and dv only where a
+// local query sees the key: they must arrive zeroed.
 struct Attention {
   const void *q = nullptr, *k = nullptr, *v = nullptr;
   const std::int64_t *q_ids = nullptr, *k_ids = nullptr;
