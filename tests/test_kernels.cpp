@@ -1,13 +1,15 @@
 // The host runs data movement and the rank-order sum as contiguous runs (memcpy,
-// loops vectorised across elements), and the conv's weight gradient in one pass
-// over the tokens; a GPU runs the one kernel source's functors, an element (or a
-// weight) a thread. Both are run here, on the host, over random shapes, and must
-// agree bitwise: so the functors a GPU runs stay proven on every CI run.
+// loops vectorised across elements), the conv along its channels and its weight
+// gradient in one pass over the tokens, the doc ids a document at a time; a GPU
+// runs the one kernel source's functors, an element (or a weight) a thread. Both
+// are run here, on the host, over random shapes, and must agree bitwise: so the
+// functors a GPU runs stay proven on every CI run.
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "core/kernels/conv.hpp"
+#include "core/kernels/layers.hpp"
 #include "core/kernels/layout.hpp"
 #include "core/kernels/movement.hpp"
 #include "core/kernels/reduce.hpp"
@@ -91,7 +93,7 @@ TEST(HostKernels, TheBlockedRankOrderSumIsTheFunctorBitwise) {
   }
 }
 
-TEST(HostKernels, TheConvBackwardInOnePassIsTheFunctorsBitwise) {
+TEST(HostKernels, TheConvAlongChannelsIsTheFunctorsBitwise) {
   std::mt19937_64 rng(14);
   for (int trial = 0; trial < 40; ++trial) {
     const DType dt = rng() % 2 ? DType::f32 : DType::f64;
@@ -100,20 +102,27 @@ TEST(HostKernels, TheConvBackwardInOnePassIsTheFunctorsBitwise) {
     for (std::int64_t i = 0; i < B * NW; ++i) ids.data<std::int64_t>()[i] = static_cast<std::int64_t>(i / (1 + rng() % 7));
     host().run_starts(ids.data<std::int64_t>(), start.data<std::int64_t>(), B, NW, nullptr);
     const Tensor x = verify::random_tensor({B, NW, C}, dt, rng()), w = verify::random_tensor({C, W}, dt, rng());
-    const Tensor gy = verify::random_tensor({B, N, C}, dt, rng());
+    const Tensor gy = verify::random_tensor({B, N, C}, dt, rng()), bias = verify::random_tensor({C}, dt, rng());
+    const bool with_bias = rng() % 2;
     std::vector<Tensor> out;
     for (int side = 0; side < 2; ++side) {
-      Tensor gx({B, NW, C}, dt), gw({C, W}, dt), gb({C}, dt);
+      Tensor y = Tensor::full({B, N, C}, dt, 7.0), gx = Tensor::full({B, NW, C}, dt, 7.0), gw({C, W}, dt), gb({C}, dt);
       Conv a;
       a.x = x.raw(), a.run_start = start.data<std::int64_t>(), a.w = w.raw(), a.gy = gy.raw();
+      a.bias = with_bias ? bias.raw() : nullptr, a.y = y.raw();
       a.gx = gx.raw(), a.gw = gw.raw(), a.gbias = gb.raw();
       a.rows = B, a.outputs = N, a.channels = C, a.width = W;
-      if (side == 0) host().conv_backward(a, dt, nullptr);
-      else conv_backward(thrust::host, a, dt);
-      out.insert(out.end(), {gx, gw, gb});
+      if (side == 0) {
+        host().conv_forward(a, dt, nullptr);
+        host().conv_backward(a, dt, nullptr);
+      } else {
+        conv_forward(thrust::host, a, dt);
+        conv_backward(thrust::host, a, dt);
+      }
+      out.insert(out.end(), {y, gx, gw, gb});
     }
-    for (int k = 0; k < 3; ++k)
-      ASSERT_TRUE(out[k].bitwise_equal(out[3 + k])) << "gradient " << k << " " << dtype_name(dt) << " B " << B << " W " << W;
+    for (int k = 0; k < 4; ++k)
+      ASSERT_TRUE(out[k].bitwise_equal(out[4 + k])) << "result " << k << " " << dtype_name(dt) << " B " << B << " W " << W;
   }
 }
 
@@ -138,5 +147,26 @@ TEST(HostKernels, DocIdRunsAreTheFunctorBitwise) {
     doc_ids_from_starts(thrust::host, a);
     ASSERT_EQ(ids_runs, ids_functor) << "rows " << rows << " S " << S << " D " << D;
     for (std::int64_t i = 0; i < rows * S; ++i) ASSERT_EQ(pad_runs[i], pad_functor[i]) << i;
+  }
+}
+
+TEST(HostKernels, RopeByTokenIsTheFunctorBitwise) {
+  std::mt19937_64 rng(16);
+  for (int trial = 0; trial < 60; ++trial) {
+    const DType dt = rng() % 2 ? DType::f32 : DType::f64;
+    const std::int64_t B = 1 + rng() % 3, L = 1 + rng() % 40, H = 1 + rng() % 4, D = 2 * (1 + rng() % 6);
+    Tensor pos({B, L}, DType::i64);
+    for (std::int64_t i = 0; i < B * L; ++i) pos.data<std::int64_t>()[i] = static_cast<std::int64_t>(rng() % 5000);
+    const Tensor x = verify::random_tensor({B, L, H, D}, dt, rng());
+    for (int sign : {1, -1}) {
+      Tensor by_token = Tensor::empty(x.shape(), dt), functor = Tensor::empty(x.shape(), dt);
+      Rope a;
+      a.x = x.raw(), a.pos = pos.data<std::int64_t>(), a.y = by_token.raw();
+      a.rows = B, a.len = L, a.heads = H, a.dim = D, a.sign = sign;
+      host().rope(a, dt, nullptr);
+      a.y = functor.raw();
+      rope(thrust::host, a, dt);
+      ASSERT_TRUE(by_token.bitwise_equal(functor)) << dtype_name(dt) << " D " << D << " sign " << sign;
+    }
   }
 }

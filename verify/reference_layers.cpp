@@ -12,9 +12,10 @@ namespace cpsim::verify {
 AttentionInputs random_attention_inputs(std::int64_t B, std::int64_t P, std::int64_t H, std::int64_t D,
                                         std::int64_t Dv, std::int64_t Di, std::uint64_t seed) {
   auto integers = [](const Shape& shape, std::uint64_t s) {
-    Tensor t(shape, DType::f64);
+    Tensor t = Tensor::empty(shape, DType::f64);
     SplitMix64 rng(s);
-    for (std::int64_t i = 0; i < t.numel(); ++i) t.set(i, static_cast<double>(rng.below(7)) - 3);
+    double* v = t.data<double>();
+    for (std::int64_t i = 0; i < t.numel(); ++i) v[i] = static_cast<double>(rng.below(7)) - 3;
     return t;
   };
   return {random_tensor({B, P, H, D}, DType::f64, mix_seed(seed, 1)),
@@ -33,19 +34,27 @@ LossInputs random_loss_inputs(const Tensor& input_ids, std::int64_t vocab, std::
   return {tokens, random_tensor({B, P, vocab}, DType::f64, seed)};
 }
 
-Tensor reference_rope(const Tensor& x, const Tensor& positions, double base) {
-  const std::int64_t B = x.dim(0), S = x.dim(1), H = x.dim(2), D = x.dim(3);
-  Tensor y(x.shape(), DType::f64);
+Tensor reference_rope(const Tensor& x_in, const Tensor& positions, double base) {
+  const std::int64_t B = x_in.dim(0), S = x_in.dim(1), H = x_in.dim(2), D = x_in.dim(3);
+  const Tensor x = x_in.dtype() == DType::f64 ? x_in : x_in.to(DType::f64);
+  Tensor y(x.shape(), DType::f64);  // an odd D leaves its last element 0
+  const double* X = x.data<double>();
+  double* Y = y.data<double>();
+  std::vector<double> c(D / 2), sn(D / 2);
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t s = 0; s < S; ++s) {
+      // This token's angle for each pair m, the same for every head.
       const double p = static_cast<double>(positions.get_int(b * S + s));
+      for (std::int64_t m = 0; m < D / 2; ++m) {
+        const double theta = p / std::pow(base, 2.0 * m / D);
+        c[m] = std::cos(theta), sn[m] = std::sin(theta);
+      }
       for (std::int64_t h = 0; h < H; ++h)
         for (std::int64_t m = 0; m < D / 2; ++m) {
-          const double theta = p / std::pow(base, 2.0 * m / D);
           const std::int64_t at = ((b * S + s) * H + h) * D + 2 * m;
-          const double x0 = x.get(at), x1 = x.get(at + 1);
-          y.set(at, x0 * std::cos(theta) - x1 * std::sin(theta));
-          y.set(at + 1, x0 * std::sin(theta) + x1 * std::cos(theta));
+          const double x0 = X[at], x1 = X[at + 1];
+          Y[at] = x0 * c[m] - x1 * sn[m];
+          Y[at + 1] = x0 * sn[m] + x1 * c[m];
         }
     }
   return y;

@@ -31,11 +31,11 @@ const KernelTable host_table{
     [](const std::int64_t* ids, std::int64_t len, std::int64_t* out, void*) -> std::int64_t {
       return segment_starts(thrust::host, ids, len, out);
     },
-    [](const Conv& a, DType dtype, void*) { conv_forward(thrust::host, a, dtype); },
+    [](const Conv& a, DType dtype, void*) { conv_forward_host(a, dtype); },
     [](const Conv& a, DType dtype, void*) { conv_backward_host(a, dtype); },
     [](const RecurrenceArgs& a, RecurrenceStep pass, void*) { recurrence_pass(thrust::host, a, pass); },
     [](const Sum& a, DType dtype, void*) { sum_in_order_blocks(a, dtype); },
-    [](const Rope& a, DType dtype, void*) { rope(thrust::host, a, dtype); },
+    [](const Rope& a, DType dtype, void*) { rope_host(a, dtype); },
     [](const Attention& a, DType dtype, void*) { attention_forward(thrust::host, a, dtype); },
     [](const Attention& a, DType dtype, void*) { attention_backward(thrust::host, a, dtype); },
     [](const TopK& a, DType dtype, void*) { topk_select(thrust::host, a, dtype); },

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cmath>
+#include <vector>
 
 #include "core/kernels/conv.hpp"
 #include "core/kernels/hd.hpp"
@@ -46,6 +47,35 @@ void rope(Policy&& policy, const Rope& a, DType dtype) {
     for_each_index(policy, a.rows * a.len * a.heads * (a.dim / 2),
                    RopeRotate<T>{static_cast<const T*>(a.x), a.pos, static_cast<T*>(a.y), a.heads, a.dim, a.base,
                                  a.sign});
+  });
+}
+
+// The host's rope: each token's angles once (pow per pair index, sin and cos per
+// pair), applied to all its heads; the same expressions as RopeRotate, so the
+// results are bitwise its.
+inline void rope_host(const Rope& a, DType dtype) {
+  with_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const index_t H = a.heads, D = a.dim, half = D / 2;
+    const T* x = static_cast<const T*>(a.x);
+    T* y = static_cast<T*>(a.y);
+    std::vector<double> freq(static_cast<std::size_t>(half)), c(freq.size()), s(freq.size());
+    for (index_t m = 0; m < half; ++m) freq[m] = pow(a.base, -2.0 * static_cast<double>(m) / D);
+    for (index_t bt = 0; bt < a.rows * a.len; ++bt) {
+      for (index_t m = 0; m < half; ++m) {
+        const double angle = a.sign * static_cast<double>(a.pos[bt]) * freq[m];
+        c[m] = cos(angle), s[m] = sin(angle);
+      }
+      for (index_t h = 0; h < H; ++h) {
+        const T* in = x + (bt * H + h) * D;
+        T* out = y + (bt * H + h) * D;
+        for (index_t m = 0; m < half; ++m) {
+          const T p = in[2 * m], q = in[2 * m + 1];
+          out[2 * m] = static_cast<T>(p * c[m] - q * s[m]);
+          out[2 * m + 1] = static_cast<T>(p * s[m] + q * c[m]);
+        }
+      }
+    }
   });
 }
 
