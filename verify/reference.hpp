@@ -75,6 +75,9 @@ Tensor reference_history(const Tensor& global, std::int64_t rank_start, std::int
 
 struct ConvReference {
   Tensor y, dx, dw, dbias;
+  // The sums of the absolute terms of dw and dbias (sum |x g|, sum |g|): the scale
+  // their rounding errors follow in any summation order, however much they cancel.
+  Tensor dw_terms, dbias_terms;
 };
 // Unsharded packed causal conv over [B, P, C], taps cut at segment starts found by
 // scanning back; backward for upstream gy (may be undefined: forward only).

@@ -44,7 +44,7 @@ Tensor reference_history(const Tensor& g, std::int64_t start, std::int64_t L, in
 ConvReference reference_conv(const Tensor& x, const Tensor& ids, const Tensor& w, const Tensor& bias, const Tensor& gy) {
   const std::int64_t B = x.dim(0), P = x.dim(1), C = x.dim(2), W = w.dim(1);
   ConvReference r{Tensor({B, P, C}, DType::f64), Tensor({B, P, C}, DType::f64), Tensor({C, W}, DType::f64),
-                  Tensor({C}, DType::f64)};
+                  Tensor({C}, DType::f64),       Tensor({C, W}, DType::f64),    Tensor({C}, DType::f64)};
   for (std::int64_t b = 0; b < B; ++b) {
     std::int64_t seg = 0;  // start of t's segment, carried along the row (linear in P)
     for (std::int64_t t = 0; t < P; ++t) {
@@ -52,13 +52,17 @@ ConvReference reference_conv(const Tensor& x, const Tensor& ids, const Tensor& w
       for (std::int64_t c = 0; c < C; ++c) {
         double acc = bias.defined() ? bias.get(c) : 0.0;
         const double g = gy.defined() ? gy.get((b * P + t) * C + c) : 0.0;
-        if (bias.defined()) r.dbias.set(c, r.dbias.get(c) + g);
+        if (bias.defined()) {
+          r.dbias.set(c, r.dbias.get(c) + g);
+          r.dbias_terms.set(c, r.dbias_terms.get(c) + std::abs(g));
+        }
         for (std::int64_t j = 0; j < W; ++j) {
           const std::int64_t p = t - (W - 1) + j;
           if (p < seg) continue;
           acc += w.get(c * W + j) * x.get((b * P + p) * C + c);
           r.dx.set((b * P + p) * C + c, r.dx.get((b * P + p) * C + c) + w.get(c * W + j) * g);
           r.dw.set(c * W + j, r.dw.get(c * W + j) + x.get((b * P + p) * C + c) * g);
+          r.dw_terms.set(c * W + j, r.dw_terms.get(c * W + j) + std::abs(x.get((b * P + p) * C + c) * g));
         }
         r.y.set((b * P + t) * C + c, acc);
       }
