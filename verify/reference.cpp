@@ -251,24 +251,41 @@ FlaCpContext reference_cp_context(const std::vector<std::int64_t>& ids, const Re
   return c;
 }
 
-double relative_rmse(const Tensor& ref, const Tensor& got) {
-  if (ref.shape() != got.shape()) return std::numeric_limits<double>::infinity();
-  const Tensor a = ref.is_cpu() ? ref : ref.to(Device::host()), b = got.is_cpu() ? got : got.to(Device::host());
-  double num = 0, den = 0;  // in element order, in double
+Tensor host_values(const Tensor& t, DType dtype) {
+  const Tensor h = !t.defined() || t.is_cpu() ? t : t.to(Device::host());
+  return !h.defined() || h.dtype() == dtype ? h : h.to(dtype);
+}
+
+namespace {
+// rms(ref - got) / rms(scale), in element order and in double; `scale` is ref
+// itself, or float64 values.
+double rmse_over(const Tensor& ref_in, const Tensor& got_in, const double* scale) {
+  if (ref_in.shape() != got_in.shape()) return std::numeric_limits<double>::infinity();
+  const Tensor a = host_values(ref_in, ref_in.dtype()), b = host_values(got_in, got_in.dtype());
+  double num = 0, den = 0;
   visit_dtype(a.dtype(), [&](auto at) {
     visit_dtype(b.dtype(), [&](auto bt) {
       const auto* x = static_cast<const decltype(at)*>(a.raw());
       const auto* y = static_cast<const decltype(bt)*>(b.raw());
       for (std::int64_t i = 0; i < a.numel(); ++i) {
-        const double r = to_f64(x[i]), d = r - to_f64(y[i]);
+        const double r = to_f64(x[i]), d = r - to_f64(y[i]), s = scale ? scale[i] : r;
         num += d * d;
-        den += r * r;
+        den += s * s;
       }
     });
   });
   if (num == 0) return 0;
   if (den == 0) return std::numeric_limits<double>::infinity();
   return std::sqrt(num / den);
+}
+}  // namespace
+
+double relative_rmse(const Tensor& ref, const Tensor& got) { return rmse_over(ref, got, nullptr); }
+
+double relative_rmse(const Tensor& ref, const Tensor& got, const Tensor& scale) {
+  if (scale.shape() != ref.shape()) return std::numeric_limits<double>::infinity();
+  const Tensor s = host_values(scale, DType::f64);
+  return rmse_over(ref, got, s.data<double>());
 }
 
 std::int64_t count_wrong(const Tensor& ref, const Tensor& got) {

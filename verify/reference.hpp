@@ -58,6 +58,13 @@ FlaCpContext reference_cp_context(const std::vector<std::int64_t>& padded_ids_ro
 
 // Relative RMSE in float64: rms(ref - got) / rms(ref); 0 when both are 0, inf on shape mismatch.
 double relative_rmse(const Tensor& ref, const Tensor& got);
+// rms(ref - got) / rms(scale): for a sum, `scale` the sums of its absolute terms
+// (the scale its rounding follows in any order); 0 when ref and got agree, inf on
+// a shape mismatch or a zero scale.
+double relative_rmse(const Tensor& ref, const Tensor& got, const Tensor& scale);
+// A tensor's values on the host as `dtype`: the tensor itself when it already is,
+// else a converted copy (the references read through typed pointers).
+Tensor host_values(const Tensor& t, DType dtype);
 // Number of elements whose bytes differ (inf-like large on shape/dtype mismatch).
 std::int64_t count_wrong(const Tensor& ref, const Tensor& got);
 

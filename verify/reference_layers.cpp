@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "verify/random.hpp"
+#include "verify/reference.hpp"
 
 namespace cpsim::verify {
 
@@ -36,7 +37,7 @@ LossInputs random_loss_inputs(const Tensor& input_ids, std::int64_t vocab, std::
 
 Tensor reference_rope(const Tensor& x_in, const Tensor& positions, double base) {
   const std::int64_t B = x_in.dim(0), S = x_in.dim(1), H = x_in.dim(2), D = x_in.dim(3);
-  const Tensor x = x_in.dtype() == DType::f64 ? x_in : x_in.to(DType::f64);
+  const Tensor x = host_values(x_in, DType::f64);
   Tensor y(x.shape(), DType::f64);  // an odd D leaves its last element 0
   const double* X = x.data<double>();
   double* Y = y.data<double>();
@@ -70,10 +71,11 @@ AttentionReference reference_attention(const Tensor& q_in, const Tensor& k_in, c
                                        const Tensor& doc_ids_in, const Tensor& padding_in, const Tensor& d_o_in,
                                        double scale, const Tensor& index_q_in, const Tensor& index_k_in,
                                        std::int64_t topk) {
-  // Plain contiguous float64 / int64 copies, read through pointers.
-  const Tensor q = q_in.to(DType::f64), k = k_in.to(DType::f64), v = v_in.to(DType::f64), d_o = d_o_in.to(DType::f64);
-  const Tensor doc_ids = doc_ids_in.to(DType::i64), padding = padding_in.to(DType::i64);
-  const Tensor index_q = topk >= 0 ? index_q_in.to(DType::f64) : Tensor(), index_k = topk >= 0 ? index_k_in.to(DType::f64) : Tensor();
+  // Float64 / int64 values on the host, read through pointers.
+  const auto f64 = [](const Tensor& t) { return host_values(t, DType::f64); };
+  const Tensor q = f64(q_in), k = f64(k_in), v = f64(v_in), d_o = f64(d_o_in);
+  const Tensor doc_ids = host_values(doc_ids_in, DType::i64), padding = host_values(padding_in, DType::i64);
+  const Tensor index_q = topk >= 0 ? f64(index_q_in) : Tensor(), index_k = topk >= 0 ? f64(index_k_in) : Tensor();
   const std::int64_t B = q.dim(0), S = q.dim(1), H = q.dim(2), D = q.dim(3), Dv = v.dim(3);
   AttentionReference r;
   r.o = Tensor::full({B, S, H, Dv}, DType::f64, 0.0);

@@ -94,21 +94,13 @@ RecurrenceInputs random_recurrence_inputs(std::int64_t B, std::int64_t P, std::i
   return in;
 }
 
-namespace {
-// A float64 host tensor's values (the tensor itself when it is one already).
-Tensor f64_of(const Tensor& t) {
-  const Tensor h = !t.defined() || t.is_cpu() ? t : t.to(Device::host());
-  return !h.defined() || h.dtype() == DType::f64 ? h : h.to(DType::f64);
-}
-}  // namespace
-
 RecurrenceReference reference_recurrence(const RecurrenceInputs& in, const Tensor& ids, const Tensor& d_o_in) {
   const std::int64_t B = in.q.dim(0), P = in.q.dim(1), H = in.q.dim(2), K = in.q.dim(3), V = in.v.dim(3);
   RecurrenceReference r{Tensor({B, P, H, V}, DType::f64), Tensor(in.q.shape(), DType::f64),
                         Tensor(in.k.shape(), DType::f64), Tensor(in.v.shape(), DType::f64),
                         Tensor(in.beta.shape(), DType::f64), Tensor(in.g.shape(), DType::f64)};
-  const Tensor q = f64_of(in.q), k = f64_of(in.k), v = f64_of(in.v), beta_t = f64_of(in.beta), g = f64_of(in.g),
-               d_o = f64_of(d_o_in);
+  const auto f64 = [](const Tensor& t) { return host_values(t, DType::f64); };
+  const Tensor q = f64(in.q), k = f64(in.k), v = f64(in.v), beta_t = f64(in.beta), g = f64(in.g), d_o = f64(d_o_in);
   const double *qp = q.data<double>(), *kp = k.data<double>(), *vp = v.data<double>(), *bp = beta_t.data<double>(),
                *gp = g.data<double>(), *gop = d_o.defined() ? d_o.data<double>() : nullptr;
   double *O = r.o.data<double>(), *DQ = r.dq.data<double>(), *DK = r.dk.data<double>(), *DV = r.dv.data<double>(),

@@ -7,7 +7,6 @@
 // a check throws (adding a row is one head, one check and one descriptor).
 #pragma once
 
-#include <cmath>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -99,16 +98,7 @@ struct ErrorTally {
   // absolute terms (the scale a reordered sum's rounding follows; a sum that
   // cancels to near zero is not held to its own tiny magnitude).
   void expect_close_sum(const Tensor& ref, const Tensor& got, const Tensor& terms, double tol, const std::string& what) {
-    double e = std::numeric_limits<double>::infinity();
-    if (got.defined() && got.shape() == ref.shape()) {
-      double num = 0, den = 0;
-      for (std::int64_t i = 0; i < ref.numel(); ++i) {
-        const double d = ref.get(i) - got.get(i);
-        num += d * d;
-        den += terms.get(i) * terms.get(i);
-      }
-      e = num == 0 ? 0 : den == 0 ? std::numeric_limits<double>::infinity() : std::sqrt(num / den);
-    }
+    const double e = got.defined() ? relative_rmse(ref, got, terms) : std::numeric_limits<double>::infinity();
     if (e > tol && why.empty()) why = what + ": RMSE " + std::to_string(e) + " relative to the summed terms";
     worst = std::max(worst, e);
   }
