@@ -7,8 +7,9 @@
 //                 reference, 10 = ten times slower), wrong (must be 0);
 //   CP operators  gather_sequence forward and backward, convolution_history and
 //                 convolution_halo with both exchanges (forward, and forward and
-//                 backward), the packed conv forward and backward, the recurrence (its state all-gather and fold, forward
-//                 and backward), each against a memcpy of the bytes it gathers;
+//                 backward), the packed conv forward and backward, the
+//                 recurrence (its state all-gather and fold, forward and
+//                 backward), each against a memcpy of the bytes it gathers;
 //   layout        derive_layout and shard_batch of a packed batch.
 // Times are real (wall) times of rank 0 between two barriers, reported as manual
 // time. `--smoke` registers only tiny sizes (CI runs it) and exits 1 when any

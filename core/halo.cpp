@@ -130,8 +130,9 @@ void halo_send_recv_backward(const Tensor& gh, Tensor& dx, Communicator& comm, i
   }
 }
 
-// One rank's halo exchange, forward and backward; zeros (and nothing to return)
-// without a distributed communicator.
+// One rank's halo exchange, forward and backward. Without a plan (no distributed
+// communicator, or W = 1: no history to fetch) it moves nothing: zeros forward,
+// nothing to return backward.
 struct Exchange {
   Communicator* comm;
   int width;
@@ -139,12 +140,12 @@ struct Exchange {
   ShardPlan plan;
 
   Tensor forward(const Tensor& x) const {
-    if (!is_distributed(comm)) return Tensor({x.dim(0), width - 1, x.dim(2)}, x.dtype(), x.device());
+    if (plan.cuts.empty()) return Tensor({x.dim(0), width - 1, x.dim(2)}, x.dtype(), x.device());
     return gather ? halo_all_gather(x, *comm, width, plan) : halo_send_recv(x, *comm, width, plan);
   }
   // Adds the history gradient gh [B, H, C] to its owners' dx [B, L, C].
   void backward(const Tensor& gh, Tensor& dx) const {
-    if (!is_distributed(comm)) return;
+    if (plan.cuts.empty()) return;
     if (gather) halo_all_gather_backward(gh, dx, *comm, width, plan);
     else halo_send_recv_backward(gh, dx, *comm, width, plan);
   }
@@ -154,7 +155,7 @@ Exchange exchange_for(const char* op, const Tensor& x, Communicator* comm, int w
                       const ShardPlan* plan) {
   CPSIM_ENFORCE(width >= 1, "convolution width must be >= 1, got ", width);
   CPSIM_ENFORCE(x.ndim() == 3, op, " takes [B, L, C], got ", shape_str(x.shape()));
-  if (!is_distributed(comm)) return {comm, width, false, ShardPlan()};
+  if (!is_distributed(comm) || width == 1) return {comm, width, false, ShardPlan()};
   return {comm, width, exchange == HaloExchange::all_gather, plan_for(op, plan, *comm, x.dim(1))};
 }
 
@@ -164,8 +165,8 @@ Var convolution_halo(const Var& x_masked, Communicator* comm, int width, HaloExc
                      const ShardPlan* plan) {
   const Tensor& x = x_masked.value();
   const Exchange ex = exchange_for("convolution_halo", x, comm, width, exchange, plan);
-  return record(ex.forward(x), "convolution_halo", {x_masked}, [ex, x](const Tensor& g) {
-    Tensor dx(x.shape(), g.dtype(), g.device());
+  return record(ex.forward(x), "convolution_halo", {x_masked}, [ex, shape = x.shape()](const Tensor& g) {
+    Tensor dx(shape, g.dtype(), g.device());
     ex.backward(g, dx);
     return std::vector<Tensor>{dx};
   });

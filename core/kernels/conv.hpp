@@ -109,12 +109,6 @@ void conv_backward(Policy&& policy, const Conv& a, DType dtype) {
   });
 }
 
-// The host's conv runs along the channels: per (row, token), each tap adds its
-// weights times x across all channels at once (the weights transposed to [W][C]
-// so a tap's channels are contiguous), a loop the compiler vectorises. Every
-// output adds the same terms in the same order as the functors (bias, then taps
-// in increasing j; the input gradient's outputs in increasing t), so the results
-// are bitwise theirs.
 // out[c] += a[c] * b[c] for every channel.
 template <class T>
 inline void add_products(T* out, const T* a, const T* b, index_t C) {
@@ -129,6 +123,12 @@ std::vector<T> taps_by_channel(const T* w, index_t C, index_t W) {
   return wt;
 }
 
+// The host's conv runs along the channels: per (row, token), each tap adds its
+// weights times x across all channels at once (the weights transposed to [W][C]
+// so a tap's channels are contiguous), a loop the compiler vectorises. Every
+// output adds the same terms in the same order as the functors (bias, then taps
+// in increasing j; the input gradient's outputs in increasing t), so the results
+// are bitwise theirs.
 inline void conv_forward_host(const Conv& a, DType dtype) {
   with_float(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -140,7 +140,8 @@ inline void conv_forward_host(const Conv& a, DType dtype) {
         const index_t first = a.run_start[b * NW + t + W - 1] - t;
         T* out = static_cast<T*>(a.y) + (b * N + t) * C;
         for (index_t c = 0; c < C; ++c) out[c] = bias ? bias[c] : T(0);
-        for (index_t j = first > 0 ? first : 0; j < W; ++j) add_products(out, wt.data() + j * C, x + (b * NW + t + j) * C, C);
+        for (index_t j = first > 0 ? first : 0; j < W; ++j)
+          add_products(out, wt.data() + j * C, x + (b * NW + t + j) * C, C);
       }
   });
 }

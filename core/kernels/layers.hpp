@@ -192,20 +192,10 @@ struct AttentionKeyGrad {
     const std::int64_t doc = a.k_ids[b * a.k_len + j];
     if (doc == 0) return;
     // The local queries of its document run at or after j, in order. dk and dv
-    // arrive zeroed: a key no local query sees is not written at all, so the
-    // gathered-length gradients of a rank cost (and make resident) only the keys
-    // its queries see.
-    const index_t first = j > a.q_start ? j - a.q_start : 0;
-    bool seen = false;
-    for (index_t t = first; t < a.q_len && !seen; ++t) {
-      const std::int64_t id = a.q_ids[b * a.q_len + t];
-      if (id != doc && id != 0) break;
-      seen = attention_sees(a, b, t, j);
-    }
-    if (!seen) return;
-    for (index_t d = 0; d < a.dim; ++d) dk[d] = T(0);
-    for (index_t d = 0; d < a.v_dim; ++d) dv[d] = T(0);
-    for (index_t t = first; t < a.q_len; ++t) {
+    // arrive zeroed and each query that sees the key adds to them: a key no local
+    // query sees is never written, so the gathered-length gradients of a rank cost
+    // (and make resident) only the keys its queries see.
+    for (index_t t = j > a.q_start ? j - a.q_start : 0; t < a.q_len; ++t) {
       const std::int64_t id = a.q_ids[b * a.q_len + t];
       if (id != doc && id != 0) break;
       if (!attention_sees(a, b, t, j)) continue;
