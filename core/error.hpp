@@ -13,6 +13,7 @@
 //                    device, more ranks than this machine can hold
 #pragma once
 
+#include <chrono>
 #include <exception>
 #include <sstream>
 #include <stdexcept>
@@ -23,6 +24,12 @@ namespace cpsim {
 class Error : public std::runtime_error {
  public:
   explicit Error(const std::string& what) : std::runtime_error(what) {}
+  // When the failure was raised: of the failures of one run, the earliest is the
+  // root cause (run_ranks rethrows it), whichever rank's thread reports first.
+  std::chrono::steady_clock::time_point when() const { return when_; }
+
+ private:
+  std::chrono::steady_clock::time_point when_ = std::chrono::steady_clock::now();
 };
 
 class InvalidInput : public Error {

@@ -125,6 +125,7 @@ void run_ranks(int n, const RankFn& fn, const RunOptions& options, const RankOut
   const std::shared_ptr<Group> group = backend.make_group(n, options.timeout);
   std::mutex mutex;
   std::exception_ptr first;
+  std::chrono::steady_clock::time_point first_when;
   rank_threads().run(n, [&](int r) {
     try {
       auto comm = group->communicator(r);
@@ -132,15 +133,27 @@ void run_ranks(int n, const RankFn& fn, const RunOptions& options, const RankOut
       group->finish(r);
     } catch (...) {
       std::string what = "unknown exception";
+      // A cpsim failure says when it was raised; any other, when it reached here
+      // (before its peers hear of it, so before any consequence).
+      auto when = std::chrono::steady_clock::now();
       try {
         throw;
+      } catch (const Error& e) {
+        what = e.what();
+        when = e.when();
       } catch (const std::exception& e) {
         what = e.what();
       } catch (...) {
       }
       {
+        // The earliest failure, not the first reported: a rank that fails slowly
+        // (waiting for its peers' failure records, say) may report after a peer
+        // whose failure is a consequence of its own.
         std::lock_guard<std::mutex> lock(mutex);
-        if (!first) first = std::current_exception();
+        if (!first || when < first_when) {
+          first = std::current_exception();
+          first_when = when;
+        }
       }
       group->fail(r, what);
     }

@@ -175,13 +175,16 @@ void GlooRank::break_group(const std::string& why, const std::vector<int>& suspe
     }
   }
   broken_ = why + records_of(suspects, timeout);
+  // Raised before the connections close: a peer that fails because they did
+  // raises its own failure later (run_ranks reports the earliest).
+  Aborted failure(broken_);
   if (context_) {
     try {
       context_->closeConnections();
     } catch (const std::exception&) {
     }
   }
-  throw Aborted(broken_);
+  throw failure;
 }
 
 std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status, const std::string& text,
