@@ -3,6 +3,8 @@
 // CollectiveError on every rank, never a hang.
 #include <gmock/gmock.h>
 
+#include <sched.h>
+
 #include <atomic>
 #include <barrier>
 #include <thread>
@@ -231,6 +233,30 @@ TEST_P(BackendCalls, PerCallTimeoutOverridesTheDefault) {
     }
   }, 60000ms);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+}
+
+// Gloo's threads run under SCHED_BATCH so that a wakeup never preempts a rank
+// that holds a connection's lock while Gloo's loop thread spins for it (the cause
+// of milliseconds per call when ranks outnumber cores, sim/gloo/gloo.hpp); the
+// in-process rank threads, shared with the other backends, go back to
+// SCHED_OTHER when the run ends.
+TEST(Gloo, RanksWaitUnderBatchSchedulingAndGoBackAfterTheRun) {
+  ASSERT_EQ(sched_getscheduler(0), SCHED_OTHER);
+  std::atomic<int> batch{0}, other_before{0};
+  run_ranks(3, [&](Communicator& comm) {
+    if (sched_getscheduler(0) == SCHED_OTHER) ++other_before;
+    std::int64_t mine = comm.rank(), all[3];
+    comm.all_gather(&mine, all, 1, DType::i64);
+    if (sched_getscheduler(0) == SCHED_BATCH) ++batch;
+  }, {"gloo", 5000ms});
+  EXPECT_EQ(other_before, 3);
+  EXPECT_EQ(batch, 3);
+  EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER);  // rank 0 ran on this thread
+  std::atomic<int> other_after{0};
+  run_ranks(3, [&](Communicator&) {
+    if (sched_getscheduler(0) == SCHED_OTHER) ++other_after;
+  }, {"threads", 5000ms});
+  EXPECT_EQ(other_after, 3);
 }
 
 TEST(Gather, NullOrOneRankCommunicatorIsTheIdentity) {

@@ -3,6 +3,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <sched.h>
 #include <signal.h>
 
 #include <cstdlib>
@@ -16,6 +17,30 @@ namespace cpsim::sim {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+
+namespace {
+thread_local bool batch_entered = false;
+}
+
+bool enter_batch_scheduling() {
+#ifdef SCHED_BATCH
+  if (batch_entered || sched_getscheduler(0) != SCHED_OTHER) return false;
+  const sched_param none{};
+  batch_entered = sched_setscheduler(0, SCHED_BATCH, &none) == 0;
+  return batch_entered;
+#else
+  return false;
+#endif
+}
+
+void leave_batch_scheduling() {
+#ifdef SCHED_BATCH
+  if (!batch_entered) return;
+  const sched_param none{};
+  sched_setscheduler(0, SCHED_OTHER, &none);
+  batch_entered = false;
+#endif
+}
 
 std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& host) {
   static std::mutex mutex;
@@ -35,6 +60,13 @@ std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& host) {
   auto& device = devices[key];
   if (!device) {
     try {
+      // The device's loop thread inherits the policy; this thread goes back to its own.
+      struct Inherit {
+        bool entered = enter_batch_scheduling();
+        ~Inherit() {
+          if (entered) leave_batch_scheduling();
+        }
+      } inherit;
       device = gloo::transport::tcp::CreateDevice(attr);
     } catch (const std::exception& e) {
       throw Aborted("cannot open a Gloo TCP device on '" + (key.empty() ? "this host's name" : key) +

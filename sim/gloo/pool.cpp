@@ -38,12 +38,22 @@ std::unique_ptr<Communicator> GlooThreadsGroup::communicator(int rank, std::chro
   return ranks_[rank]->communicator();
 }
 
+// The rank threads go back to other backends' runs: back to SCHED_OTHER.
 void GlooThreadsGroup::finish(int rank) {
-  if (ranks_[rank]) ranks_[rank]->finish();
+  if (ranks_[rank]) {
+    try {
+      ranks_[rank]->finish();
+    } catch (...) {
+      leave_batch_scheduling();
+      throw;
+    }
+  }
+  leave_batch_scheduling();
 }
 
 void GlooThreadsGroup::fail(int rank, const std::string& what) {
   if (ranks_[rank]) ranks_[rank]->fail(what);
+  leave_batch_scheduling();
 }
 
 bool GlooThreadsGroup::broken() const {

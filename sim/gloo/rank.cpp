@@ -191,6 +191,7 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
                                            std::chrono::milliseconds timeout) {
   if (!broken_.empty()) throw Aborted("group broken by an earlier failure: " + broken_);
   if (!stopped_.empty()) throw CollectiveError(stopped_);
+  enter_batch_scheduling();
   CallRecord me = mine;
   if (status == Status::call) me.seq = ++seq_;
   std::vector<CallRecord> calls(size_);
