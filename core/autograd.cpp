@@ -10,7 +10,7 @@ Var::Var(Tensor value, bool requires_grad) : impl_(std::make_shared<VarImpl>()) 
   impl_->requires_grad = requires_grad;
 }
 
-Var record(Tensor value, std::string name, std::vector<Var> inputs, BackwardFn backward) {
+Var record(Tensor value, std::string name, std::vector<Var> inputs, BackwardFn backward, bool zero_gradients) {
   bool needs = false;
   for (const auto& in : inputs) needs = needs || in.requires_grad();
   Var out(std::move(value), needs);
@@ -19,6 +19,7 @@ Var record(Tensor value, std::string name, std::vector<Var> inputs, BackwardFn b
     node->name = std::move(name);
     node->inputs = std::move(inputs);
     node->backward = std::move(backward);
+    node->zero_gradients = zero_gradients;
     out.impl()->grad_fn = std::move(node);
   }
   return out;
@@ -48,11 +49,23 @@ void backward(const Var& loss) {
   // A gradient no one else holds (an op's fresh result) is adopted, else copied
   // (it may be an input, a capture, or given twice). A later one is added to the
   // slot, or the slot to it when it is adopted: the same sums (addition
-  // commutes), and a zero gradient whose pages were never written (an anchor's)
-  // is only read, never faulted in.
-  auto accumulate = [](Tensor& slot, Tensor&& g) {
-    if (!slot.defined()) slot = g.sole_owner() ? std::move(g) : g.clone();
-    else if (g.sole_owner() && g.device() == slot.device()) {
+  // commutes). A zero gradient (Node::zero_gradients) fills an empty slot and is
+  // remembered as zero; added to a slot, or a slot it filled added to it, it is
+  // +0 (add_zero_inplace): the same bits as the sum, without writing the pages a
+  // sparse gradient never touched.
+  std::unordered_set<const Tensor*> zero_slots;
+  auto accumulate = [&zero_slots](Tensor& slot, Tensor&& g, bool zero) {
+    const bool slot_zero = zero_slots.count(&slot) > 0;
+    if (!slot.defined()) {
+      slot = g.sole_owner() ? std::move(g) : g.clone();
+      if (zero) zero_slots.insert(&slot);
+    } else if (zero) {
+      if (!slot_zero) add_zero_inplace(slot);
+    } else if (slot_zero) {
+      zero_slots.erase(&slot);
+      slot = g.sole_owner() ? std::move(g) : g.clone();
+      add_zero_inplace(slot);
+    } else if (g.sole_owner() && g.device() == slot.device()) {
       add_inplace(g, slot);
       slot = std::move(g);
     } else add_inplace(slot, g);
@@ -62,6 +75,7 @@ void backward(const Var& loss) {
     auto found = grads.find(v);
     if (found == grads.end()) continue;
     Tensor g = std::move(found->second);
+    zero_slots.erase(&found->second);
     grads.erase(found);
     const Node& node = *v->grad_fn;
     std::vector<Tensor> in_grads = node.backward(g);
@@ -72,7 +86,7 @@ void backward(const Var& loss) {
       if (!in->requires_grad || !in_grads[i].defined()) continue;
       CPSIM_ENFORCE(in_grads[i].shape() == in->value.shape(), node.name, " gradient ", i, " has shape ",
                     shape_str(in_grads[i].shape()), ", input has ", shape_str(in->value.shape()));
-      accumulate(in->grad_fn ? grads[in.get()] : in->grad, std::move(in_grads[i]));
+      accumulate(in->grad_fn ? grads[in.get()] : in->grad, std::move(in_grads[i]), node.zero_gradients);
     }
   }
 }

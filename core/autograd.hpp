@@ -47,10 +47,16 @@ struct Node {
   std::string name;
   std::vector<Var> inputs;
   BackwardFn backward;
+  // Its gradients are zeros (an anchor's): they reach the inputs, so the inputs'
+  // backward runs, but they are never added into another gradient's memory, only
+  // applied as +0 (add_zero_inplace), which leaves a sparse gradient sparse.
+  bool zero_gradients = false;
 };
 
 // Records `value = name(inputs)`; the result requires grad iff any input does.
-Var record(Tensor value, std::string name, std::vector<Var> inputs, BackwardFn backward);
+// `zero_gradients`: what `backward` returns is zeros (Node::zero_gradients).
+Var record(Tensor value, std::string name, std::vector<Var> inputs, BackwardFn backward,
+           bool zero_gradients = false);
 
 // Runs the reachable part of the tape from a scalar loss (seed gradient 1).
 void backward(const Var& loss);

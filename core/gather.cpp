@@ -124,7 +124,8 @@ Var all_gather_backward_anchor(const Var& gathered) {
   const Device device = gathered.value().device();
   // A zero scalar added to the loss; losses are host scalars (dot), whatever device.
   return record(Tensor({1}, dt), "all_gather_backward_anchor", {gathered},
-                [shape, dt, device](const Tensor&) { return std::vector<Tensor>{Tensor(shape, dt, device)}; });
+                [shape, dt, device](const Tensor&) { return std::vector<Tensor>{Tensor(shape, dt, device)}; },
+                /*zero_gradients=*/true);
 }
 
 }  // namespace cpsim

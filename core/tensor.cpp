@@ -229,4 +229,26 @@ void add_inplace(Tensor& t, const Tensor& other) {
   kernels::kernels_for(t.device()).add_positions(a, t.dtype(), kernels::current_stream());
 }
 
+void add_zero_inplace(Tensor& t) {
+  if (t.numel() == 0 || !is_floating(t.dtype())) return;
+  if (!t.device().is_cpu()) {
+    add_inplace(t, Tensor(t.shape(), t.dtype(), t.device()));
+    return;
+  }
+  // -0 + +0 is +0 (round to nearest); x + 0 is x for every other x, NaN included.
+  auto clear_negative_zeros = [&](auto word, auto sign) {
+    using W = decltype(word);
+    W* w = static_cast<W*>(t.raw());
+    const std::int64_t n = t.numel();
+    for (std::int64_t i = 0; i < n; ++i)
+      if (w[i] == static_cast<W>(sign)) w[i] = 0;  // stores only there
+  };
+  switch (dtype_size(t.dtype())) {
+    case 8: clear_negative_zeros(std::uint64_t{}, std::uint64_t{1} << 63); break;
+    case 4: clear_negative_zeros(std::uint32_t{}, std::uint32_t{1} << 31); break;
+    case 2: clear_negative_zeros(std::uint16_t{}, std::uint16_t{1} << 15); break;
+    default: CPSIM_ENFORCE(false, "add_zero_inplace of ", dtype_name(t.dtype()));
+  }
+}
+
 }  // namespace cpsim

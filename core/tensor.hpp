@@ -185,5 +185,9 @@ Tensor cat(const std::vector<Tensor>& parts, int dim);
 Tensor pad_sequence_dim(const Tensor& t, std::int64_t length, double fill);
 // t += other, elementwise, for floating dtypes (bf16 through float).
 void add_inplace(Tensor& t, const Tensor& other);
+// t += 0, exactly: negative zeros become positive zeros, nothing else changes. On
+// the host it writes only where it finds a negative zero (a sparse tensor's
+// untouched pages are only read).
+void add_zero_inplace(Tensor& t);
 
 }  // namespace cpsim

@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "core/autograd.hpp"
 
@@ -97,6 +100,72 @@ TEST(Tensor, FullFillsEveryDtypeAndToCopiesEverything) {
   const Tensor big = Tensor::full({1 << 20}, DType::f32, 2.5);  // a mapped block
   EXPECT_EQ(big.get((1 << 20) - 1), 2.5);
   EXPECT_TRUE(big.clone().bitwise_equal(big));
+}
+
+TEST(Tensor, AddZeroIsExactlyAnAddOfZeros) {
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> values{-0.0, 0.0, 1.5, -2.0, nan, -inf, -0.0};
+  for (DType dt : {DType::f32, DType::f64, DType::bf16}) {
+    Tensor t({static_cast<std::int64_t>(values.size())}, dt);
+    for (std::size_t i = 0; i < values.size(); ++i) t.set(static_cast<std::int64_t>(i), values[i]);
+    Tensor added = t.clone();
+    add_inplace(added, Tensor(t.shape(), dt));
+    add_zero_inplace(t);
+    EXPECT_TRUE(t.bitwise_equal(added)) << dtype_name(dt);
+    EXPECT_FALSE(std::signbit(t.get(0))) << dtype_name(dt);
+  }
+  Tensor ints = Tensor::from<std::int64_t>({2}, {-1, 0});
+  add_zero_inplace(ints);
+  EXPECT_EQ(ints.get_int(0), -1);
+}
+
+// An anchor's zero gradient reaches its input (whose backward then runs) and adds
+// as +0, whichever arrives first, without writing a sparse gradient's pages.
+TEST(Autograd, ZeroGradientsReachTheirInputsAndAddAsPlusZero) {
+  for (bool anchor_first : {true, false}) {
+    Var a(Tensor::full({4}, DType::f64, 1.0), true);
+    Var op = record(a.value().clone(), "op", {a}, [](const Tensor&) {
+      return std::vector<Tensor>{Tensor::from<double>({4}, {-0.0, 3.0, -0.0, 0.0})};
+    });
+    Var anchor = record(Tensor::full({1}, DType::f64, 0.0), "anchor", {a},
+                        [](const Tensor&) { return std::vector<Tensor>{Tensor({4}, DType::f64)}; }, true);
+    const Var term = dot(op, Tensor::full({4}, DType::f64, 1.0));
+    backward(anchor_first ? add(anchor, term) : add(term, anchor));
+    ASSERT_TRUE(a.grad().defined());
+    EXPECT_TRUE(a.grad().bitwise_equal(Tensor::from<double>({4}, {0.0, 3.0, 0.0, 0.0}))) << anchor_first;
+  }
+  // Only an anchor: a defined zero gradient, so the input's own backward runs.
+  Var b(Tensor::full({2}, DType::f64, 1.0), true);
+  int calls = 0;
+  Var mid = record(b.value().clone(), "mid", {b}, [&](const Tensor& g) { ++calls; return std::vector<Tensor>{g}; });
+  backward(record(Tensor::full({1}, DType::f64, 0.0), "anchor", {mid},
+                  [](const Tensor&) { return std::vector<Tensor>{Tensor({2}, DType::f64)}; }, true));
+  EXPECT_EQ(calls, 1);
+  ASSERT_TRUE(b.grad().defined());
+  EXPECT_EQ(b.grad().get(1), 0.0);
+  // A sparse gradient (64 MiB, one element written) stays sparse: the process's
+  // resident memory grows by far less than its size.
+  auto resident_bytes = [] {
+    std::ifstream statm("/proc/self/statm");
+    std::size_t size = 0, resident = 0;
+    statm >> size >> resident;
+    return resident * static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  };
+  const std::int64_t n = std::int64_t{8} << 20;
+  Var c(Tensor({n}, DType::f64), true);
+  Var sparse = record(Tensor({1}, DType::f64), "sparse", {c}, [n](const Tensor&) {
+    Tensor g({n}, DType::f64);
+    g.set(0, 2.0);
+    return std::vector<Tensor>{g};
+  });
+  const Var loss = add(sparse, record(Tensor({1}, DType::f64), "anchor", {c}, [n](const Tensor&) {
+    return std::vector<Tensor>{Tensor({n}, DType::f64)};
+  }, true));
+  const std::size_t before = resident_bytes();
+  backward(loss);
+  const std::size_t grown = resident_bytes() - std::min(before, resident_bytes());
+  EXPECT_EQ(c.grad().get(0), 2.0);
+  EXPECT_LT(grown, c.grad().nbytes() / 4) << grown << " bytes more resident";
 }
 
 TEST(Autograd, SharedSubgraphRunsOnce) {
