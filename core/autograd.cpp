@@ -46,29 +46,46 @@ void backward(const Var& loss) {
   }
   std::unordered_map<VarImpl*, Tensor> grads;
   grads[loss.impl().get()] = Tensor::full(loss.value().shape(), loss.value().dtype(), 1.0).to(loss.value().device());
-  // A gradient no one else holds (an op's fresh result) is adopted, else copied
-  // (it may be an input, a capture, or given twice). A later one is added to the
-  // slot, or the slot to it when it is adopted: the same sums (addition
-  // commutes). A zero gradient (Node::zero_gradients) fills an empty slot and is
-  // remembered as zero; added to a slot, or a slot it filled added to it, it is
-  // +0 (add_zero_inplace): the same bits as the sum, without writing the pages a
-  // sparse gradient never touched.
-  std::unordered_set<const Tensor*> zero_slots;
-  auto accumulate = [&zero_slots](Tensor& slot, Tensor&& g, bool zero) {
+  // A gradient no one else holds (an op's fresh result) is adopted. One that is
+  // held elsewhere (an input, a capture, given twice) is copied into a leaf's
+  // slot, and borrowed into an inner slot (whose node only reads it) until
+  // something must be added to it. A later gradient is added to the slot, or the
+  // slot to it when it is adopted: the same sums (addition commutes). A zero
+  // gradient (Node::zero_gradients) fills an empty slot and is remembered as zero;
+  // added to a slot, or a slot it filled added to it, it is +0 (add_zero_inplace):
+  // the same bits as the sum, without writing the pages a sparse gradient never
+  // touched.
+  std::unordered_set<const Tensor*> zero_slots, borrowed;
+  auto own = [&borrowed](Tensor& slot) {
+    if (borrowed.erase(&slot)) slot = slot.clone();
+  };
+  auto accumulate = [&](Tensor& slot, Tensor&& g, bool zero, bool leaf) {
     const bool slot_zero = zero_slots.count(&slot) > 0;
     if (!slot.defined()) {
-      slot = g.sole_owner() ? std::move(g) : g.clone();
+      const bool lend = !g.sole_owner() && !leaf;
+      slot = g.sole_owner() || lend ? std::move(g) : g.clone();
+      if (lend) borrowed.insert(&slot);
       if (zero) zero_slots.insert(&slot);
     } else if (zero) {
-      if (!slot_zero) add_zero_inplace(slot);
+      if (!slot_zero && has_negative_zero(slot)) {
+        own(slot);
+        add_zero_inplace(slot);
+      }
     } else if (slot_zero) {
       zero_slots.erase(&slot);
-      slot = g.sole_owner() ? std::move(g) : g.clone();
-      add_zero_inplace(slot);
+      borrowed.erase(&slot);
+      const bool lend = !g.sole_owner() && !leaf && !has_negative_zero(g);
+      slot = g.sole_owner() || lend ? std::move(g) : g.clone();
+      if (lend) borrowed.insert(&slot);
+      else add_zero_inplace(slot);
     } else if (g.sole_owner() && g.device() == slot.device()) {
       add_inplace(g, slot);
+      borrowed.erase(&slot);
       slot = std::move(g);
-    } else add_inplace(slot, g);
+    } else {
+      own(slot);
+      add_inplace(slot, g);
+    }
   };
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     VarImpl* v = *it;
@@ -76,6 +93,7 @@ void backward(const Var& loss) {
     if (found == grads.end()) continue;
     Tensor g = std::move(found->second);
     zero_slots.erase(&found->second);
+    borrowed.erase(&found->second);
     grads.erase(found);
     const Node& node = *v->grad_fn;
     std::vector<Tensor> in_grads = node.backward(g);
@@ -86,7 +104,8 @@ void backward(const Var& loss) {
       if (!in->requires_grad || !in_grads[i].defined()) continue;
       CPSIM_ENFORCE(in_grads[i].shape() == in->value.shape(), node.name, " gradient ", i, " has shape ",
                     shape_str(in_grads[i].shape()), ", input has ", shape_str(in->value.shape()));
-      accumulate(in->grad_fn ? grads[in.get()] : in->grad, std::move(in_grads[i]), node.zero_gradients);
+      const bool leaf = !in->grad_fn;
+      accumulate(leaf ? in->grad : grads[in.get()], std::move(in_grads[i]), node.zero_gradients, leaf);
     }
   }
 }

@@ -229,6 +229,36 @@ void add_inplace(Tensor& t, const Tensor& other) {
   kernels::kernels_for(t.device()).add_positions(a, t.dtype(), kernels::current_stream());
 }
 
+namespace {
+// Calls f(words, n, negative zero's bits) with t's elements as unsigned words.
+template <class F>
+void negative_zero_words(const Tensor& t, F&& f) {
+  const void* raw = t.raw();
+  const auto n = t.numel();
+  switch (dtype_size(t.dtype())) {
+    case 8: return f(static_cast<const std::uint64_t*>(raw), n, std::uint64_t{1} << 63);
+    case 4: return f(static_cast<const std::uint32_t*>(raw), n, std::uint32_t{1} << 31);
+    case 2: return f(static_cast<const std::uint16_t*>(raw), n, std::uint16_t{1 << 15});
+    default: CPSIM_ENFORCE(false, "negative zeros of ", dtype_name(t.dtype()));
+  }
+}
+}  // namespace
+
+bool has_negative_zero(const Tensor& t) {
+  if (t.numel() == 0 || !is_floating(t.dtype())) return false;
+  if (!t.device().is_cpu()) return true;
+  bool found = false;
+  negative_zero_words(t, [&](const auto* w, std::int64_t n, auto sign) {
+    for (std::int64_t at = 0; at < n && !found; at += 4096) {  // blocks the compiler vectorises
+      const std::int64_t end = std::min(n, at + 4096);
+      bool any = false;
+      for (std::int64_t i = at; i < end; ++i) any |= w[i] == sign;
+      found = any;
+    }
+  });
+  return found;
+}
+
 void add_zero_inplace(Tensor& t) {
   if (t.numel() == 0 || !is_floating(t.dtype())) return;
   if (!t.device().is_cpu()) {
@@ -236,19 +266,12 @@ void add_zero_inplace(Tensor& t) {
     return;
   }
   // -0 + +0 is +0 (round to nearest); x + 0 is x for every other x, NaN included.
-  auto clear_negative_zeros = [&](auto word, auto sign) {
-    using W = decltype(word);
-    W* w = static_cast<W*>(t.raw());
-    const std::int64_t n = t.numel();
+  negative_zero_words(t, [&](const auto* w, std::int64_t n, auto sign) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+    W* out = static_cast<W*>(t.raw());
     for (std::int64_t i = 0; i < n; ++i)
-      if (w[i] == static_cast<W>(sign)) w[i] = 0;  // stores only there
-  };
-  switch (dtype_size(t.dtype())) {
-    case 8: clear_negative_zeros(std::uint64_t{}, std::uint64_t{1} << 63); break;
-    case 4: clear_negative_zeros(std::uint32_t{}, std::uint32_t{1} << 31); break;
-    case 2: clear_negative_zeros(std::uint16_t{}, std::uint16_t{1} << 15); break;
-    default: CPSIM_ENFORCE(false, "add_zero_inplace of ", dtype_name(t.dtype()));
-  }
+      if (w[i] == sign) out[i] = 0;  // stores only there
+  });
 }
 
 }  // namespace cpsim

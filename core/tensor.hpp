@@ -189,5 +189,8 @@ void add_inplace(Tensor& t, const Tensor& other);
 // the host it writes only where it finds a negative zero (a sparse tensor's
 // untouched pages are only read).
 void add_zero_inplace(Tensor& t);
+// Whether add_zero_inplace would change t (a floating tensor holding a negative
+// zero; true for any floating tensor off the host).
+bool has_negative_zero(const Tensor& t);
 
 }  // namespace cpsim

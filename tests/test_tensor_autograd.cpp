@@ -168,6 +168,43 @@ TEST(Autograd, ZeroGradientsReachTheirInputsAndAddAsPlusZero) {
   EXPECT_LT(grown, c.grad().nbytes() / 4) << grown << " bytes more resident";
 }
 
+// A gradient held elsewhere (dot hands back its weights) reaches an inner node
+// without a copy; it is copied only when something is added to it, and a leaf's
+// gradient is always its own.
+TEST(Autograd, AHeldGradientIsBorrowedByInnerNodesUntilAddedTo) {
+  const Tensor w = Tensor::from<double>({3}, {1.0, -0.0, 2.0}), w2 = Tensor::full({3}, DType::f64, 0.5);
+  Var a(Tensor::full({3}, DType::f64, 1.0), true);
+  const void* seen = nullptr;
+  Var mid = record(a.value().clone(), "mid", {a}, [&](const Tensor& g) {
+    seen = g.raw();
+    return std::vector<Tensor>{g};
+  });
+  backward(dot(mid, w));
+  EXPECT_EQ(seen, w.raw());  // borrowed, not copied
+  EXPECT_NE(a.grad().raw(), w.raw());  // a leaf's own copy
+  EXPECT_TRUE(a.grad().bitwise_equal(w));
+  // Added to: copied first, the weights untouched.
+  a.zero_grad();
+  backward(add(dot(mid, w), dot(mid, w2)));
+  EXPECT_NE(seen, w.raw());
+  EXPECT_TRUE(a.grad().bitwise_equal(Tensor::from<double>({3}, {1.5, 0.5, 2.5})));
+  EXPECT_TRUE(std::signbit(w.get(1)));
+  // A zero gradient on a borrowed slot: +0 where the weights hold -0, in a copy.
+  for (bool anchor_first : {true, false}) {
+    a.zero_grad();
+    const Var anchor = record(Tensor::full({1}, DType::f64, 0.0), "anchor", {mid},
+                              [](const Tensor&) { return std::vector<Tensor>{Tensor({3}, DType::f64)}; }, true);
+    backward(anchor_first ? add(anchor, dot(mid, w)) : add(dot(mid, w), anchor));
+    EXPECT_TRUE(a.grad().bitwise_equal(Tensor::from<double>({3}, {1.0, 0.0, 2.0}))) << anchor_first;
+    EXPECT_TRUE(std::signbit(w.get(1))) << anchor_first;
+  }
+  // Without a negative zero the borrowed slot is not copied.
+  backward(add(dot(mid, w2), record(Tensor::full({1}, DType::f64, 0.0), "anchor", {mid}, [](const Tensor&) {
+    return std::vector<Tensor>{Tensor({3}, DType::f64)};
+  }, true)));
+  EXPECT_EQ(seen, w2.raw());
+}
+
 TEST(Autograd, SharedSubgraphRunsOnce) {
   Var a(Tensor::full({2}, DType::f64, 1.0), true);
   int calls = 0;
