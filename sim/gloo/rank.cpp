@@ -141,6 +141,7 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
   const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout, 1000ms);
   for (;;) {
     std::string died, lost;  // records cpsim launch wrote for dead processes come first
+    bool timed_out = false;  // a suspect's own record is a timeout: it saw the cause itself
     std::vector<int> silent;
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
@@ -152,13 +153,18 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
         continue;
       }
       if (is_launch_record(*record)) died += "\n  " + *record;
-      else if (suspect) lost += "\n  " + *record;
+      else if (suspect) {
+        lost += "\n  " + *record;
+        timed_out = timed_out || record->rfind("timeout:", 0) == 0;
+      }
     }
     std::string quiet;  // a process's liveness; in-process ranks are threads that just did not call
     if (processes_)
       for (int q : silent) quiet += "\n  no failure record from rank " + std::to_string(q) + ": " + liveness(*records_, q);
-    // Peers' records only say they lost someone too; the root cause is worth the wait.
-    if (!died.empty() || (!lost.empty() && (!processes_ || Clock::now() >= deadline))) return died + lost + quiet;
+    // Peers' records that only say they lost someone too are worth the wait for the
+    // root cause; a peer's timeout is one (it names whom it waited for).
+    if (!died.empty() || (!lost.empty() && (!processes_ || timed_out || Clock::now() >= deadline)))
+      return died + lost + quiet;
     if (Clock::now() >= deadline) return quiet;
     std::this_thread::sleep_for(20ms);
   }
