@@ -31,11 +31,13 @@ inline std::uint64_t mix_seed(std::uint64_t a, std::uint64_t b) { return SplitMi
 inline Tensor random_tensor(const Shape& shape, DType dtype, std::uint64_t seed) {
   Tensor t = Tensor::empty(shape, dtype);
   SplitMix64 rng(seed);
+  const bool floating = is_floating(dtype);
   visit_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     T* d = t.data<T>();
-    for (std::int64_t i = 0; i < t.numel(); ++i) {
-      if (is_floating(dtype)) d[i] = from_f64<T>(rng.uniform(-1.0, 1.0));
+    const std::int64_t n = t.numel();
+    for (std::int64_t i = 0; i < n; ++i) {
+      if (floating) d[i] = from_f64<T>(rng.uniform(-1.0, 1.0));
       else if (dtype == DType::b8) d[i] = from_f64<T>(static_cast<double>(rng.below(2)));
       else d[i] = from_f64<T>(static_cast<double>(rng.below(100) - 50));
     }

@@ -45,26 +45,36 @@ ConvReference reference_conv(const Tensor& x, const Tensor& ids, const Tensor& w
   const std::int64_t B = x.dim(0), P = x.dim(1), C = x.dim(2), W = w.dim(1);
   ConvReference r{Tensor({B, P, C}, DType::f64), Tensor({B, P, C}, DType::f64), Tensor({C, W}, DType::f64),
                   Tensor({C}, DType::f64),       Tensor({C, W}, DType::f64),    Tensor({C}, DType::f64)};
+  // Every value read as float64 (what get() gives), the same sums in the same order.
+  const Tensor xv = host_values(x, DType::f64), wv = host_values(w, DType::f64), iv = host_values(ids, DType::i64);
+  const Tensor bv = bias.defined() ? host_values(bias, DType::f64) : Tensor();
+  const Tensor gv = gy.defined() ? host_values(gy, DType::f64) : Tensor();
+  const double *X = xv.data<double>(), *Wt = wv.data<double>(), *Bs = bias.defined() ? bv.data<double>() : nullptr,
+               *G = gy.defined() ? gv.data<double>() : nullptr;
+  const std::int64_t* I = iv.data<std::int64_t>();
+  double *Y = r.y.data<double>(), *DX = r.dx.data<double>(), *DW = r.dw.data<double>(),
+         *DB = r.dbias.data<double>(), *DWT = r.dw_terms.data<double>(), *DBT = r.dbias_terms.data<double>();
   for (std::int64_t b = 0; b < B; ++b) {
     std::int64_t seg = 0;  // start of t's segment, carried along the row (linear in P)
     for (std::int64_t t = 0; t < P; ++t) {
-      if (t > 0 && ids.get_int(b * P + t) != ids.get_int(b * P + t - 1)) seg = t;
+      if (t > 0 && I[b * P + t] != I[b * P + t - 1]) seg = t;
       for (std::int64_t c = 0; c < C; ++c) {
-        double acc = bias.defined() ? bias.get(c) : 0.0;
-        const double g = gy.defined() ? gy.get((b * P + t) * C + c) : 0.0;
-        if (bias.defined()) {
-          r.dbias.set(c, r.dbias.get(c) + g);
-          r.dbias_terms.set(c, r.dbias_terms.get(c) + std::abs(g));
+        double acc = Bs ? Bs[c] : 0.0;
+        const double g = G ? G[(b * P + t) * C + c] : 0.0;
+        if (Bs) {
+          DB[c] += g;
+          DBT[c] += std::abs(g);
         }
         for (std::int64_t j = 0; j < W; ++j) {
           const std::int64_t p = t - (W - 1) + j;
           if (p < seg) continue;
-          acc += w.get(c * W + j) * x.get((b * P + p) * C + c);
-          r.dx.set((b * P + p) * C + c, r.dx.get((b * P + p) * C + c) + w.get(c * W + j) * g);
-          r.dw.set(c * W + j, r.dw.get(c * W + j) + x.get((b * P + p) * C + c) * g);
-          r.dw_terms.set(c * W + j, r.dw_terms.get(c * W + j) + std::abs(x.get((b * P + p) * C + c) * g));
+          const double xp = X[(b * P + p) * C + c], wj = Wt[c * W + j];
+          acc += wj * xp;
+          DX[(b * P + p) * C + c] += wj * g;
+          DW[c * W + j] += xp * g;
+          DWT[c * W + j] += std::abs(xp * g);
         }
-        r.y.set((b * P + t) * C + c, acc);
+        Y[(b * P + t) * C + c] = acc;
       }
     }
   }
