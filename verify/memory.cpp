@@ -35,17 +35,16 @@ const std::map<std::string, std::function<double(const Shapes&)>>& row_models() 
   // x, the upstream gradient, the reference's y and dx, and both exchanges'
   // results: one run serves both conv rows.
   const auto conv = [](const Shapes& s) { return 8 * s.C * 14.5 + 60; };
-  // Every token's state (for backward), the inputs, their gradients (global and the
-  // reference's; a rank reads its inputs in place), the reference's states of one
-  // head: one run serves both rows.
+  // Every token's state (for backward), inputs and gradients twice (global and the
+  // reference's), the reference's states of one head: one run serves both rows.
   const auto recurrence = [](const Shapes& s) {
-    return s.states() + 1.5 * (s.in() + s.out()) + 8 * s.K * s.V + 800 + 40 * s.cp;
+    return s.states() + 2 * (s.in() + s.out()) + 8 * s.K * s.V + 800 + 40 * s.cp;
   };
   // Each rank's gathered k and v are resident (half a unit); the gradients of the
   // gathered tensors only where its queries see keys (attention_backward leaves
   // the rest unwritten, and the anchor's zero gradient adds as +0 without writing
   // them), so a rank adds about 0.75 units, not 1.5.
-  const auto attention = [](const Shapes& s) { return 8 * s.H * (2 * s.K + 2 * s.V) * (4.0 + 0.75 * s.cp) + 200; };
+  const auto attention = [](const Shapes& s) { return 8 * s.H * (2 * s.K + 2 * s.V) * (4.6 + 0.75 * s.cp) + 200; };
   // The indexer's query and key and the kept lists of the run and the reference.
   const auto sparse = [=](const Shapes& s) { return attention(s) + 24 * s.Di + 16 * s.topk; };
   const auto loss = [](const Shapes& s) { return 8.0 * s.vocab * 4 + 80; };

@@ -72,10 +72,7 @@ inline Capabilities capabilities_of(const CheckOptions& o) { return find_backend
 // Rank r's slice of a global [B, P, ...] tensor, where its packed context says its
 // shard lies (the model's path: a wrong context is a wrong result, not a crash).
 inline Tensor local(const Tensor& global, const PackedContext& ctx) {
-  // One row: the slice is one run of the global tensor, shared (ranks only read
-  // their inputs); several rows: a copy.
-  return global.dim(0) == 1 ? global.contiguous_slice(1, ctx.seq_start(), ctx.local_seq_len())
-                            : narrow(global, 1, ctx.seq_start(), ctx.local_seq_len());
+  return narrow(global, 1, ctx.seq_start(), ctx.local_seq_len());
 }
 
 // A rank's input where its backend keeps tensors (the host, or cuda:N), and a
