@@ -59,12 +59,16 @@ void backward(const Var& loss) {
   auto own = [&borrowed](Tensor& slot) {
     if (borrowed.erase(&slot)) slot = slot.clone();
   };
+  // An empty slot takes g: adopted, else borrowed when it may be, else copied.
+  auto fill = [&borrowed](Tensor& slot, Tensor&& g, bool may_borrow) {
+    const bool adopt = g.sole_owner(), lend = !adopt && may_borrow;
+    slot = adopt || lend ? std::move(g) : g.clone();
+    if (lend) borrowed.insert(&slot);
+  };
   auto accumulate = [&](Tensor& slot, Tensor&& g, bool zero, bool leaf) {
     const bool slot_zero = zero_slots.count(&slot) > 0;
     if (!slot.defined()) {
-      const bool lend = !g.sole_owner() && !leaf;
-      slot = g.sole_owner() || lend ? std::move(g) : g.clone();
-      if (lend) borrowed.insert(&slot);
+      fill(slot, std::move(g), !leaf);
       if (zero) zero_slots.insert(&slot);
     } else if (zero) {
       if (!slot_zero && has_negative_zero(slot)) {
@@ -74,10 +78,9 @@ void backward(const Var& loss) {
     } else if (slot_zero) {
       zero_slots.erase(&slot);
       borrowed.erase(&slot);
-      const bool lend = !g.sole_owner() && !leaf && !has_negative_zero(g);
-      slot = g.sole_owner() || lend ? std::move(g) : g.clone();
-      if (lend) borrowed.insert(&slot);
-      else add_zero_inplace(slot);
+      // Borrowed only when +0 changes nothing in it; what it owns takes the +0.
+      fill(slot, std::move(g), !leaf && !g.sole_owner() && !has_negative_zero(g));
+      if (!borrowed.count(&slot)) add_zero_inplace(slot);
     } else if (g.sole_owner() && g.device() == slot.device()) {
       add_inplace(g, slot);
       borrowed.erase(&slot);
