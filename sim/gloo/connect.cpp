@@ -19,27 +19,27 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-thread_local bool batch_entered = false;
-}
+// This thread's choice, made at its first Gloo call (no system call after it).
+enum class Batch : unsigned char { undecided, entered, left_alone };
+thread_local Batch batch = Batch::undecided;
+}  // namespace
 
 bool enter_batch_scheduling() {
+  if (batch != Batch::undecided) return false;
+  batch = Batch::left_alone;
 #ifdef SCHED_BATCH
-  if (batch_entered || sched_getscheduler(0) != SCHED_OTHER) return false;
   const sched_param none{};
-  batch_entered = sched_setscheduler(0, SCHED_BATCH, &none) == 0;
-  return batch_entered;
-#else
-  return false;
+  if (sched_getscheduler(0) == SCHED_OTHER && sched_setscheduler(0, SCHED_BATCH, &none) == 0) batch = Batch::entered;
 #endif
+  return batch == Batch::entered;
 }
 
 void leave_batch_scheduling() {
 #ifdef SCHED_BATCH
-  if (!batch_entered) return;
   const sched_param none{};
-  sched_setscheduler(0, SCHED_OTHER, &none);
-  batch_entered = false;
+  if (batch == Batch::entered) sched_setscheduler(0, SCHED_OTHER, &none);
 #endif
+  batch = Batch::undecided;
 }
 
 std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& host) {
@@ -61,12 +61,7 @@ std::shared_ptr<gloo::transport::Device> gloo_device(const std::string& host) {
   if (!device) {
     try {
       // The device's loop thread inherits the policy; this thread goes back to its own.
-      struct Inherit {
-        bool entered = enter_batch_scheduling();
-        ~Inherit() {
-          if (entered) leave_batch_scheduling();
-        }
-      } inherit;
+      const BatchScope inherit{enter_batch_scheduling()};
       device = gloo::transport::tcp::CreateDevice(attr);
     } catch (const std::exception& e) {
       throw Aborted("cannot open a Gloo TCP device on '" + (key.empty() ? "this host's name" : key) +

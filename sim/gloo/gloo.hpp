@@ -108,6 +108,13 @@ std::shared_ptr<gloo::Context> connect_gloo(int rank, int size, Store& store,
 // (leave_batch_scheduling). Switching at every call instead cost half the gain.
 bool enter_batch_scheduling();
 void leave_batch_scheduling();
+// Leaves batch scheduling when it ends, if `leave`.
+struct BatchScope {
+  bool leave;
+  ~BatchScope() {
+    if (leave) leave_batch_scheduling();
+  }
+};
 
 class GlooRank : public SideChannel, public std::enable_shared_from_this<GlooRank> {
  public:

@@ -40,20 +40,13 @@ std::unique_ptr<Communicator> GlooThreadsGroup::communicator(int rank, std::chro
 
 // The rank threads go back to other backends' runs: back to SCHED_OTHER.
 void GlooThreadsGroup::finish(int rank) {
-  if (ranks_[rank]) {
-    try {
-      ranks_[rank]->finish();
-    } catch (...) {
-      leave_batch_scheduling();
-      throw;
-    }
-  }
-  leave_batch_scheduling();
+  const BatchScope run_ends{true};
+  if (ranks_[rank]) ranks_[rank]->finish();
 }
 
 void GlooThreadsGroup::fail(int rank, const std::string& what) {
+  const BatchScope run_ends{true};
   if (ranks_[rank]) ranks_[rank]->fail(what);
-  leave_batch_scheduling();
 }
 
 bool GlooThreadsGroup::broken() const {
