@@ -82,6 +82,8 @@ std::string call_timeout(int rank, const CallRecord& call, std::chrono::steady_c
   return "timeout: rank " + std::to_string(rank) + " " + waited_since(start, limit) + " in " + describe_call(call);
 }
 
+bool is_call_timeout(const std::string& report) { return report.rfind("timeout: rank ", 0) == 0; }
+
 std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls) {
   const CallRecord& a = calls.at(0);
   const int n = static_cast<int>(calls.size());

@@ -64,6 +64,8 @@ std::string waited_since(std::chrono::steady_clock::time_point start, std::chron
 // every timeout in a call begins, on every backend.
 std::string call_timeout(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
                          std::chrono::milliseconds limit);
+// Whether a report (or its first line) begins as call_timeout's do.
+bool is_call_timeout(const std::string& report);
 
 // What a rank was doing when its group stopped. Every backend's report of a call
 // that cannot complete ends with one line per rank (describe_ranks), so one fault

@@ -155,7 +155,7 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
       if (is_launch_record(*record)) died += "\n  " + *record;
       else if (suspect) {
         lost += "\n  " + *record;
-        timed_out = timed_out || record->rfind("timeout:", 0) == 0;
+        timed_out = timed_out || is_call_timeout(*record);
       }
     }
     std::string quiet;  // a process's liveness; in-process ranks are threads that just did not call
