@@ -14,6 +14,8 @@
 #include <map>
 #include <mutex>
 #include <regex>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "core/error.hpp"
@@ -60,6 +62,46 @@ struct Pids {
     return -1;
   }
 };
+
+// The TCP connections a process holds open (ESTABLISHED), from its file
+// descriptors and the kernel's socket tables: a rank connected to its groups.
+int established_connections(pid_t pid) {
+  std::set<std::string> inodes;
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  int n = 0;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string f[10];
+      for (auto& x : f) fields >> x;  // sl local remote state tx:rx tr:when retrnsmt uid timeout inode
+      if (f[3] == "01" && inodes.count(f[9])) ++n;
+    }
+  }
+  return n;
+}
+
+// Rank `rank`'s pid once it holds `connections` TCP connections (its groups are
+// connected, so it is inside the run), or -1 after `limit`. A fixed sleep after
+// the pid is printed is not enough: starting can take seconds on a loaded
+// machine or under a sanitizer, and a rank lost while it connects is a
+// different fault (Gloo waits 5x the timeout for a first connection).
+pid_t wait_connected(Pids& pids, int rank, int connections, std::chrono::milliseconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  const pid_t pid = pids.wait_for(rank, limit);
+  if (pid <= 0) return -1;
+  while (std::chrono::steady_clock::now() < end) {
+    if (established_connections(pid) >= connections) return pid;
+    std::this_thread::sleep_for(20ms);
+  }
+  return -1;
+}
 
 int free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -227,9 +269,11 @@ TEST(Launch, AKilledRankFailsTheOthersWithinTheTimeout) {
   std::atomic<pid_t> victim{-1};
   std::chrono::steady_clock::time_point killed_at;
   std::thread killer([&] {
-    victim = pids.wait_for(1, 60s);
+    // Rank 1 is connected to the world and to the group of 2 (3 connections),
+    // and well inside the run: 10^6 cases take hours.
+    victim = wait_connected(pids, 1, 3, 60s);
     if (victim <= 0) return;
-    std::this_thread::sleep_for(2500ms);  // connected and well inside the run: 10^6 cases take hours
+    std::this_thread::sleep_for(500ms);
     killed_at = std::chrono::steady_clock::now();
     kill(victim, SIGKILL);
   });
@@ -263,9 +307,11 @@ TEST(Launch, AStuckRankTimesOutTheOthersAndLaunchKillsIt) {
   Pids pids;
   std::atomic<pid_t> victim{-1};
   std::thread stopper([&] {
-    victim = pids.wait_for(2, 60s);
+    // Every group connected (rank 1 is in the world and the group of 2), then rank 2 stops.
+    if (wait_connected(pids, 1, 3, 60s) <= 0) return;
+    victim = wait_connected(pids, 2, 2, 60s);
     if (victim <= 0) return;
-    std::this_thread::sleep_for(2500ms);
+    std::this_thread::sleep_for(500ms);
     kill(victim, SIGSTOP);
   });
   const auto r = run_process({kCpsim, "launch", "-n", "3", "--grace", "1", "--", "cpsim", "fuzz", "--cases", "1000000",
@@ -286,9 +332,10 @@ TEST(Launch, AStoppedRankEndsTheRanksSittingOutWithinTheTimeout) {
   std::atomic<pid_t> victim{-1};
   std::chrono::steady_clock::time_point stopped_at;
   std::thread stopper([&] {
-    victim = pids.wait_for(1, 60s);
+    // Rank 1 is connected to the world and to the group of 2: inside the run.
+    victim = wait_connected(pids, 1, 3, 60s);
     if (victim <= 0) return;
-    std::this_thread::sleep_for(2500ms);
+    std::this_thread::sleep_for(500ms);
     stopped_at = std::chrono::steady_clock::now();
     kill(victim, SIGSTOP);
   });

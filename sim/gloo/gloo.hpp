@@ -153,9 +153,10 @@ class GlooRank : public SideChannel, public std::enable_shared_from_this<GlooRan
   // The CallChannel the checked communicator runs over.
   std::vector<CallRecord> exchange(const CallRecord& mine, std::chrono::milliseconds timeout) override;
   [[noreturn]] void stop(const std::string& why) override;
-  // For the next exchange only: once ranks [0, first) have all arrived, wait at
-  // most `then` for the rest (ranks that sat a run out wait long for the group,
-  // but not for a peer that stops answering after the group is done).
+  // For the next exchange only: once any of ranks [0, first) has arrived (the
+  // group's run is over), wait at most `then` for the rest (ranks that sat a run
+  // out wait long for the group, but not for a peer that stops answering after
+  // the group is done).
   void patience(int first, std::chrono::milliseconds then) {
     patience_first_ = first;
     patience_ = then;

@@ -217,10 +217,15 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
     auto deadline = start + timeout;
     const int first = std::exchange(patience_first_, 0);
     const auto then = std::exchange(patience_, std::chrono::milliseconds(0));
-    auto group_in = [&] {
+    // The group's last exchange ends on all its ranks at once, so the first of
+    // them to arrive means the group is done: the rest get `then`. (Waiting for
+    // all of them would wait the long limit for a group rank that stopped after
+    // the group's run: a peer that times out and closes its connections ends no
+    // receive of this rank's that already completed.)
+    auto group_done = [&] {
       for (int q = 0; q < first && q < size_; ++q)
-        if (!arrived[q]) return false;
-      return true;
+        if (arrived[q]) return true;
+      return false;
     };
     try {
       for (int q = 0; q < size_; ++q)
@@ -228,7 +233,7 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
       for (int q = 0; q < size_; ++q)
         if (q != rank_) send->send(q, kCallSlot);
       for (int i = 1; i < size_; ++i) {
-        if (first > 0 && group_in()) deadline = std::min(deadline, Clock::now() + then);
+        if (first > 0 && group_done()) deadline = std::min(deadline, Clock::now() + then);
         int src = -1;
         recv->waitRecv(&src, remaining(deadline));
         if (src >= 0 && src < size_) arrived[src] = true;

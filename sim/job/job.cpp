@@ -173,10 +173,11 @@ void ProcessJob::run(int n, const RankFn& fn, std::chrono::milliseconds timeout,
   try {
     // Processes that sat the run out wait here while the group runs, a long wait:
     // an all-to-all exchange, so a peer that breaks (and closes its connections)
-    // ends it at once. Once every process has arrived, the run's timeout holds.
+    // ends it at once. Once one rank of the group has arrived (its run is over
+    // for every rank of it), the run's timeout holds.
     all_->begin(timeout);
     auto comm = all_->communicator();
-    if (config_.rank >= n) all_->patience(n, timeout);  // once the group is in, the others get the timeout
+    if (config_.rank >= n) all_->patience(n, timeout);  // once the group is done, the others get the timeout
     comm->barrier(CallOptions{config_.rank < n ? timeout : std::max<std::chrono::milliseconds>(timeout, 600s)});
     const std::int64_t length = static_cast<std::int64_t>(payload.size());
     all_->all_gather_bytes(&length, lengths.data(), sizeof length);
