@@ -134,6 +134,21 @@ Tensor Tensor::reshape(Shape shape) const {
   return t;
 }
 
+Tensor Tensor::contiguous_slice(int dim, std::int64_t start, std::int64_t len) const {
+  CPSIM_ENFORCE(dim >= 0 && dim < ndim() && start >= 0 && len >= 0 && start + len <= shape_[dim], "slice [", start,
+                ", ", start + len, ") of dimension ", dim, " of ", shape_str(shape_));
+  for (int d = 0; d < dim; ++d)
+    CPSIM_ENFORCE(shape_[d] == 1, "a shared slice of dimension ", dim, " of ", shape_str(shape_),
+                  " is not contiguous");
+  std::int64_t inner = 1;
+  for (int d = dim + 1; d < ndim(); ++d) inner *= shape_[d];
+  Tensor t = *this;
+  t.shape_[dim] = len;
+  t.numel_ = shape_numel(t.shape_);
+  t.offset_ += static_cast<std::size_t>(start * inner) * dtype_size(dtype_);
+  return t;
+}
+
 Tensor Tensor::to(DType dtype) const {
   if (dtype == dtype_) return clone();
   if (!is_cpu()) return to(Device::host()).to(dtype).to(device());  // conversions run on the host

@@ -154,6 +154,10 @@ class Tensor {
   Tensor clone() const;                // same device
   Tensor to(Device device) const;      // a copy on `device` (shares nothing)
   Tensor reshape(Shape shape) const;   // shares storage
+  // Slice [start, start+len) of dimension `dim`, sharing storage: every dimension
+  // before `dim` must be 1 (the slice is one contiguous run). For reading; narrow
+  // copies any slice.
+  Tensor contiguous_slice(int dim, std::int64_t start, std::int64_t len) const;
   Tensor to(DType dtype) const;        // converting copy (host)
   bool bitwise_equal(const Tensor& other) const;
   bool same_storage(const Tensor& other) const { return storage_ == other.storage_ && offset_ == other.offset_; }

@@ -2,6 +2,7 @@
 // variant of the code it checks, and must find (and shrink) a counterexample.
 #include <gmock/gmock.h>
 
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -58,6 +59,14 @@ Var gather_reversed(const Var& x, Communicator* comm, bool, const ShardPlan* pla
   std::vector<Tensor> blocks;
   for (int q = comm->size() - 1; q >= 0; --q) blocks.push_back(narrow(g, 1, p.begin(q), p.size(q)));
   return Var(cat(blocks, 1), false);
+}
+
+// Zeroes its input, then gathers it: the result is the zeroed global, so only the
+// run's check of its inputs finds it where ranks read their inputs in place.
+Var gather_zeroes_its_input(const Var& x, Communicator* comm, bool differentiable, const ShardPlan* plan) {
+  Tensor in = x.value();  // shares the storage
+  if (in.nbytes() > 0) std::memset(in.raw(), 0, in.nbytes());
+  return default_gather()(x, comm, differentiable, plan);
 }
 
 // Backward keeps only this rank's own slice instead of summing every rank's.
@@ -142,6 +151,27 @@ TEST(NegativeControls, ShardCatchesAnOffByOneShard) {
 TEST(NegativeControls, GatherForwardCatchesTheWrongRankOrder) {
   expect_found(expect_counterexample("gather_forward vs reversed ranks", [](const LayoutCase& c) {
     const auto r = check_gather_forward(c, CheckOptions{}, gather_reversed);
+    RC_ASSERT(r.ok);
+  }));
+}
+
+// With one row, a rank's slices of the global inputs are read in place: a write
+// into them changes what the row compares against (the gathered result equals the
+// zeroed global). The run's check that its inputs are unchanged fails the row.
+TEST(NegativeControls, GatherForwardCatchesAGatherThatWritesIntoItsInput) {
+  const auto gen = gen_layout_case(4);
+  int one_row = 0;
+  for (int i = 0; i < 400 && one_row < 5; ++i) {
+    const LayoutCase c = at_cp(gen(rc::Random(31 + i), 30).value(), 3);
+    if (c.batch.at("input_ids").dim(0) != 1) continue;
+    ++one_row;
+    const auto r = check_gather_forward(c, CheckOptions{}, gather_zeroes_its_input);
+    EXPECT_FALSE(r.ok) << c;
+    EXPECT_THAT(r.detail, HasSubstr("a rank wrote into its input")) << c;
+  }
+  EXPECT_EQ(one_row, 5) << "too few one-row cases drawn";
+  expect_found(expect_counterexample("gather_forward vs a gather that zeroes its input", [](const LayoutCase& c) {
+    const auto r = check_gather_forward(c, CheckOptions{}, gather_zeroes_its_input);
     RC_ASSERT(r.ok);
   }));
 }

@@ -20,6 +20,20 @@ TEST(Tensor, NarrowAndCatAreInverseAlongAnyDimension) {
   }
 }
 
+TEST(Tensor, AContiguousSliceSharesStorageAndReadsAsNarrow) {
+  Tensor t({1, 6, 2}, DType::f64);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t.set(i, static_cast<double>(i));
+  const Tensor s = t.contiguous_slice(1, 2, 3);
+  EXPECT_EQ(s.shape(), (Shape{1, 3, 2}));
+  EXPECT_TRUE(s.bitwise_equal(narrow(t, 1, 2, 3)));
+  EXPECT_TRUE(s.clone().bitwise_equal(narrow(t, 1, 2, 3)));
+  EXPECT_EQ(static_cast<const double*>(s.raw()), static_cast<const double*>(t.raw()) + 4);
+  EXPECT_FALSE(s.sole_owner());
+  EXPECT_TRUE(t.contiguous_slice(1, 6, 0).clone().numel() == 0);
+  EXPECT_THROW((void)Tensor({2, 6}, DType::f64).contiguous_slice(1, 0, 3), Error);  // rows apart: not one run
+  EXPECT_THROW((void)t.contiguous_slice(1, 4, 3), Error);
+}
+
 TEST(Tensor, Bf16RoundsToNearestEven) {
   EXPECT_EQ(bf16::from_float(1.0f).to_float(), 1.0f);
   EXPECT_EQ(bf16::from_float(1.00390625f).to_float(), 1.0f);      // halfway, rounds to even

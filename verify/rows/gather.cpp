@@ -29,7 +29,9 @@ PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const
   std::vector<std::vector<Tensor>> got(cases.size(), std::vector<Tensor>(c.cp));
   RankOutputs outputs;
   for (auto& g : got) outputs.push_back(&g);
-  run_ranks(c.cp, [&](Communicator& comm) {
+  std::vector<Input> inputs;
+  for (const Tensor& g : globals) inputs.push_back({"of the gather", &g});
+  run_reading(inputs, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     for (std::size_t k = 0; k < cases.size(); ++k) {
       const bool floating = is_floating(cases[k].first);
@@ -57,7 +59,7 @@ PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, cons
     const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, 11));
     std::vector<Tensor> upstream, grads(c.cp);
     for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor(shape, dt, mix_seed(c.seed, 100 + q)));
-    run_ranks(c.cp, [&](Communicator& comm) {
+    run_reading({{"global", &global}}, c.cp, [&](Communicator& comm) {
       const int r = comm.rank();
       Var x(on(comm, local(global, s.context(r))), true);
       backward(dot(gather(x, &comm, true, &s.context(r).plan()), upstream[r]));
@@ -90,7 +92,7 @@ PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherF
     users += uses[q];
   }
   auto step = [&](bool with_anchor, std::vector<Tensor>& grads) {
-    run_ranks(c.cp, [&](Communicator& comm) {
+    run_reading({{"global", &global}}, c.cp, [&](Communicator& comm) {
       const int r = comm.rank();
       Var x(on(comm, local(global, s.context(r))), true);
       Var gathered = gather(x, &comm, true, &s.context(r).plan());

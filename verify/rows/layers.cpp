@@ -75,7 +75,7 @@ PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& f
   const Tensor x = random_tensor({B, P, o.heads, o.rope_dim()}, DType::f64, mix_seed(c.seed, 61));
   const Tensor up = random_tensor(x.shape(), DType::f64, mix_seed(c.seed, 62));
   std::vector<Tensor> y(c.cp), dx(c.cp);
-  run_ranks(c.cp, [&](Communicator& comm) {
+  run_reading({{"x", &x}, {"up", &up}, {"positions", &rows.positions}}, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     const PackedContext& ctx = s.context(r);
     Var xv(on(comm, local(x, ctx)), true);
@@ -110,12 +110,8 @@ AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const Att
   const Tensor iq = topk >= 0 ? in.index_q : Tensor(), ik = topk >= 0 ? in.index_k : Tensor();
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   AttentionRun run;
-  run.ref = reference_attention(reference_rope(q, rows.positions), reference_rope(k, rows.positions), v, rows.doc_ids,
-                                rows.padding, up, scale, iq, ik, topk);
-  run.ref.dq = reference_rope_backward(run.ref.dq, rows.positions);
-  run.ref.dk = reference_rope_backward(run.ref.dk, rows.positions);
   std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), kept(c.cp);
-  run_ranks(c.cp, [&](Communicator& comm) {
+  run_reading({{"q", &q}, {"k", &k}, {"v", &v}, {"up", &up}, {"index_q", &iq}, {"index_k", &ik}, {"positions", &rows.positions}, {"padding", &rows.padding}}, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     const PackedContext& ctx = s.context(r);
     auto mine = [&](const Tensor& t) { return Var(on(comm, local(t, ctx)), true); };
@@ -132,6 +128,13 @@ AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const Att
   run.o = joined(o);
   run.dq = joined(dq), run.dk = joined(dk), run.dv = joined(dv);
   if (topk >= 0) run.kept = joined(kept);
+  o = dq = dk = dv = kept = {};
+  // The reference after the ranks' run (their inputs are unchanged: run_reading
+  // checked), so that its results are not held through the ranks' peak.
+  run.ref = reference_attention(reference_rope(q, rows.positions), reference_rope(k, rows.positions), v, rows.doc_ids,
+                                rows.padding, up, scale, iq, ik, topk);
+  run.ref.dq = reference_rope_backward(run.ref.dq, rows.positions);
+  run.ref.dk = reference_rope_backward(run.ref.dk, rows.positions);
   return run;
 }
 
@@ -190,7 +193,7 @@ LossRun run_loss(const Prepared& s, const CheckOptions& opt, const TargetsFn& ta
   LossRun run;
   run.ref = reference_loss(logits, tokens, rows.doc_ids, rows.padding);
   std::vector<Tensor> loss(c.cp), grad(c.cp);
-  run_ranks(c.cp, [&](Communicator& comm) {
+  run_reading({{"logits", &logits}}, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     const PackedContext& ctx = s.context(r);
     const Tensor targets = targets_fn(tokens, ctx.doc_ids(), rows.padding, ctx);

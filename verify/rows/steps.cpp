@@ -58,7 +58,10 @@ PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const Recurrence
     data.push_back(std::move(d));
   }
   std::vector<std::vector<Tensor>> outs(3, std::vector<Tensor>(c.cp));
-  run_ranks(c.cp, [&](Communicator& comm) {
+  std::vector<Input> inputs;
+  for (const Step& d : data)
+    for (const Tensor* t : {&d.in.q, &d.in.k, &d.in.v, &d.in.beta, &d.in.g}) inputs.push_back({"of the recurrence", t});
+  run_reading(inputs, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     PackedContext ctx;  // one object, reassigned every step
     for (int k = 0; k < 3; ++k) {

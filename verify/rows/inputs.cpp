@@ -1,0 +1,90 @@
+// run_reading: the inputs a run's ranks read in place, and the check that they
+// did not write into them.
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "verify/rows/common.hpp"
+
+namespace cpsim::verify::rows {
+
+namespace {
+
+// The storages being read in place now: (first byte, bytes), one entry per
+// input of each run in progress (rows may run side by side).
+std::mutex reading_mutex;
+std::vector<std::pair<const void*, std::size_t>> reading;
+
+struct Reading {
+  std::vector<std::pair<const void*, std::size_t>> mine;
+  explicit Reading(const std::vector<Input>& inputs) {
+    for (const Input& in : inputs)
+      if (in.tensor->defined() && in.tensor->is_cpu()) mine.emplace_back(in.tensor->raw(), in.tensor->nbytes());
+    std::lock_guard<std::mutex> lock(reading_mutex);
+    reading.insert(reading.end(), mine.begin(), mine.end());
+  }
+  ~Reading() {
+    std::lock_guard<std::mutex> lock(reading_mutex);
+    for (const auto& m : mine) reading.erase(std::find(reading.begin(), reading.end(), m));
+  }
+};
+
+}  // namespace
+
+std::uint64_t fingerprint(const Tensor& t) {
+  // Four independent lanes of multiply-rotate over 8-byte words, then the tail:
+  // memory speed, and any changed word changes its lane.
+  const auto* p = static_cast<const unsigned char*>(t.raw());
+  const std::size_t n = t.nbytes(), words = n / 8;
+  constexpr std::uint64_t k = 0x9E3779B97F4A7C15ull;
+  std::uint64_t lane[4] = {1, 2, 3, 4};
+  auto mix = [&](std::uint64_t h, std::uint64_t w) {
+    h ^= w * k;
+    return (h << 31 | h >> 33) * 0xC2B2AE3D27D4EB4Full;
+  };
+  std::size_t i = 0;
+  for (; i + 4 <= words; i += 4)
+    for (int l = 0; l < 4; ++l) {
+      std::uint64_t w;
+      std::memcpy(&w, p + 8 * (i + l), 8);
+      lane[l] = mix(lane[l], w);
+    }
+  std::uint64_t h = n;
+  for (; i < words; ++i) {
+    std::uint64_t w;
+    std::memcpy(&w, p + 8 * i, 8);
+    h = mix(h, w);
+  }
+  for (std::size_t b = 8 * words; b < n; ++b) h = mix(h, p[b]);
+  for (std::uint64_t l : lane) h = mix(h, l);
+  return h;
+}
+
+bool read_in_place(const Tensor& global) {
+  if (!global.defined() || !global.is_cpu()) return false;
+  const std::pair<const void*, std::size_t> key{global.raw(), global.nbytes()};
+  std::lock_guard<std::mutex> lock(reading_mutex);
+  return std::find(reading.begin(), reading.end(), key) != reading.end();
+}
+
+void run_reading(const std::vector<Input>& inputs, int n, const RankFn& fn, const RunOptions& options,
+                 const RankOutputs& outputs) {
+  // A process of a multi-process job runs one rank: it copies its slices (nothing
+  // to share), and every process reaches the same verdict.
+  if (options.job) return run_ranks(n, fn, options, outputs);
+  std::vector<std::uint64_t> before;
+  for (const Input& in : inputs) before.push_back(in.tensor->defined() && in.tensor->is_cpu() ? fingerprint(*in.tensor) : 0);
+  {
+    const Reading guard(inputs);
+    run_ranks(n, fn, options, outputs);
+  }
+  std::size_t i = 0;
+  for (const Input& in : inputs) {
+    if (in.tensor->defined() && in.tensor->is_cpu() && fingerprint(*in.tensor) != before[i])
+      throw Error(std::string("a rank wrote into its input ") + in.name +
+                  " (the slice it was given of the global tensor, which the row compares against)");
+    ++i;
+  }
+}
+
+}  // namespace cpsim::verify::rows
