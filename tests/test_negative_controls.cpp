@@ -12,6 +12,7 @@
 #include "tests/property_harness.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
+#include "verify/rows/common.hpp"
 
 using namespace cpsim;
 using namespace cpsim::verify;
@@ -174,6 +175,27 @@ TEST(NegativeControls, GatherForwardCatchesAGatherThatWritesIntoItsInput) {
     const auto r = check_gather_forward(c, CheckOptions{}, gather_zeroes_its_input);
     RC_ASSERT(r.ok);
   }));
+}
+
+// What run_reading compares: any one byte written, at any place of a tensor of any
+// length (the eight lanes, the words after them, the tail), changes it.
+TEST(NegativeControls, AnInputsFingerprintChangesWithAnyByteWritten) {
+  for (std::int64_t n : {1, 7, 8, 9, 63, 64, 65, 71, 200}) {
+    Tensor t({n}, DType::b8);
+    for (std::int64_t i = 0; i < n; ++i) static_cast<unsigned char*>(t.raw())[i] = static_cast<unsigned char>(i * 37);
+    const std::uint64_t before = rows::fingerprint(t);
+    for (std::int64_t i = 0; i < n; ++i) {
+      auto* byte = static_cast<unsigned char*>(t.raw()) + i;
+      const unsigned char was = *byte;
+      for (unsigned char to : {static_cast<unsigned char>(was ^ 1), static_cast<unsigned char>(was ^ 0x80), static_cast<unsigned char>(0)}) {
+        if (to == was) continue;
+        *byte = to;
+        EXPECT_NE(rows::fingerprint(t), before) << n << " bytes, byte " << i << " written";
+      }
+      *byte = was;
+    }
+    EXPECT_EQ(rows::fingerprint(t), before);
+  }
 }
 
 TEST(NegativeControls, GatherBackwardCatchesABackwardThatSlicesInsteadOfSumming) {
