@@ -187,7 +187,8 @@ TEST(NegativeControls, AnInputsFingerprintChangesWithAnyByteWritten) {
     for (std::int64_t i = 0; i < n; ++i) {
       auto* byte = static_cast<unsigned char*>(t.raw()) + i;
       const unsigned char was = *byte;
-      for (unsigned char to : {static_cast<unsigned char>(was ^ 1), static_cast<unsigned char>(was ^ 0x80), static_cast<unsigned char>(0)}) {
+      for (const int to_int : {was ^ 1, was ^ 0x80, 0}) {
+        const auto to = static_cast<unsigned char>(to_int);
         if (to == was) continue;
         *byte = to;
         EXPECT_NE(rows::fingerprint(t), before) << n << " bytes, byte " << i << " written";

@@ -70,10 +70,11 @@ inline Capabilities capabilities_of(const CheckOptions& o) { return find_backend
 
 
 // The global tensors a run's ranks take their slices of (local()), by name. While
-// the run lasts, a slice of one of them that is one contiguous run (a one-row
-// batch) is read in place instead of copied by the ranks of this process, and after it the run throws "a rank
-// wrote into its input NAME" if any of them changed: an operator that writes into
-// its input must fail its row, not change what the row compares against.
+// the run lasts, the ranks of this process read a slice of one of them that is one
+// contiguous run (a one-row batch) in place instead of copying it, and after it
+// the run throws "a rank wrote into its input NAME" if any of them changed: an
+// operator that writes into its input must fail its row, not change what the row
+// compares against.
 struct Input {
   const char* name;
   const Tensor* tensor;

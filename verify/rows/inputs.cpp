@@ -15,17 +15,23 @@ namespace {
 std::mutex reading_mutex;
 std::vector<std::pair<const void*, std::size_t>> reading;
 
+// A run's inputs that live on the host: read in place while it lasts (the
+// registry holds them), and compared with their fingerprints after it.
 struct Reading {
-  std::vector<std::pair<const void*, std::size_t>> mine;
+  std::vector<std::pair<const Input*, std::uint64_t>> guarded;  // an input, its fingerprint before the run
+  std::vector<std::pair<const void*, std::size_t>> keys;
   explicit Reading(const std::vector<Input>& inputs) {
     for (const Input& in : inputs)
-      if (in.tensor->defined() && in.tensor->is_cpu()) mine.emplace_back(in.tensor->raw(), in.tensor->nbytes());
+      if (in.tensor->defined() && in.tensor->is_cpu()) {
+        guarded.emplace_back(&in, fingerprint(*in.tensor));
+        keys.emplace_back(in.tensor->raw(), in.tensor->nbytes());
+      }
     std::lock_guard<std::mutex> lock(reading_mutex);
-    reading.insert(reading.end(), mine.begin(), mine.end());
+    reading.insert(reading.end(), keys.begin(), keys.end());
   }
   ~Reading() {
     std::lock_guard<std::mutex> lock(reading_mutex);
-    for (const auto& m : mine) reading.erase(std::find(reading.begin(), reading.end(), m));
+    for (const auto& k : keys) reading.erase(std::find(reading.begin(), reading.end(), k));
   }
 };
 
@@ -73,19 +79,12 @@ void run_reading(const std::vector<Input>& inputs, int n, const RankFn& fn, cons
   // A process of a multi-process job runs one rank: it copies its slices (nothing
   // to share), and every process reaches the same verdict.
   if (options.job) return run_ranks(n, fn, options, outputs);
-  std::vector<std::uint64_t> before;
-  for (const Input& in : inputs) before.push_back(in.tensor->defined() && in.tensor->is_cpu() ? fingerprint(*in.tensor) : 0);
-  {
-    const Reading guard(inputs);
-    run_ranks(n, fn, options, outputs);
-  }
-  std::size_t i = 0;
-  for (const Input& in : inputs) {
-    if (in.tensor->defined() && in.tensor->is_cpu() && fingerprint(*in.tensor) != before[i])
-      throw Error(std::string("a rank wrote into its input ") + in.name +
+  const Reading inputs_read(inputs);
+  run_ranks(n, fn, options, outputs);
+  for (const auto& [in, before] : inputs_read.guarded)
+    if (fingerprint(*in->tensor) != before)
+      throw Error(std::string("a rank wrote into its input ") + in->name +
                   " (the slice it was given of the global tensor, which the row compares against)");
-    ++i;
-  }
 }
 
 }  // namespace cpsim::verify::rows

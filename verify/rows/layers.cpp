@@ -111,7 +111,10 @@ AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const Att
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   AttentionRun run;
   std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), kept(c.cp);
-  run_reading({{"q", &q}, {"k", &k}, {"v", &v}, {"up", &up}, {"index_q", &iq}, {"index_k", &ik}, {"positions", &rows.positions}, {"padding", &rows.padding}}, c.cp, [&](Communicator& comm) {
+  const std::vector<Input> inputs = {{"q", &q},        {"k", &k},         {"v", &v},
+                                     {"up", &up},      {"index_q", &iq},  {"index_k", &ik},
+                                     {"positions", &rows.positions},      {"padding", &rows.padding}};
+  run_reading(inputs, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     const PackedContext& ctx = s.context(r);
     auto mine = [&](const Tensor& t) { return Var(on(comm, local(t, ctx)), true); };

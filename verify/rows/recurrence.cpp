@@ -57,7 +57,8 @@ RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const R
   const Tensor q = order(in.q), k = order(in.k), v = order(in.v), beta = order(in.beta), gg = order(in.g),
                up = order(d_o);
   std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), db(c.cp), dg(c.cp);
-  run_reading({{"q", &q}, {"k", &k}, {"v", &v}, {"beta", &beta}, {"g", &gg}, {"up", &up}}, c.cp, [&](Communicator& comm) {
+  const std::vector<Input> inputs = {{"q", &q}, {"k", &k}, {"v", &v}, {"beta", &beta}, {"g", &gg}, {"up", &up}};
+  run_reading(inputs, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     const PackedContext ctx =
         sharding == Sharding::contiguous ? s.context(r) : PackedContext(ids_p, ShardPlan{g.cuts}, r, S);
