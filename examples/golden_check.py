@@ -13,6 +13,7 @@ or torch tensors; check() compares them with every rank's expected values and
 raises AssertionError naming the first difference.
 """
 import json
+import math
 import os
 import struct
 import sys
@@ -71,12 +72,48 @@ def _numpy(x):
 MEASURED = None  # a dict: compare() records each key's error there instead of failing on a tolerance
 
 
-def compare(name, got, want, tolerance=None):
-    """Bitwise, or within a relative RMSE (rms(want - got) / rms(want)) when a tolerance is given.
-    A failure names the key and the first position (index per axis) that differs."""
+def _nonfinite_mismatch(got, want):
+    """The first position (index per axis) where one side holds a NaN or an inf that
+    the other does not (the same non-finite value on both sides agrees), or None."""
+    if not (np.issubdtype(got.dtype, np.floating) or np.issubdtype(want.dtype, np.floating)):
+        return None
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    same = (g == w) | (np.isnan(g) & np.isnan(w))
+    off = np.argwhere(~(np.isfinite(g) & np.isfinite(w)) & ~same)
+    return tuple(int(i) for i in off[0]) if len(off) else None
+
+
+def relative_rmse(got, want, scale=None):
+    """rms(want - got) / rms(scale) in float64 (scale: want itself unless given, e.g.
+    the sums of a sum's absolute terms); 0 when they agree; inf when one side holds
+    a NaN or an inf the other does not. Test it with `not err <= tolerance`: a NaN
+    measure never passes."""
+    if _nonfinite_mismatch(got, want) is not None:
+        return float("inf")
+    w, g = want.astype(np.float64), got.astype(np.float64)
+    s = w if scale is None else np.asarray(scale).astype(np.float64)
+    keep = np.isfinite(w) & np.isfinite(g)  # the same non-finite value on both sides agrees
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = np.where(keep, w - g, 0.0)
+        num = np.sqrt(np.mean(np.square(d))) if want.size else 0.0
+        den = np.sqrt(np.mean(np.square(np.where(keep & np.isfinite(s), s, 0.0)))) if want.size else 0.0
+    if num == 0:
+        return 0.0
+    return float("inf") if not den > 0 else float(num / den)
+
+
+def compare(name, got, want, tolerance=None, scale=None):
+    """Bitwise, or within a relative RMSE (rms(want - got) / rms(want), or / rms(scale)
+    for a sum held to the sums of its absolute terms) when a tolerance is given. A
+    failure names the key and the first position (index per axis) that differs; a
+    NaN or an inf on one side only always fails."""
     got = _numpy(got)
     if got.shape != want.shape:
         raise AssertionError("%s: shape %s, expected %s" % (name, got.shape, want.shape))
+    bad = _nonfinite_mismatch(got, want)
+    if bad is not None and MEASURED is None:
+        raise AssertionError("%s: %r at %s, expected %r (a NaN or an inf on one side only)"
+                             % (name, got[bad], list(bad), want[bad]))
     if tolerance is None:
         wrong = np.argwhere(got != want)
         if len(wrong):
@@ -84,19 +121,22 @@ def compare(name, got, want, tolerance=None):
             raise AssertionError("%s: %d wrong elements, first at %s: %r, expected %r"
                                  % (name, len(wrong), list(at), got[at], want[at]))
         return 0.0
-    w, g = want.astype(np.float64), got.astype(np.float64)
-    den = np.sqrt(np.mean(np.square(w))) if want.size else 0.0
-    num = np.sqrt(np.mean(np.square(w - g))) if want.size else 0.0
-    err = 0.0 if num == 0 else (float("inf") if den == 0 else num / den)
+    err = relative_rmse(got, want, scale)
     if MEASURED is not None:
         key = name.split(" ", 2)[-1] if name.startswith("rank ") else name
-        MEASURED[key] = max(MEASURED.get(key, 0.0), err)
+        old = MEASURED.get(key, 0.0)
+        if not (math.isnan(old) or old >= err):  # the worst, and a NaN stays
+            MEASURED[key] = err
         return err
-    if err > tolerance:
+    if not err <= tolerance:
+        w, g = want.astype(np.float64), got.astype(np.float64)
+        s = w if scale is None else np.asarray(scale).astype(np.float64)
+        den = np.sqrt(np.mean(np.square(s))) if want.size else 0.0
         off = np.argwhere(~(np.abs(w - g) <= tolerance * max(den, 1e-300)))
         at = tuple(int(i) for i in off[0]) if len(off) else ()
-        raise AssertionError("%s: relative RMSE %.3g > %.3g; first differs at %s: %r, expected %r"
-                             % (name, err, tolerance, list(at), got[at], want[at]))
+        measure = "relative RMSE" if scale is None else "RMSE relative to the summed terms"
+        raise AssertionError("%s: %s %.3g > %.3g; first differs at %s: %r, expected %r"
+                             % (name, measure, err, tolerance, list(at), got[at], want[at]))
     return err
 
 
@@ -168,8 +208,11 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
         return golden.manifest["files"]["rank_%d.safetensors" % r][key]["tolerance"] or None
 
     def against(r, key, got):
+        entry = golden.manifest["files"]["rank_%d.safetensors" % r][key]
+        # A sum over ranks names the key of its terms' magnitudes, the scale it is held to.
+        scale = golden.ranks[r][entry["scale"]] if entry.get("scale") else None
         try:
-            compare("rank %d %s" % (r, key), got, golden.ranks[r][key], tolerance(r, key))
+            compare("rank %d %s" % (r, key), got, golden.ranks[r][key], tolerance(r, key), scale)
         except AssertionError as e:
             see = golden.manifest["files"]["rank_%d.safetensors" % r][key]["see"]
             raise AssertionError("%s (%s)" % (e, see)) from None

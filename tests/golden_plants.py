@@ -126,7 +126,41 @@ def gather_in_reverse_rank_order(shards):
     return [whole for _ in shards]
 
 
+def with_one(value, key):
+    """A hook's result with one element of rank 1's `key` set to `value` (a NaN or an inf)."""
+    def plant(out):
+        one = out[1] if isinstance(out, list) else out
+        arr = np.array(one[key], dtype=np.float64)
+        arr.reshape(-1)[arr.size // 2] = value
+        one[key] = arr
+        return out
+    return plant
+
+
+def conv_with_a_nan(x, doc_ids, weight, bias, grad_y):
+    return with_one(np.nan, "y")(gc.numpy_conv(x, doc_ids, weight, bias, grad_y))
+
+
+def recurrence_with_an_inf(q, k, v, beta, g, doc_ids, grad_o):
+    return with_one(np.inf, "dk")(gc.numpy_recurrence(q, k, v, beta, g, doc_ids, grad_o))
+
+
+def attention_with_a_nan(q, k, v, positions, doc_ids, padding, grad_o, **sparse):
+    return with_one(np.nan, "dq")(gc.numpy_attention(q, k, v, positions, doc_ids, padding, grad_o, **sparse))
+
+
+def gather_backward_with_an_inf(upstream, cuts):
+    out = gc.numpy_gather_backward(upstream, cuts)
+    out[1] = np.array(out[1], dtype=np.float64)
+    out[1].reshape(-1)[0] = -np.inf
+    return out
+
+
 PLANTS = [
+    ("a NaN in one rank's conv output", {"conv": conv_with_a_nan}, "conv_y"),
+    ("an inf in one rank's recurrence dk", {"recurrence": recurrence_with_an_inf}, "dk"),
+    ("a NaN in one rank's attention dq", {"attention": attention_with_a_nan}, "attention_dq"),
+    ("an inf in one rank's gather gradient", {"gather_backward": gather_backward_with_an_inf}, "gather_grad_x"),
     ("interior padding taken as real", {"layout": layout_interior_padding_as_real}, "layout padding"),
     ("a segment reaching back one rank at most", {"cp_context": context_without_reaching_back},
      "cp_context.pre_num_ranks"),
@@ -161,6 +195,24 @@ def main(folder):
             missed += 0 if ok else 1
             continue
         print("MISSED %s: check() passed" % what)
+        missed += 1
+    # The right implementation against a golden holding one NaN or inf where it
+    # expects a number: a broken golden (or reference) fails too.
+    for key, hook, value in (("conv_y", "conv", np.nan), ("o", "recurrence", np.inf),
+                             ("gather_grad_x", "gather_backward", np.nan)):
+        broken = gc.load_golden(folder)
+        want = np.array(broken.ranks[1][key], dtype=np.float64)
+        want.reshape(-1)[want.size // 2] = value
+        broken.ranks[1][key] = want
+        try:
+            gc.check(broken, log=lambda *_: None, **{hook: gc.numpy_functions(broken)[hook]})
+        except AssertionError as e:
+            said = str(e)
+            ok = re.match(r"rank 1 %s:" % key, said) and ("nan" in said or "inf" in said)
+            print("%s a golden with %r in %s: %s" % ("caught" if ok else "WRONG KEY", value, key, said))
+            missed += 0 if ok else 1
+            continue
+        print("MISSED a golden with %r in %s: check() passed" % (value, key))
         missed += 1
     return 1 if missed else 0
 

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <sstream>
 
 namespace cpsim::verify {
 
@@ -257,25 +258,41 @@ Tensor host_values(const Tensor& t, DType dtype) {
 }
 
 namespace {
+// Whether two values agree as far as non-finite values go: both finite, or the
+// same non-finite value (both NaN, or the same infinity).
+bool nonfinite_agrees(double r, double g) {
+  if (std::isfinite(r) && std::isfinite(g)) return true;
+  return (std::isnan(r) && std::isnan(g)) || r == g;
+}
+
 // rms(ref - got) / rms(scale), in element order and in double; `scale` is ref
-// itself, or float64 values.
+// itself, or float64 values. Elements holding the same non-finite value on both
+// sides are left out; one that holds it on one side only makes the measure inf.
 double rmse_over(const Tensor& ref_in, const Tensor& got_in, const double* scale) {
   if (ref_in.shape() != got_in.shape()) return std::numeric_limits<double>::infinity();
   const Tensor a = host_values(ref_in, ref_in.dtype()), b = host_values(got_in, got_in.dtype());
   double num = 0, den = 0;
+  bool mismatch = false;
   visit_dtype(a.dtype(), [&](auto at) {
     visit_dtype(b.dtype(), [&](auto bt) {
       const auto* x = static_cast<const decltype(at)*>(a.raw());
       const auto* y = static_cast<const decltype(bt)*>(b.raw());
       for (std::int64_t i = 0; i < a.numel(); ++i) {
-        const double r = to_f64(x[i]), d = r - to_f64(y[i]), s = scale ? scale[i] : r;
+        const double r = to_f64(x[i]), g = to_f64(y[i]), s = scale ? scale[i] : r;
+        const double d = r - g;
+        if (!std::isfinite(d)) {  // a non-finite side, or two finite ones too far apart for a double
+          mismatch = mismatch || !(nonfinite_agrees(r, g) && !(std::isfinite(r) && std::isfinite(g)));
+          continue;
+        }
+        if (!std::isfinite(s)) continue;
         num += d * d;
         den += s * s;
       }
     });
   });
+  if (mismatch) return std::numeric_limits<double>::infinity();
   if (num == 0) return 0;
-  if (den == 0) return std::numeric_limits<double>::infinity();
+  if (!(den > 0)) return std::numeric_limits<double>::infinity();
   return std::sqrt(num / den);
 }
 }  // namespace
@@ -286,6 +303,37 @@ double relative_rmse(const Tensor& ref, const Tensor& got, const Tensor& scale) 
   if (scale.shape() != ref.shape()) return std::numeric_limits<double>::infinity();
   const Tensor s = host_values(scale, DType::f64);
   return rmse_over(ref, got, s.data<double>());
+}
+
+std::int64_t first_nonfinite_mismatch(const Tensor& ref_in, const Tensor& got_in) {
+  if (ref_in.shape() != got_in.shape() || (!is_floating(ref_in.dtype()) && !is_floating(got_in.dtype()))) return -1;
+  const Tensor a = host_values(ref_in, ref_in.dtype()), b = host_values(got_in, got_in.dtype());
+  std::int64_t found = -1;
+  visit_dtype(a.dtype(), [&](auto at) {
+    visit_dtype(b.dtype(), [&](auto bt) {
+      const auto* x = static_cast<const decltype(at)*>(a.raw());
+      const auto* y = static_cast<const decltype(bt)*>(b.raw());
+      for (std::int64_t i = 0; i < a.numel() && found < 0; ++i)
+        if (!nonfinite_agrees(to_f64(x[i]), to_f64(y[i]))) found = i;
+    });
+  });
+  return found;
+}
+
+std::string describe_element(const Tensor& ref, const Tensor& got, std::int64_t at) {
+  std::vector<std::int64_t> index(ref.shape().size());
+  std::int64_t rest = at;
+  for (std::size_t d = index.size(); d-- > 0;) {
+    const std::int64_t n = std::max<std::int64_t>(1, ref.shape()[d]);
+    index[d] = rest % n;
+    rest /= n;
+  }
+  std::ostringstream out;
+  out << "element [";
+  for (std::size_t d = 0; d < index.size(); ++d) out << (d ? ", " : "") << index[d];
+  const auto value = [at](const Tensor& t) { return host_values(t, DType::f64).data<double>()[at]; };
+  out << "] is " << value(got) << ", expected " << value(ref);
+  return out.str();
 }
 
 std::int64_t count_wrong(const Tensor& ref, const Tensor& got) {

@@ -56,12 +56,21 @@ std::vector<std::int64_t> reference_padded_doc_ids_row(const LayoutTruth& t, int
 FlaCpContext reference_cp_context(const std::vector<std::int64_t>& padded_ids_row, const ReferenceGeometry& g,
                                   int rank);
 
-// Relative RMSE in float64: rms(ref - got) / rms(ref); 0 when both are 0, inf on shape mismatch.
+// Relative RMSE in float64: rms(ref - got) / rms(ref); 0 when both are 0, inf on
+// a shape mismatch, and inf when one side holds a NaN or an inf where the other
+// does not (the same non-finite value on both sides agrees). Compare it with
+// !(e <= tol): a NaN measure must never pass.
 double relative_rmse(const Tensor& ref, const Tensor& got);
 // rms(ref - got) / rms(scale): for a sum, `scale` the sums of its absolute terms
 // (the scale its rounding follows in any order); 0 when ref and got agree, inf on
-// a shape mismatch or a zero scale.
+// a shape mismatch, a zero scale or a non-finite mismatch.
 double relative_rmse(const Tensor& ref, const Tensor& got, const Tensor& scale);
+// The first element (flat index, in element order) where one side holds a NaN or
+// an inf that the other does not; -1 when there is none (or the shapes differ).
+std::int64_t first_nonfinite_mismatch(const Tensor& ref, const Tensor& got);
+// "element [i, j, ...] is nan, expected 0.25": what a comparison says of such an
+// element (flat index `at` into `ref`'s shape).
+std::string describe_element(const Tensor& ref, const Tensor& got, std::int64_t at);
 // A tensor's values on the host as `dtype`: the tensor itself when it already is,
 // else a converted copy (the references read through typed pointers).
 Tensor host_values(const Tensor& t, DType dtype);

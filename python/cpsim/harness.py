@@ -137,8 +137,20 @@ class _Golden:
         return self.manifest["files"][file][key]["tolerance"] or 0.0
 
 
-def _difference(name, got, want, tolerance):
-    """'' when got matches want (bitwise, or within the relative RMSE), else why not."""
+def _nonfinite_mismatch(got, want):
+    """The first position where one side holds a NaN or an inf that the other does
+    not (the same non-finite value on both agrees), as a list; None when none."""
+    if not (got.is_floating_point() or want.is_floating_point()):
+        return None
+    g, w = got.double(), want.double()
+    off = (~(g.isfinite() & w.isfinite()) & ~((g == w) | (g.isnan() & w.isnan()))).nonzero()
+    return [int(i) for i in off[0]] if len(off) else None
+
+
+def _difference(name, got, want, tolerance, scale=None):
+    """'' when got matches want (bitwise, or within the relative RMSE: rms(want - got)
+    over rms(want), or over rms(scale) for a sum held to its terms), else why not.
+    A NaN or an inf on one side only is always a difference."""
     if not isinstance(got, torch.Tensor):
         try:
             got = torch.as_tensor(got)
@@ -147,16 +159,24 @@ def _difference(name, got, want, tolerance):
     got = got.detach()
     if tuple(got.shape) != tuple(want.shape):
         return "%s: shape %s, expected %s" % (name, list(got.shape), list(want.shape))
+    bad = _nonfinite_mismatch(got, want) if got.dtype != torch.bool else None
+    if bad is not None:
+        return "%s: %r at %s, expected %r (a NaN or an inf on one side only)" % (
+            name, got[tuple(bad)].item(), bad, want[tuple(bad)].item())
     if want.is_floating_point() and tolerance > 0:
         w, g = want.double(), got.double()
-        den = w.square().mean().sqrt().item() if w.numel() else 0.0
-        num = (w - g).square().mean().sqrt().item() if w.numel() else 0.0
-        err = 0.0 if num == 0 else (float("inf") if den == 0 else num / den)
+        s = w if scale is None else scale.double()
+        keep = w.isfinite() & g.isfinite()  # the same non-finite value on both sides agrees
+        d = torch.where(keep, w - g, torch.zeros_like(w))
+        den = torch.where(keep & s.isfinite(), s, torch.zeros_like(s)).square().mean().sqrt().item() if w.numel() else 0.0
+        num = d.square().mean().sqrt().item() if w.numel() else 0.0
+        err = 0.0 if num == 0 else (float("inf") if not den > 0 else num / den)
         if not err <= tolerance:
             off = (~((w - g).abs() <= tolerance * max(den, 1e-300))).nonzero()
             at = [int(i) for i in off[0]] if len(off) else []
-            return "%s: relative RMSE %.3g > %.3g; first differs at %s: %r, expected %r" % (
-                name, err, tolerance, at, g[tuple(at)].item() if at else None, w[tuple(at)].item() if at else None)
+            return "%s: %s %.3g > %.3g; first differs at %s: %r, expected %r" % (
+                name, "relative RMSE" if scale is None else "RMSE relative to the summed terms", err, tolerance,
+                at, g[tuple(at)].item() if at else None, w[tuple(at)].item() if at else None)
         return ""
     g = got.to(want.dtype) if got.dtype != want.dtype and not want.is_floating_point() else got
     wrong = (g != want).nonzero() if g.dtype == want.dtype else None
@@ -185,7 +205,9 @@ def _run_rank(golden, step, rank):
 
     def against(name, got, key, file=rfile, want=None):
         want = mine[key] if want is None else want
-        why = _difference("rank %d %s" % (rank, name), got, want, golden.tolerance(file, key))
+        entry = golden.manifest["files"][file][key]
+        scale = golden.rank(rank)[entry["scale"]] if entry.get("scale") and file == rfile else None
+        why = _difference("rank %d %s" % (rank, name), got, want, golden.tolerance(file, key), scale)
         if why:
             found.append(why)
 
