@@ -170,6 +170,46 @@ TEST(Golden, AnIndependentNumpyImplementationAgrees) {
   std::filesystem::remove_all(plan_file.parent_path());
 }
 
+// A sum over ranks in bfloat16 whose terms cancel: golden stores the rank-order
+// sum rounded after every addition; an exact (float64) or float32 sum differs from
+// it by far more than 3e-2 of its own size, but not of its terms' size, the
+// scale the manifest names for gather_grad_x. Both pass; a gradient missing one
+// rank's term still fails.
+TEST(Golden, ASumOverRanksIsHeldToItsTermsInBfloat16) {
+  if (std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "needs numpy for /usr/bin/python3 (Debian's python3-numpy; make deps installs it)";
+  const char* script = R"(
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import golden_check as gc
+g = gc.load_golden(sys.argv[2])
+def summed(dtype, drop=None):
+    def f(up, cuts):
+        return [sum(u[:, cuts[r]:cuts[r + 1]].astype(dtype) for q, u in enumerate(up) if q != drop)
+                for r in range(len(up))]
+    return f
+gc.check(g, gather_backward=summed(np.float64), log=lambda *_: None)
+gc.check(g, gather_backward=summed(np.float32), log=lambda *_: None)
+try:
+    gc.check(g, gather_backward=summed(np.float64, drop=3), log=lambda *_: None)
+except AssertionError as e:
+    print("missing term caught:", e)
+)";
+  for (const auto& example : {"spec_example.json", "packed_two_rows.json", "thd_cu_seqlens.json"}) {
+    const auto dir = fresh_dir("cpsim-golden-bf16-sum");
+    const auto g = cpsim::testing::run_process({CPSIM_BINARY, "golden", kExamples + example, "--cp", "8", "--dtype",
+                                                "bf16", "--channels", "1", "--seed", "41", "--out", dir.string()},
+                                               60s);
+    ASSERT_EQ(g.status, 0) << g.err;
+    const auto r = cpsim::testing::run_process(
+        {"/usr/bin/python3", "-c", script, std::string(CPSIM_SOURCE_DIR) + "/examples", dir.string()}, 60s);
+    EXPECT_EQ(r.status, 0) << example << "\n" << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr("missing term caught: rank")) << example << "\n" << r.out << r.err;
+    std::filesystem::remove_all(dir);
+  }
+}
+
 // Planted bugs in that numpy implementation, one per hook (tests/golden_plants.py:
 // interior padding taken as real, a segment reaching back one rank at most, a
 // gather backward keeping only its own slice, conv taps across documents, q scaled
