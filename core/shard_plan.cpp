@@ -81,10 +81,14 @@ std::vector<std::vector<std::int64_t>> token_costs(const Layout& layout, std::in
   const std::int64_t B = layout.doc_ids.dim(0), S = layout.doc_ids.dim(1);
   std::vector<std::vector<std::int64_t>> out(B, std::vector<std::int64_t>(P, 0));
   for (std::int64_t b = 0; b < B; ++b) {
-    std::int64_t start = 0;
+    // Where the current document starts: its first position, not where its
+    // last run of positions began (a padding gap inside a document, as an
+    // unpacked row's padding_mask makes, does not restart it: the causal window
+    // of a token after the gap still spans the keys before it).
+    std::int64_t start = 0, doc = kPadDocId;
     for (std::int64_t t = 0; t < S; ++t) {
       const std::int64_t id = layout.doc_ids.get_int(b * S + t);
-      if (t == 0 || id != layout.doc_ids.get_int(b * S + t - 1)) start = t;
+      if (id != kPadDocId && id != doc) doc = id, start = t;
       if (layout.padding.get_int(b * S + t) != 0 || id == kPadDocId) continue;
       out[b][t] = cost.attention * (t - start + 1) + cost.linear;
     }

@@ -38,6 +38,34 @@ TEST(ShardPlan, TokenCostsFollowTheSpecExample) {
   EXPECT_THROW(parse_token_cost("quadratic"), InvalidInput);
 }
 
+// A padding gap inside a document (an unpacked row's padding_mask) does not restart
+// its attention cost: a token after the gap costs t - doc_start + 1, the span of
+// its causal window, as docs/sharding.md says. [1, 2, pad, 4, 5, 6] cut at CP 3
+// where the running cost (1, 3, 3, 7, 12, 18) reaches 6 and 12: [0, 4, 5, 6].
+TEST(ShardPlan, APaddingGapInsideADocumentDoesNotRestartItsCost) {
+  Batch b;
+  b["input_ids"] = Tensor::from<std::int64_t>({1, 6}, {1, 2, 0, 3, 4, 5});
+  b["padding_mask"] = Tensor::from<std::int64_t>({1, 6}, {0, 0, 1, 0, 0, 0});
+  const Layout l = derive_layout(b);
+  EXPECT_EQ(token_costs(l, 6, {1, 0})[0], (std::vector<std::int64_t>{1, 2, 0, 4, 5, 6}));
+  EXPECT_EQ(balanced_plan(token_costs(l, 6, {1, 0}), 6, 3).cuts, (std::vector<std::int64_t>{0, 4, 5, 6}));
+  // A left-padded row starts its document after the padding.
+  Batch left;
+  left["input_ids"] = Tensor::from<std::int64_t>({1, 5}, {0, 0, 7, 8, 9});
+  left["padding_mask"] = Tensor::from<std::int64_t>({1, 5}, {1, 1, 0, 0, 0});
+  EXPECT_EQ(token_costs(derive_layout(left), 5, {1, 0})[0], (std::vector<std::int64_t>{0, 0, 1, 2, 3}));
+  // cpsim plan says the same.
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-gap-plan-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "gap.json") << R"({"input_ids": [[1, 2, 0, 3, 4, 5]], "padding_mask": [[0, 0, 1, 0, 0, 0]]})";
+  const auto r = cpsim::testing::run_process(
+      {CPSIM_BINARY, "plan", (dir / "gap.json").string(), "--cp", "3", "--json"}, 60s);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.dump().find("[0,4,5,6]") != std::string::npos, true) << r.out;
+  std::filesystem::remove_all(dir);
+}
+
 // Every balanced cut is the smallest t with c * cost[0, t) >= r * total, by brute force.
 TEST(ShardPlan, TheBalancedCutIsTheSmallestThatReachesItsShare) {
   cpsim::testing::check_property([] {

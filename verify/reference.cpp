@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <sstream>
 
 namespace cpsim::verify {
@@ -89,16 +90,18 @@ std::vector<std::int64_t> reference_cuts(const LayoutTruth& t, std::int64_t P, i
   for (int r = 0; r <= cp; ++r) equal.push_back(r * (P / cp));
   if (plan.kind == PlanChoice::Kind::equal) return equal;
   const std::int64_t B = t.doc_ids.dim(0), S = t.doc_ids.dim(1);
-  // cost[t] summed over rows; a token's run starts where its doc id last changed.
+  // cost[t] summed over rows; a token's document starts at the first position
+  // holding its doc id in the row (padding gaps inside it included).
   std::vector<std::int64_t> cost(P, 0);
-  for (std::int64_t b = 0; b < B; ++b)
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::map<std::int64_t, std::int64_t> first;  // doc id -> its first position
+    for (std::int64_t s = S - 1; s >= 0; --s) first[t.doc_ids.get_int(b * S + s)] = s;
     for (std::int64_t s = 0; s < S; ++s) {
       const std::int64_t id = t.doc_ids.get_int(b * S + s);
       if (t.padding.get_int(b * S + s) != 0 || id == 0) continue;
-      std::int64_t start = s;
-      while (start > 0 && t.doc_ids.get_int(b * S + start - 1) == id) --start;
-      cost[s] += plan.cost.attention * (s - start + 1) + plan.cost.linear;
+      cost[s] += plan.cost.attention * (s - first.at(id) + 1) + plan.cost.linear;
     }
+  }
   std::int64_t total = 0;
   for (std::int64_t v : cost) total += v;
   if (total == 0) return equal;
