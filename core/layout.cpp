@@ -161,9 +161,12 @@ PackedLengths packed_lengths(const Batch& b, std::int64_t rows) {
   return out;
 }
 
-// The largest position a batch may give: the padded tail continues from the last
-// one, so there must be room above it.
-constexpr std::int64_t kMaxPosition = std::int64_t{1} << 62;
+// The largest position (in magnitude) a batch may give: 2^52, so that every
+// position, and the padded tail that continues from the last one, stays below
+// 2^53, where a float64 stops holding every integer (RoPE turns a token by its
+// position in float64: two positions one float64 cannot tell apart would turn
+// alike).
+constexpr std::int64_t kMaxPosition = std::int64_t{1} << 52;
 
 // A mask holds 0 or 1 (false or true).
 void check_mask_values(const Batch& b) {
@@ -398,10 +401,11 @@ Layout derive_layout(const Batch& batch) {
   if (has(batch, "position_ids")) {
     out.positions = batch.at("position_ids").to(DType::i64);
     const auto* given = out.positions.data<std::int64_t>();
-    for (std::int64_t r = 0; r < B; ++r)
-      if (given[r * S + S - 1] > kMaxPosition)
-        CPSIM_INVALID("position_ids row ", r, " index ", S - 1, ": position ", given[r * S + S - 1],
-                      " leaves no room for the padded tail, whose positions continue from it (at most 2^62)");
+    for (std::int64_t i = 0; i < B * S; ++i)
+      if (given[i] > kMaxPosition || given[i] < -kMaxPosition)
+        CPSIM_INVALID("position_ids row ", i / S, " index ", i % S, ": position ", given[i],
+                      " is beyond 2^52 (4503599627370496): RoPE turns a token by its position in float64, which "
+                      "holds integers exactly only below 2^53, and the padded tail continues from the last position");
     if (is_packed(batch)) {
       // Given positions must agree with the documents: the offset inside the
       // document at every real token (0 at its start, unit steps).

@@ -162,6 +162,25 @@ TEST(LayerControls, AttentionSkippedWithoutAnAnchorIsANamedMismatch) {
   EXPECT_THAT(r.detail, HasSubstr("rank 1 returned without joining reduce_scatter"));
 }
 
+// Positions up to 2^52 (the largest a batch may give): the reference and the
+// layer turn by the same float64 angle, pos * base^(-2m/D), so a correct rotation
+// holds there (an angle computed as pos / base^(2m/D) is off by a visible turn at
+// such positions); rotating by the local index still fails.
+TEST(LayerControls, RopeHoldsAtTheLargestPositionsAndTheLocalIndexStillFails) {
+  LayoutCase c;
+  c.batch = parse_batch(R"({"input_ids":[[5,6,7,8,9,4]],
+                            "position_ids":[[4503599627370491,4503599627370492,4503599627370493,0,1,2]]})",
+                        "case").batch;
+  for (int cp : {1, 2, 3}) {
+    c = at_cp(c, cp);
+    const auto r = check_rope(c, quick());
+    EXPECT_TRUE(r.ok) << "cp=" << cp << ": " << r.detail;
+    if (cp > 1) {
+      EXPECT_FALSE(check_rope(c, quick(), rope_by_local_index).ok) << "cp=" << cp;
+    }
+  }
+}
+
 TEST(LayerControls, LossCatchesTargetsAlignedAfterSharding) {
   expect_found(expect_counterexample("targets aligned after sharding", [](const LayoutCase& c) {
     RC_ASSERT(check_loss_forward(c, quick(), targets_after_sharding).ok);

@@ -213,10 +213,18 @@ TEST(Layout, PositionIdsAloneGiveTheDocumentsAtTheirResets) {
 
 // The padded tail's positions continue from the last one: a position that leaves
 // no room for them is refused, never wrapped to a negative one.
-TEST(LayoutErrors, PositionsWithoutRoomForThePaddedTailAreInvalid) {
-  const Batch b{{"input_ids", i64({1, 3}, {1, 2, 3})},
-                {"position_ids", i64({1, 3}, {INT64_MAX - 2, INT64_MAX - 1, INT64_MAX})}};
-  EXPECT_THAT(invalid([&] { derive_layout(b); }), AllOf(HasSubstr("position_ids row 0 index 2"), HasSubstr("no room")));
+// Positions are at most 2^52: RoPE turns by them in float64 (exact below 2^53), and
+// the padded tail continues from the last one.
+TEST(LayoutErrors, PositionsBeyondWhatAFloat64HoldsAreInvalid) {
+  const std::int64_t top = std::int64_t{1} << 52;
+  const Batch b{{"input_ids", i64({1, 3}, {1, 2, 3})}, {"position_ids", i64({1, 3}, {top - 1, top, top + 1})}};
+  EXPECT_THAT(invalid([&] { derive_layout(b); }),
+              AllOf(HasSubstr("position_ids row 0 index 2"), HasSubstr("beyond 2^52")));
+  const Batch overflow{{"input_ids", i64({1, 3}, {1, 2, 3})},
+                       {"position_ids", i64({1, 3}, {INT64_MAX - 2, INT64_MAX - 1, INT64_MAX})}};
+  EXPECT_THAT(invalid([&] { derive_layout(overflow); }), HasSubstr("position_ids row 0 index 0"));
+  const Batch highest{{"input_ids", i64({1, 3}, {1, 2, 3})}, {"position_ids", i64({1, 3}, {top - 2, top - 1, top})}};
+  EXPECT_NO_THROW(derive_layout(highest));
 }
 
 TEST(LayoutErrors, CuSeqlensNotStartingAtZeroOrDecreasing) {

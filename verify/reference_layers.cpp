@@ -44,10 +44,13 @@ Tensor reference_rope(const Tensor& x_in, const Tensor& positions, double base) 
   std::vector<double> c(D / 2), sn(D / 2);
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t s = 0; s < S; ++s) {
-      // This token's angle for each pair m, the same for every head.
+      // This token's angle for each pair m, the same for every head: pos *
+      // base^(-2m/D) as SPEC §3b writes it, the one float64 expression both
+      // sides agree on (p / base^(2m/D) rounds differently, and at a large
+      // position one unit in the last place of the angle is a visible turn).
       const double p = static_cast<double>(positions.get_int(b * S + s));
       for (std::int64_t m = 0; m < D / 2; ++m) {
-        const double theta = p / std::pow(base, 2.0 * m / D);
+        const double theta = p * std::pow(base, -2.0 * static_cast<double>(m) / static_cast<double>(D));
         c[m] = std::cos(theta), sn[m] = std::sin(theta);
       }
       for (std::int64_t h = 0; h < H; ++h)
