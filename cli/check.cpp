@@ -61,6 +61,14 @@ std::vector<std::string> notes_of(const BatchFile& f) {
   for (const auto& [key, t] : f.batch)
     if (!meaning.count(key) && !is_length_key(key)) streams += (streams.empty() ? "" : ", ") + key;
   if (!streams.empty()) notes.push_back("read as token streams (padded with 0, sharded like labels): " + streams);
+  // A THD key is one packed row's boundaries [D+1]; written nested ([[0, 3, 7]]),
+  // it is read as that row's, and the report says so.
+  for (const char* key : {"cu_seqlens", "cu_seqlens_padded"}) {
+    const auto it = f.given.find(key);
+    if (it != f.given.end() && it->second.shape.size() == 2)
+      notes.push_back(std::string(key) + " given as " + shape_str(it->second.shape) + ": read as one packed row's " +
+                      "boundaries " + shape_str({it->second.shape[1]}) + " (the THD form)");
+  }
   return notes;
 }
 
@@ -72,6 +80,27 @@ int run_check(CheckArgs a) {
   // A plan file fixes the CP size.
   if (plan->kind == PlanChoice::Kind::cuts && !a.cp_given && !a.job.multi)
     a.cp_sizes = {static_cast<int>(plan->cuts.size()) - 1};
+  // Memory, from the batch's shape as soon as the file gives it, before any
+  // stand-in is built or any layout derived: a batch whose estimated peak at
+  // some CP size is over the limit is refused at once, naming the estimate.
+  const MemoryLimit limit = a.max_memory.empty()
+                                ? default_memory_limit()
+                                : MemoryLimit{static_cast<std::int64_t>(bench::parse_size(a.max_memory)), "--max-memory"};
+  CheckOptions on_backend = o;
+  on_backend.backend = a.job.backend;
+  const auto fits = [&](const std::string& path) {
+    return [&, path](std::int64_t B, std::int64_t S, int keys) {
+      for (int cp : a.cp_sizes) {
+        const MemoryEstimate e = estimate_check_memory(B, S, keys, cp, on_backend);
+        if (e.bytes > limit.bytes)
+          throw InvalidInput(path + ": needs about " + format_bytes(e.bytes) + " at cp " + std::to_string(cp) + " (" +
+                             std::to_string(B) + " x " + std::to_string(reference_geometry(S, cp).padded_len) +
+                             " tokens, " + std::to_string(static_cast<std::int64_t>(e.per_token)) + " bytes each at " +
+                             e.largest_row + "'s peak), over the limit of " + format_bytes(limit.bytes) + " (" +
+                             limit.source + "); check a smaller batch or CP size, or raise --max-memory");
+      }
+    };
+  };
   // Load and validate every batch first, before any work: an invalid one is
   // reported (one line naming the file) and the others still run; exit 2 overall.
   std::vector<BatchFile> files;
@@ -80,7 +109,7 @@ int run_check(CheckArgs a) {
     try {
       const MappedFile file(path);
       fingerprint_bytes(file.bytes());
-      BatchFile f = parse_batch(file.bytes(), path);
+      BatchFile f = parse_batch(file.bytes(), path, fits(path));
       derive_layout(f.batch);
       files.push_back(std::move(f));
       paths.push_back(path);
@@ -92,27 +121,6 @@ int run_check(CheckArgs a) {
     }
   }
   if (files.empty()) return kExitUsage;
-  // Memory, before anything is allocated: a batch whose estimated peak at some CP
-  // size is over the limit is refused, naming the estimate.
-  const MemoryLimit limit = a.max_memory.empty()
-                                ? default_memory_limit()
-                                : MemoryLimit{static_cast<std::int64_t>(bench::parse_size(a.max_memory)), "--max-memory"};
-  CheckOptions on_backend = o;
-  on_backend.backend = a.job.backend;
-  for (std::size_t i = 0; i < files.size(); ++i) {
-    const std::int64_t S = sequence_length(files[i].batch), B = batch_rows(files[i].batch);
-    int keys = 0;
-    for (const auto& [key, t] : files[i].batch) keys += !is_length_key(key);
-    for (int cp : a.cp_sizes) {
-      const MemoryEstimate e = estimate_check_memory(B, S, keys, cp, on_backend);
-      if (e.bytes > limit.bytes)
-        throw InvalidInput(paths[i] + ": needs about " + format_bytes(e.bytes) + " at cp " + std::to_string(cp) + " (" +
-                           std::to_string(B) + " x " + std::to_string(reference_geometry(S, cp).padded_len) +
-                           " tokens, " + std::to_string(static_cast<std::int64_t>(e.per_token)) + " bytes each at " +
-                           e.largest_row + "'s peak), over the limit of " + format_bytes(limit.bytes) + " (" +
-                           limit.source + "); check a smaller batch or CP size, or raise --max-memory");
-    }
-  }
   // Each row runs its step once: a cache of freed blocks would only add to the peak.
   set_host_cache_limit(0);
   join_job(a.job);

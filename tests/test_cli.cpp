@@ -113,7 +113,8 @@ TEST(Cli, EveryHostileBatchIsExitTwoNamingWhatIsWrong) {
                        {"nul_in_key.json", "a key \"labels\\x00x\" is no batch key name"},
                        {"padding_mask_not_boolean.json", "padding_mask row 0 index 4: value 2"},
                        {"positions_never_reset.json", "position_ids row 0 index 2: position 2, but the token is the start of document 2"},
-                       {"positions_overflow_the_fill.json", "position_ids row 0 index 2"},
+                       {"positions_overflow_the_fill.json", "position_ids row 0 index 0: position 9223372036854775805 is beyond 2^52"},
+                       {"positions_beyond_float64.json", "position_ids row 0 index 0: position 9007199254740992 is beyond 2^52"},
                        {"positions_reset_inside_a_document.json", "position_ids row 0 index 3: position 0"},
                        {"second_value.json", "more after the JSON value, at byte 28"}});
 }
@@ -130,6 +131,9 @@ TEST(Cli, ValidOddBatchesHoldAtEveryCpSize) {
     EXPECT_THAT(r.out, HasSubstr("all properties hold")) << e.path();
     if (e.path().filename() != "nested_cu_seqlens.json" && e.path().filename() != "json_named.safetensors") {
       EXPECT_THAT(r.out, HasSubstr("no input_ids in the file: stand-in token ids")) << e.path();
+    }
+    if (e.path().filename() == "nested_cu_seqlens.json") {  // what was assumed is said
+      EXPECT_THAT(r.out, HasSubstr("cu_seqlens given as [1, 3]: read as one packed row's boundaries [3]")) << r.out;
     }
   }
   EXPECT_EQ(n, 5u);
@@ -259,6 +263,26 @@ TEST(Cli, MemoryIsEstimatedFirstAndRunningOutAborts) {
   EXPECT_THAT(refused.err, AllOf(HasSubstr("needs about"), HasSubstr("at cp 2"), HasSubstr("over the limit of 67 MB")));
   EXPECT_EQ(std::count(refused.err.begin(), refused.err.end(), '\n'), 1) << refused.err;
   EXPECT_EQ(refused.out, "");
+  // 64 rows of a million tokens: refused from the shape the file gives, before
+  // anything is built (the stand-in token ids alone are 512 MB, more than the
+  // address space allowed here, and deriving the layout took seconds).
+  const auto huge = std::filesystem::temp_directory_path() / ("cpsim-huge-" + std::to_string(::getpid()) + ".json");
+  {
+    std::ofstream out(huge);
+    out << "{\"seq_len\": 1000000, \"seq_lens\": [";
+    for (int r = 0; r < 64; ++r) out << (r ? ", " : "") << "[1000000]";
+    out << "]}\n";
+  }
+  const auto at_once = run_process({kCpsim, "check", huge.string(), "--max-memory", "8G"}, 60s);
+  EXPECT_EQ(at_once.status, 2) << at_once.out << at_once.err;
+  EXPECT_THAT(at_once.err, AllOf(HasSubstr("needs about"), HasSubstr("64 x 1000000 tokens")));
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  const auto small_space = run_process({"/bin/bash", "-c", "ulimit -v 400000 && exec \"$0\" check \"$1\" --max-memory 8G",
+                                        kCpsim, huge.string()}, 60s);
+  EXPECT_EQ(small_space.status, 2) << small_space.out << small_space.err;
+  EXPECT_THAT(small_space.err, AllOf(HasSubstr("needs about"), HasSubstr("64 x 1000000 tokens")));
+#endif
+  std::filesystem::remove(huge);
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // sanitizers need the address space themselves
   const auto by_default = run_process({"/bin/bash", "-c", "ulimit -v 400000 && exec \"$0\" check \"$1\" --cp 2", kCpsim,
                                        path.string()}, 60s);

@@ -161,27 +161,43 @@ void check_key_name(const std::string& key, const std::string& source) {
 namespace {
 // Stand-in token ids [rows, S] (never used to decide padding, which comes from
 // lengths and masks); their memory is bounded here, since no file bounds them.
-Tensor stand_in_ids(std::int64_t rows, std::int64_t S, const std::string& what) {
-  if (S > kMaxStandInTokens / rows)
+void check_stand_in_size(std::int64_t rows, std::int64_t S, const std::string& what) {
+  if (S > kMaxStandInTokens / std::max<std::int64_t>(rows, 1))
     CPSIM_INVALID(what, ": ", S, " x ", rows, " rows of stand-in tokens exceeds the limit of ", kMaxStandInTokens,
                   " tokens for a batch without input_ids (give input_ids for longer ones)");
+}
+Tensor stand_in_ids(std::int64_t rows, std::int64_t S, const std::string& what) {
+  check_stand_in_size(rows, S, what);
   Tensor ids({rows, S}, DType::i64);
   for (std::int64_t i = 0; i < ids.numel(); ++i) ids.data<std::int64_t>()[i] = 1 + (i * 7) % 31;
   return ids;
 }
 }  // namespace
 
-void finish_batch(BatchFile& out) {
+void finish_batch(BatchFile& out, const BatchSized& sized, std::int64_t stand_in_rows, std::int64_t stand_in_len) {
   normalize_batch_axis(out.batch);
-  if (out.batch.count("input_ids")) return;
-  // No input_ids: stand-ins shaped like the batch's other token keys (labels,
-  // position_ids, a mask). A batch with no [B, S] key at all is invalid.
+  int keys = 0;
+  for (const auto& [key, t] : out.batch) keys += !is_length_key(key);
+  if (stand_in_len > 0) {  // "seq_len" stands in for the token tensors
+    check_stand_in_size(stand_in_rows, stand_in_len, "seq_len");
+    if (sized) sized(stand_in_rows, stand_in_len, keys + 1);
+    out.batch["input_ids"] = stand_in_ids(stand_in_rows, stand_in_len, "seq_len");
+    out.stand_in_ids = true;
+    return;
+  }
+  const bool has_ids = out.batch.count("input_ids") > 0;
+  if (has_ids && !sized) return;
+  // A batch with no [B, S] key at all is invalid (sequence_length says which).
   const std::int64_t S = sequence_length(out.batch), B = batch_rows(out.batch);
+  if (sized) sized(B, S, keys + (has_ids ? 0 : 1));
+  if (has_ids) return;
+  // No input_ids: stand-ins shaped like the batch's other token keys (labels,
+  // position_ids, a mask).
   out.batch["input_ids"] = stand_in_ids(B, S, "input_ids (absent)");
   out.stand_in_ids = true;
 }
 
-BatchFile parse_batch_json(std::string_view text, const std::string& source) {
+BatchFile parse_batch_json(std::string_view text, const std::string& source, const BatchSized& sized) {
   // Batch keys nest two levels deep.
   const json doc = parse_strict_json(text, source, 8);
   if (!doc.is_object()) CPSIM_INVALID(source, ": expected a JSON object of batch keys");
@@ -212,11 +228,11 @@ BatchFile parse_batch_json(std::string_view text, const std::string& source) {
       if (S != seq_len) CPSIM_INVALID("seq_len: ", seq_len, " disagrees with the batch's sequence length ", S);
     } else {
       const std::int64_t rows = out.batch.count("seq_lens") ? out.batch.at("seq_lens").dim(0) : 1;
-      out.batch["input_ids"] = stand_in_ids(rows, seq_len, "seq_len");
-      out.stand_in_ids = true;
+      finish_batch(out, sized, rows, seq_len);
+      return out;
     }
   }
-  finish_batch(out);
+  finish_batch(out, sized);
   return out;
 }
 
@@ -251,14 +267,14 @@ bool is_safetensors_path(const std::string& path) {
   return path.size() >= 12 && path.compare(path.size() - 12, 12, ".safetensors") == 0;
 }
 
-BatchFile parse_batch(std::string_view bytes, const std::string& source) {
+BatchFile parse_batch(std::string_view bytes, const std::string& source, const BatchSized& sized) {
   // By the content: a safetensors header, or JSON text (which may begin with white
   // space); the name decides only which error a file that is neither gets.
   const auto first = bytes.find_first_not_of(" \t\r\n");
   const bool json_text = first != std::string_view::npos && bytes[first] == '{';
   if (looks_like_safetensors(bytes) || (!json_text && is_safetensors_path(source)))
-    return parse_batch_safetensors(bytes, source);
-  return parse_batch_json(bytes, source);
+    return parse_batch_safetensors(bytes, source, sized);
+  return parse_batch_json(bytes, source, sized);
 }
 
 BatchFile read_batch_file(const std::string& path) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -44,9 +45,17 @@ struct BatchFile {
 // Every reader checks each key as it reads it, before any message quotes it.
 void check_key_name(const std::string& key, const std::string& source);
 
-// What every reader does last: 1-D tensors normalised, stand-in input_ids when the
-// file has none.
-void finish_batch(BatchFile& out);
+// Told a batch's size once it is known from the file (rows, sequence length, and
+// how many [B, S] keys it will hold, stand-ins included), before any stand-in is
+// built or any layout derived: it may throw to refuse the batch (cpsim check's
+// memory estimate), so that a batch too large to check costs nothing to refuse.
+using BatchSized = std::function<void(std::int64_t rows, std::int64_t seq_len, int token_keys)>;
+
+// What every reader does last: 1-D tensors normalised, `sized` told, stand-in
+// input_ids when the file has none ([stand_in_rows, stand_in_len] when given,
+// else shaped like the batch's other token keys).
+void finish_batch(BatchFile& out, const BatchSized& sized = {}, std::int64_t stand_in_rows = 0,
+                  std::int64_t stand_in_len = 0);
 
 // A batch file mapped read-only into memory; InvalidInput when it cannot be opened.
 class MappedFile {
@@ -64,9 +73,9 @@ class MappedFile {
 
 // JSON: duplicate keys, nesting deeper than a batch, and integers that do not fit
 // int64 are invalid input.
-BatchFile parse_batch_json(std::string_view text, const std::string& source = "batch");
+BatchFile parse_batch_json(std::string_view text, const std::string& source = "batch", const BatchSized& sized = {});
 // JSON or safetensors, by the content (the name only picks the error for neither).
-BatchFile parse_batch(std::string_view bytes, const std::string& source);
+BatchFile parse_batch(std::string_view bytes, const std::string& source, const BatchSized& sized = {});
 BatchFile read_batch_file(const std::string& path);
 std::string batch_to_json(const Batch& batch, std::int64_t pad_token_id, bool pretty = false);
 void write_batch_json(const std::string& path, const Batch& batch, std::int64_t pad_token_id);

@@ -173,7 +173,7 @@ SafetensorsFile parse_safetensors(std::string_view bytes, const std::string& sou
   return out;
 }
 
-BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& source) {
+BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& source, const BatchSized& sized) {
   SafetensorsFile f = parse_safetensors(bytes, source, false);
   BatchFile out;
   for (auto& [key, t] : f.tensors) {
@@ -192,7 +192,7 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
     if (used == 0 || used != v.size())
       CPSIM_INVALID("__metadata__ pad_token_id: expected an integer as a string, as safetensors stores metadata");
   }
-  finish_batch(out);
+  finish_batch(out, sized);
   return out;
 }
 

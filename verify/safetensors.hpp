@@ -30,7 +30,7 @@ SafetensorsFile parse_safetensors(std::string_view bytes, const std::string& sou
 
 // A batch: integer keys of shape [S] or [B, S]; floating dtypes are refused
 // (batch keys are integer tensors); the pad id from the metadata.
-BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& source);
+BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& source, const BatchSized& sized = {});
 
 // The bytes of a safetensors file holding `tensors` (host copies of device ones),
 // as safetensors.torch.save_file writes them: the widest elements first, then by

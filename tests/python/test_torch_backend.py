@@ -46,6 +46,64 @@ def test_collectives_agree_with_their_definitions(backend):
         assert torch.equal(mine, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * total)
 
 
+# Every dtype the backend accepts, through every reduction it accepts (SUM, the
+# only one: bool sums as logical or), against a closed form: rank r contributes
+# x_r[i] = r + i + 1 (bool: i % world == r), so the all-reduced sum is
+# world * (i + 1) + world * (world - 1) / 2, and rank r's reduce-scatter block is
+# that sum at positions [r * n, (r + 1) * n). Values stay small integers: exact in
+# every dtype, bfloat16 included, so the comparison is bitwise.
+ACCEPTED_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", ACCEPTED_DTYPES, ids=str)
+def test_every_accepted_dtype_sums_to_its_closed_form(dtype):
+    world, n = 3, 4
+
+    def contribution(rank, count):
+        i = torch.arange(count)
+        return (i % world == rank) if dtype == torch.bool else (i + rank + 1).to(dtype)
+
+    def step(rank, world):
+        summed = contribution(rank, world * n)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        mine = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter_tensor(mine, contribution(rank, world * n), op=dist.ReduceOp.SUM)
+        gathered = torch.empty(world * n, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, contribution(rank, n))
+        return summed, mine, gathered
+
+    i = torch.arange(world * n)
+    want = torch.ones(world * n, dtype=torch.bool) if dtype == torch.bool else \
+        (world * (i + 1) + world * (world - 1) // 2).to(dtype)
+    for rank, (summed, mine, gathered) in enumerate(ct.spawn(step, world)):
+        assert summed.dtype == dtype and torch.equal(summed, want), (dtype, summed, want)
+        assert torch.equal(mine, want[rank * n:(rank + 1) * n]), (dtype, rank, mine)
+        assert torch.equal(gathered, torch.cat([contribution(r, n) for r in range(world)])), (dtype, gathered)
+
+
+# Every other reduction is refused by name, never computed as a sum: a MAX, MIN,
+# AVG or PRODUCT that summed would pass any test of SUM alone.
+@pytest.mark.parametrize("op", ["MAX", "MIN", "AVG", "PRODUCT", "BAND", "BOR", "BXOR"])
+def test_every_other_reduction_is_refused_by_name(op):
+    if not hasattr(dist.ReduceOp, op):
+        pytest.skip("this torch has no ReduceOp.%s" % op)
+
+    def step(rank, world):
+        said = []
+        for call in (lambda: dist.all_reduce(torch.ones(2), op=getattr(dist.ReduceOp, op)),
+                     lambda: dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world),
+                                                        op=getattr(dist.ReduceOp, op))):
+            try:
+                call()
+                said.append("computed")
+            except (NotImplementedError, RuntimeError, ValueError) as e:
+                said.append(str(e))
+        return said
+
+    for said in ct.spawn(step, 2, timeout=5):
+        assert all("with a reduction other than SUM" in text for text in said), (op, said)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_that_skips_a_collective_is_named_not_hung(backend):
     def step(rank, world):
