@@ -2,6 +2,7 @@
 """cpsim check on one long packed row, against a same-run memcpy.
 
     bench/check_scale.py [--cpsim build/cpsim] [--tokens 1048576] [--cp 8] [--max-doc 512] [--repeat 1]
+    bench/check_scale.py --doc-lengths 1,256000,523776,1,128000     # long documents, the rest padding
 
 Writes a lengths-only batch of one row of TOKENS tokens (documents of 1..MAX_DOC (default 512)
 tokens, seeded), runs `cpsim check BATCH --cp CP` on it and reports its CPU time
@@ -45,11 +46,19 @@ def main():
     p.add_argument("--cp", default="8")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--max-doc", dest="max_doc", type=int, default=512)
+    p.add_argument("--doc-lengths", dest="doc_lengths", default=None,
+                   help="the row's documents, comma-separated (instead of random ones up to --max-doc); "
+                        "the rest of the row is padding")
     p.add_argument("extra", nargs="*", help="more cpsim check options (after --)")
     a = p.parse_args()
 
     rng = random.Random(1)
     lens, left = [], a.tokens
+    if a.doc_lengths:
+        lens = [int(n) for n in a.doc_lengths.split(",")]
+        if sum(lens) > a.tokens:
+            p.error("--doc-lengths sum to %d, more than --tokens %d" % (sum(lens), a.tokens))
+        left = 0
     while left > 0:
         n = min(left, rng.randint(1, a.max_doc))
         lens.append(n)

@@ -62,8 +62,25 @@ Var document_attention(const Var& q, const Var& k, const Var& v, const Tensor& q
   CPSIM_ENFORCE(kv.dtype() == qv.dtype() && vv.dtype() == qv.dtype(), "document_attention: q, k, v of one dtype");
   expect_float(qv, "document_attention");
   const Tensor qi = where(q_ids, qv), ki = where(k_ids, qv), kp = where(kept, qv);
+  // For each query, the next one (itself included) with an id: the key gradient's skip list.
+  const Tensor host_q_ids = q_ids.is_cpu() ? q_ids : q_ids.to(Device::host());
+  Tensor next_host({qv.dim(0), qv.dim(1)}, DType::i64);
+  {
+    const auto* id = host_q_ids.data<std::int64_t>();
+    auto* next = next_host.data<std::int64_t>();
+    const std::int64_t B = qv.dim(0), Lq = qv.dim(1);
+    for (std::int64_t b = 0; b < B; ++b) {
+      std::int64_t after = Lq;
+      for (std::int64_t t = Lq - 1; t >= 0; --t) {
+        if (id[b * Lq + t] != 0) after = t;
+        next[b * Lq + t] = after;
+      }
+    }
+  }
+  const Tensor nq = where(next_host, qv);
   kernels::Attention a;
   a.q = qv.raw(), a.k = kv.raw(), a.v = vv.raw();
+  a.next_query = static_cast<const std::int64_t*>(nq.raw());
   a.q_ids = static_cast<const std::int64_t*>(qi.raw());
   a.k_ids = static_cast<const std::int64_t*>(ki.raw());
   a.kept = kp.defined() ? static_cast<const std::int64_t*>(kp.raw()) : nullptr;
@@ -75,7 +92,7 @@ Var document_attention(const Var& q, const Var& k, const Var& v, const Tensor& q
   Tensor lse({a.rows, a.q_len, a.heads}, qv.dtype(), qv.device());
   a.o = o.raw(), a.lse = lse.raw();
   kernels::kernels_for(qv.device()).attention_forward(a, qv.dtype(), kernels::current_stream());
-  return record(o, "document_attention", {q, k, v}, [a, qv, kv, vv, qi, ki, kp, o, lse](const Tensor& g) {
+  return record(o, "document_attention", {q, k, v}, [a, qv, kv, vv, qi, ki, kp, nq, o, lse](const Tensor& g) {
     // dq is written in full; dk and dv only at the keys the local queries see
     // (zeros elsewhere: on the host, pages that are never touched).
     Tensor dq = Tensor::empty(qv.shape(), qv.dtype(), qv.device()), dk(kv.shape(), kv.dtype(), kv.device()),
@@ -120,12 +137,23 @@ Tensor visible_doc_ids(const PackedContext& context, const Tensor& local_padding
 
 CpAttention cp_document_attention(const Var& q, const Var& k, const Var& v, const Tensor& local_ids,
                                   const ShardPlan* plan, Communicator* comm, const SparseIndexer* indexer,
-                                  double scale) {
+                                  double scale, const Tensor& probe) {
   const bool sharded = is_distributed(comm);
   const std::int64_t seq_start = !sharded ? 0 : plan ? plan->begin(comm->rank()) : comm->rank() * q.value().dim(1);
   const Var kg = gather_sequence(k, comm, true, plan), vg = gather_sequence(v, comm, true, plan);
-  const Tensor ids = where(local_ids, q.value());
-  const Tensor key_ids = sharded ? all_gather_sequence_tensor(ids, *comm, plan) : ids;
+  const Tensor key_ids = sharded ? all_gather_sequence_tensor(where(local_ids, q.value()), *comm, plan)
+                                 : where(local_ids, q.value());
+  // The queries evaluated: every one, or the probe's (the others as if not real).
+  Tensor query_ids = local_ids;
+  if (probe.defined()) {
+    const Tensor on = probe.is_cpu() ? probe : probe.to(Device::host());
+    CPSIM_ENFORCE(on.numel() == local_ids.numel(), "cp_document_attention: probe ", shape_str(on.shape()),
+                  " for ids ", shape_str(local_ids.shape()));
+    query_ids = (local_ids.is_cpu() ? local_ids : local_ids.to(Device::host())).clone();
+    for (std::int64_t i = 0; i < query_ids.numel(); ++i)
+      if (on.get_int(i) == 0) query_ids.set(i, 0);
+  }
+  const Tensor ids = where(query_ids, q.value());
   Tensor kept;
   if (indexer) {
     const Tensor index_k = sharded ? all_gather_sequence_tensor(where(indexer->k, q.value()), *comm, plan)

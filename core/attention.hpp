@@ -42,7 +42,10 @@ Tensor visible_doc_ids(const PackedContext& context, const Tensor& local_padding
 // the keys it keeps (the indexer key gathered without a gradient). `anchor` is a
 // zero scalar to add to the loss (all_gather_backward_anchor of both gathers), so
 // that every rank runs the backward collectives even when its loss does not reach
-// the gathered tensors.
+// the gathered tensors. `probe` ([B, L], nonzero: evaluate), when given, names the
+// local queries to evaluate: the others output 0, keep no key and pass no
+// gradient, but every token is still a key; a check of a long document evaluates
+// a chosen set of queries at a cost of their (query, key) pairs.
 struct SparseIndexer {
   Tensor q, k;
   std::int64_t topk = 0;
@@ -54,6 +57,6 @@ struct CpAttention {
 };
 CpAttention cp_document_attention(const Var& q, const Var& k, const Var& v, const Tensor& local_ids,
                                   const ShardPlan* plan, Communicator* comm, const SparseIndexer* indexer = nullptr,
-                                  double scale = 0);
+                                  double scale = 0, const Tensor& probe = Tensor());
 
 }  // namespace cpsim

@@ -34,13 +34,17 @@ Var rope_by_local_index(const Var& x, const Tensor& positions) {
 
 // Causality by local index: query t sees keys 0..t of the gathered sequence.
 CpAttention attention_by_local_index(const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
-                                     const Tensor& padding, Communicator* comm, const SparseIndexer* indexer) {
+                                     const Tensor& padding, Communicator* comm, const SparseIndexer* indexer,
+                                     const Tensor& probe) {
   // The layer's own steps (gathers, indexer), with every query placed at local index t.
   const ShardPlan* plan = &ctx.plan();
-  const Tensor ids = visible_doc_ids(ctx, padding);
+  const Tensor all = visible_doc_ids(ctx, padding);
   const bool sharded = is_distributed(comm);
   const Var kg = gather_sequence(k, comm, true, plan), vg = gather_sequence(v, comm, true, plan);
-  const Tensor key_ids = sharded ? all_gather_sequence_tensor(ids, *comm, plan) : ids;
+  const Tensor key_ids = sharded ? all_gather_sequence_tensor(all, *comm, plan) : all;
+  Tensor ids = all.clone();  // the probed queries only
+  for (std::int64_t i = 0; probe.defined() && i < ids.numel(); ++i)
+    if (probe.get_int(i) == 0) ids.set(i, 0);
   CpAttention out;
   if (indexer)
     out.kept = topk_keep(indexer->q, sharded ? all_gather_sequence_tensor(indexer->k, *comm, plan) : indexer->k, ids,
@@ -53,7 +57,8 @@ CpAttention attention_by_local_index(const Var& q, const Var& k, const Var& v, c
 // Doc ids numbered per shard (from 1 at the rank's first document), as a mask
 // built from a local cu_seqlens would number them.
 CpAttention attention_by_local_doc_ids(const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
-                                       const Tensor& padding, Communicator* comm, const SparseIndexer* indexer) {
+                                       const Tensor& padding, Communicator* comm, const SparseIndexer* indexer,
+                                       const Tensor& probe) {
   Tensor ids = visible_doc_ids(ctx, padding);
   const std::int64_t B = ids.dim(0), L = ids.dim(1);
   for (std::int64_t b = 0; b < B; ++b) {
@@ -61,17 +66,18 @@ CpAttention attention_by_local_doc_ids(const Var& q, const Var& k, const Var& v,
     for (std::int64_t t = 0; t < L; ++t)
       if (ids.get_int(b * L + t) != 0) ids.set(b * L + t, static_cast<double>(ids.get_int(b * L + t) - first + 1));
   }
-  return cp_document_attention(q, k, v, ids, &ctx.plan(), comm, indexer);
+  return cp_document_attention(q, k, v, ids, &ctx.plan(), comm, indexer, 0, probe);
 }
 
 // A rank whose queries are all padding skips the layer (zeros, no anchor): its
 // loss no longer reaches the gathered K/V, so it skips their backward.
 CpAttention attention_skipped_on_padding(const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
-                                         const Tensor& padding, Communicator* comm, const SparseIndexer* indexer) {
+                                         const Tensor& padding, Communicator* comm, const SparseIndexer* indexer,
+                                         const Tensor& probe) {
   const Tensor ids = visible_doc_ids(ctx, padding);
   bool any = false;
   for (std::int64_t i = 0; i < ids.numel(); ++i) any = any || ids.get_int(i) != 0;
-  CpAttention a = cp_document_attention(q, k, v, ids, &ctx.plan(), comm, indexer);
+  CpAttention a = cp_document_attention(q, k, v, ids, &ctx.plan(), comm, indexer, 0, probe);
   if (!any) {
     const Tensor& o = a.out.value();
     a.out = Var(Tensor::full(o.shape(), o.dtype(), 0.0).to(o.device()));
@@ -179,6 +185,31 @@ TEST(LayerControls, RopeHoldsAtTheLargestPositionsAndTheLocalIndexStillFails) {
       EXPECT_FALSE(check_rope(c, quick(), rope_by_local_index).ok) << "cp=" << cp;
     }
   }
+}
+
+// On a long-document batch (64k tokens: documents of 20k, 25k and 4k tokens with
+// 1-token ones between, the last rank all padding) the attention rows evaluate
+// a chosen set of queries, not all of them; every planted attention bug is still
+// caught there: the local-index mask, the local doc ids, RoPE by local index, the
+// sparse form's local-index mask, and the layer skipped on the all-padding rank.
+TEST(LayerControls, EveryAttentionControlFailsOnALongDocumentBatch) {
+  LayoutCase c;
+  c.batch = parse_batch(R"({"seq_len": 65536, "seq_lens": [[1, 20000, 25000, 1, 4000]]})", "long").batch;
+  c = at_cp(c, 4);
+  const CheckOptions o = quick();
+  const PropertyResult right = check_attention_forward(c, o);
+  ASSERT_TRUE(right.ok) << right.detail;
+  ASSERT_GT(right.queries_evaluated, 0);
+  ASSERT_LT(right.queries_evaluated, right.queries / 10) << "the long batch should be sampled";
+  ASSERT_TRUE(check_attention_backward(c, o).ok);
+  ASSERT_TRUE(check_attention_forward(c, o, {}, {}, o.topk).ok);
+  EXPECT_FALSE(check_attention_forward(c, o, attention_by_local_index).ok);
+  EXPECT_FALSE(check_attention_forward(c, o, attention_by_local_doc_ids).ok);
+  EXPECT_FALSE(check_attention_forward(c, o, {}, rope_by_local_index).ok);
+  EXPECT_FALSE(check_attention_forward(c, o, attention_by_local_index, {}, o.topk).ok);
+  const PropertyResult skipped = check_attention_backward(c, o, attention_skipped_on_padding);
+  EXPECT_FALSE(skipped.ok);
+  EXPECT_THAT(skipped.detail, HasSubstr("rank 3 returned without joining reduce_scatter")) << skipped.detail;
 }
 
 TEST(LayerControls, LossCatchesTargetsAlignedAfterSharding) {

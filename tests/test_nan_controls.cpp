@@ -169,14 +169,17 @@ TEST(NonFinite, APlantedValueFailsTheLayerRows) {
       return check_rope(c, o, [bad](const Var& x, const Tensor& pos) { return bad_forward(default_rope()(x, pos), bad); });
     });
     const AttentionFn forward = [bad](const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
-                                      const Tensor& padding, Communicator* comm, const SparseIndexer* indexer) {
-      CpAttention a = default_attention()(q, k, v, ctx, padding, comm, indexer);
+                                      const Tensor& padding, Communicator* comm, const SparseIndexer* indexer,
+                                      const Tensor& probe) {
+      CpAttention a = default_attention()(q, k, v, ctx, padding, comm, indexer, probe);
       if (planted_here(comm)) a.out = bad_forward(a.out, bad);
       return a;
     };
     const AttentionFn backward = [bad](const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
-                                       const Tensor& padding, Communicator* comm, const SparseIndexer* indexer) {
-      return default_attention()(planted_here(comm) ? bad_backward(q, bad) : q, k, v, ctx, padding, comm, indexer);
+                                       const Tensor& padding, Communicator* comm, const SparseIndexer* indexer,
+                                       const Tensor& probe) {
+      return default_attention()(planted_here(comm) ? bad_backward(q, bad) : q, k, v, ctx, padding, comm, indexer,
+                                 probe);
     };
     for (const std::int64_t topk : {std::int64_t{-1}, std::int64_t{o.topk}}) {
       const std::string form = topk < 0 ? "attention" : "sparse_attention";

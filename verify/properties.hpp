@@ -49,6 +49,9 @@ struct PropertyResult {
   bool ok = false;
   double error = 0;    // wrong elements, or relative RMSE for floating-point results
   std::string detail;  // why it failed
+  // The attention rows on long documents evaluate a chosen set of queries:
+  // how many (-1: not such a row), of how many real ones.
+  std::int64_t queries_evaluated = -1, queries = 0;
   // The run could not complete (a rank timed out or died, memory ran out): no
   // verdict on the code under test, and not a failure of the property.
   bool aborted = false;
@@ -106,9 +109,13 @@ using RecurrenceFn = std::function<Var(const Var& q, const Var& k, const Var& v,
 // rows [B, P] (token ids, doc ids, padding) and its context. The loss is the
 // token-mean cross entropy of the rank's logits across ranks.
 using RopeFn = std::function<Var(const Var& x, const Tensor& positions)>;
+// `probe` ([B, L], undefined: every query) names the local queries the row
+// evaluates on a long document; an implementation may evaluate more (the row
+// compares outputs at the probed queries only, and their upstream gradient is
+// the only one that is not zero) or pass it to cp_document_attention.
 using AttentionFn = std::function<CpAttention(const Var& q, const Var& k, const Var& v, const PackedContext& context,
                                               const Tensor& local_padding, Communicator* comm,
-                                              const SparseIndexer* indexer)>;
+                                              const SparseIndexer* indexer, const Tensor& probe)>;
 using TargetsFn = std::function<Tensor(const Tensor& tokens, const Tensor& doc_ids, const Tensor& padding,
                                        const PackedContext& context)>;
 using LossFn = std::function<Var(const Var& logits, const Tensor& targets, Communicator* comm)>;

@@ -36,7 +36,7 @@ struct ReferenceGeometry {
 // Equal intervals.
 ReferenceGeometry reference_geometry(std::int64_t seq_len, int cp, std::int64_t pad_multiple = 1);
 // The cuts of SPEC §2's plans, by plain loops: equal; balanced (per-token cost
-// `attention * (t - start of t's run + 1) + linear` for a real token, 0 for
+// `attention * (t - first position of t's document + 1) + linear` for a real token, 0 for
 // padding; a_r the smallest t with c * cost[0, t) >= r * total, summed over rows;
 // total 0: equal); given cuts as they are.
 std::vector<std::int64_t> reference_cuts(const LayoutTruth& layout, std::int64_t padded_len, int cp,

@@ -73,7 +73,7 @@ Tensor reference_rope_backward(const Tensor& dy, const Tensor& positions, double
 AttentionReference reference_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                        const Tensor& doc_ids_in, const Tensor& padding_in, const Tensor& d_o_in,
                                        double scale, const Tensor& index_q_in, const Tensor& index_k_in,
-                                       std::int64_t topk) {
+                                       std::int64_t topk, const Tensor& queries_in) {
   // Float64 / int64 values on the host, read through pointers.
   const auto f64 = [](const Tensor& t) { return host_values(t, DType::f64); };
   const Tensor q = f64(q_in), k = f64(k_in), v = f64(v_in), d_o = f64(d_o_in);
@@ -88,6 +88,8 @@ AttentionReference reference_attention(const Tensor& q_in, const Tensor& k_in, c
   if (topk >= 0) r.kept = Tensor::full({B, S, topk}, DType::i64, -1.0);
   const double *Q = q.data<double>(), *K = k.data<double>(), *Vv = v.data<double>(), *G = d_o.data<double>();
   const std::int64_t *doc = doc_ids.data<std::int64_t>(), *pad = padding.data<std::int64_t>();
+  const Tensor queries = queries_in.defined() ? host_values(queries_in, DType::i64) : Tensor();
+  const std::int64_t* evaluate = queries.defined() ? queries.data<std::int64_t>() : nullptr;
   double *O = r.o.data<double>(), *DQ = r.dq.data<double>(), *DK = r.dk.data<double>(), *DV = r.dv.data<double>();
   auto inner = [](const double* a, const double* c, std::int64_t n) {
     double s = 0;
@@ -101,6 +103,7 @@ AttentionReference reference_attention(const Tensor& q_in, const Tensor& k_in, c
     for (std::int64_t j = 0; j < S; ++j)
       if (pad[b * S + j] == 0 && doc[b * S + j] != 0) members[doc[b * S + j]].push_back(j);
     for (std::int64_t i = 0; i < S; ++i) {
+      if (evaluate && evaluate[b * S + i] == 0) continue;
       // The keys query i attends to: the real tokens of its document up to i.
       std::vector<std::int64_t> keys;
       if (doc[b * S + i] != 0 && pad[b * S + i] == 0)

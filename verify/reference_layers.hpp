@@ -36,14 +36,17 @@ Tensor reference_rope_backward(const Tensor& dy, const Tensor& positions, double
 // doc_ids[b][i] and j <= i; with topk >= 0, only the min(topk, visible) keys of
 // highest indexer score (iq_i . ik_j; ties: the smaller j). The outputs and the
 // gradients of q, k, v under the upstream gradient d_o; with topk, kept
-// [B, S, topk] lists each query's kept keys, ascending, then -1.
+// [B, S, topk] lists each query's kept keys, ascending, then -1. With `queries`
+// ([B, S], nonzero: evaluate) only those queries are evaluated (the others
+// output 0, keep nothing, and add nothing to the gradients, as if their upstream
+// gradient were 0): a cost of their (query, key) pairs.
 struct AttentionReference {
   Tensor o, dq, dk, dv, kept;
 };
 AttentionReference reference_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc_ids,
                                        const Tensor& padding, const Tensor& d_o, double scale,
                                        const Tensor& index_q = Tensor(), const Tensor& index_k = Tensor(),
-                                       std::int64_t topk = -1);
+                                       std::int64_t topk = -1, const Tensor& queries = Tensor());
 
 // Next-token targets on whole rows (-100 at a document's last token, on padding
 // and where the next token is padding), the token-mean cross entropy of logits

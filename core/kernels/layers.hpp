@@ -99,6 +99,11 @@ CPSIM_HD inline bool attention_sees(const Attention& a, index_t b, index_t t, in
   return false;
 }
 
+// The first query at or after t whose id is not 0 (Attention::next_query).
+CPSIM_HD inline index_t next_at(const std::int64_t* next, index_t q_len, index_t t) {
+  return t < q_len ? next[t] : q_len;
+}
+
 // The range of keys query t may see: [lo, hi] (empty when lo > hi).
 CPSIM_HD inline void attention_range(const Attention& a, index_t b, index_t t, index_t& lo, index_t& hi) {
   const std::int64_t doc = a.q_ids[b * a.q_len + t];
@@ -194,10 +199,14 @@ struct AttentionKeyGrad {
     // The local queries of its document run at or after j, in order. dk and dv
     // arrive zeroed and each query that sees the key adds to them: a key no local
     // query sees is never written, so the gathered-length gradients of a rank cost
-    // (and make resident) only the keys its queries see.
-    for (index_t t = j > a.q_start ? j - a.q_start : 0; t < a.q_len; ++t) {
+    // (and make resident) only the keys its queries see. Queries with id 0 (not
+    // real, or not evaluated) are skipped through next_query, so the cost is that
+    // of the (query, key) pairs, however sparse the evaluated queries are.
+    const std::int64_t* next = a.next_query + b * a.q_len;
+    for (index_t t = next_at(next, a.q_len, j > a.q_start ? j - a.q_start : 0); t < a.q_len;
+         t = next_at(next, a.q_len, t + 1)) {
       const std::int64_t id = a.q_ids[b * a.q_len + t];
-      if (id != doc && id != 0) break;
+      if (id != doc) break;
       if (!attention_sees(a, b, t, j)) continue;
       T p, ds;
       attention_pair<T>(a, b, t, h, j, p, ds);

@@ -134,6 +134,9 @@ struct Attention {
   const void *q = nullptr, *k = nullptr, *v = nullptr;
   const std::int64_t *q_ids = nullptr, *k_ids = nullptr;
   const std::int64_t* kept = nullptr;
+  // [B, Lq]: the first query t' >= t whose id is not 0 (q_len when none): the key
+  // gradient visits only the queries that see anything.
+  const std::int64_t* next_query = nullptr;
   std::int64_t topk = 0;
   void *o = nullptr, *lse = nullptr;
   const void* d_o = nullptr;

@@ -53,8 +53,9 @@ RopeFn default_rope() {
 }
 AttentionFn default_attention() {
   return [](const Var& q, const Var& k, const Var& v, const PackedContext& context, const Tensor& local_padding,
-            Communicator* comm, const SparseIndexer* indexer) {
-    return cp_document_attention(q, k, v, visible_doc_ids(context, local_padding), &context.plan(), comm, indexer);
+            Communicator* comm, const SparseIndexer* indexer, const Tensor& probe) {
+    return cp_document_attention(q, k, v, visible_doc_ids(context, local_padding), &context.plan(), comm, indexer, 0,
+                                 probe);
   };
 }
 TargetsFn default_targets() {
@@ -95,9 +96,111 @@ PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& f
 struct AttentionRun {
   AttentionReference ref;
   Tensor o, dq, dk, dv, kept;
+  std::int64_t queries_evaluated = 0, queries = 0;
 };
 
 namespace {
+
+// Which queries an attention row evaluates. A query costs its visible keys (the
+// real tokens of its document up to it), so a long document costs the square of
+// its length. Up to kAllQueriesPairs (query, key) pairs every query is evaluated;
+// beyond, the queries where CP goes wrong, plus a seeded sample:
+// * each shard's first two and last two positions;
+// * each document's first and last real token (the last reads every cut the
+//   document crosses);
+// * the first three real tokens after each cut inside a document (their keys
+//   lie on earlier ranks) and the last three before it;
+// * random real queries, seeded, until the sample's pairs reach kSampledPairs.
+// The chosen queries cost O(cp x tokens) pairs in all: linear in the tokens.
+constexpr std::int64_t kAllQueriesPairs = std::int64_t{1} << 22;
+constexpr std::int64_t kSampledPairs = std::int64_t{1} << 22;
+
+struct QueryChoice {
+  Tensor mask;  // [B, P] i64, 1: evaluated; undefined: every query
+  std::int64_t chosen = 0, real = 0;
+};
+
+QueryChoice choose_queries(const LayerRows& rows, const ReferenceGeometry& g, std::uint64_t seed) {
+  const std::int64_t B = rows.doc_ids.dim(0), P = rows.doc_ids.dim(1);
+  const Tensor ids = host_values(rows.doc_ids, DType::i64), pad = host_values(rows.padding, DType::i64);
+  const std::int64_t *id = ids.data<std::int64_t>(), *padding = pad.data<std::int64_t>();
+  // Each real query's visible keys: the real tokens of its document so far.
+  std::vector<std::int64_t> visible(static_cast<std::size_t>(B * P), 0);
+  QueryChoice c;
+  std::int64_t total = 0;
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::int64_t doc = 0, seen = 0;
+    for (std::int64_t t = 0; t < P; ++t) {
+      const std::int64_t i = b * P + t;
+      if (id[i] == 0 || padding[i] != 0) continue;
+      if (id[i] != doc) doc = id[i], seen = 0;
+      visible[i] = ++seen;
+      total += seen;
+      ++c.real;
+    }
+  }
+  if (total <= kAllQueriesPairs) {
+    c.chosen = c.real;
+    return c;
+  }
+  c.mask = Tensor::full({B, P}, DType::i64, 0.0);
+  auto* m = c.mask.data<std::int64_t>();
+  std::int64_t pairs = 0;
+  const auto take = [&](std::int64_t b, std::int64_t t) {
+    if (t < 0 || t >= P) return;
+    const std::int64_t i = b * P + t;
+    if (visible[i] == 0 || m[i]) return;
+    m[i] = 1;
+    pairs += visible[i];
+    ++c.chosen;
+  };
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (int r = 0; r < g.cp; ++r) {
+      if (g.size(r) == 0) continue;
+      for (std::int64_t d = 0; d < 2; ++d) take(b, g.start(r) + d), take(b, g.end(r) - 1 - d);
+    }
+    // Documents' first and last real tokens.
+    std::int64_t last = -1;
+    for (std::int64_t t = 0; t < P; ++t) {
+      if (visible[b * P + t] == 0) continue;
+      if (visible[b * P + t] == 1) {
+        take(b, t);
+        if (last >= 0) take(b, last);
+      }
+      last = t;
+    }
+    if (last >= 0) take(b, last);
+    // Around each cut inside a document: three real queries on either side.
+    for (int r = 1; r < g.cp; ++r) {
+      const std::int64_t cut = g.start(r);
+      if (cut <= 0 || cut >= P) continue;
+      int n = 0;
+      for (std::int64_t t = cut; t < P && n < 3; ++t)
+        if (visible[b * P + t] > 1) take(b, t), ++n;  // reads keys before the cut
+      n = 0;
+      for (std::int64_t t = cut - 1; t >= 0 && n < 3; --t)
+        if (visible[b * P + t] != 0) take(b, t), ++n;
+    }
+  }
+  // A seeded sample of the rest, within the budget of pairs.
+  SplitMix64 rng(mix_seed(seed, 75));
+  const std::int64_t budget = pairs + kSampledPairs;
+  for (std::int64_t tries = 0; pairs < budget && c.chosen < c.real && tries < 8 * B * P; ++tries)
+    take(rng.below(B), rng.below(P));
+  return c;
+}
+
+// t with the rows of [B, P, ...] that `mask` ([B, P]) leaves out set to `fill`.
+Tensor only_rows(const Tensor& t, const Tensor& mask, double fill = 0) {
+  if (!mask.defined() || !t.defined()) return t;
+  Tensor out = host_values(t, t.dtype()).clone();
+  const std::int64_t rows = mask.numel(), per = rows ? out.numel() / rows : 0;
+  const auto* m = mask.data<std::int64_t>();
+  for (std::int64_t i = 0; i < rows; ++i)
+    if (!m[i])
+      for (std::int64_t e = 0; e < per; ++e) out.set(i * per + e, fill);
+  return out;
+}
 
 AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const AttentionFn& fn, const RopeFn& rope_fn,
                            std::int64_t topk) {
@@ -106,14 +209,18 @@ AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const Att
   const LayerRows rows = layer_rows(s);
   // One set of inputs for the dense and the sparse form (and `cpsim golden`).
   const AttentionInputs in = random_attention_inputs(B, P, H, D, Dv, opt.index_dim, mix_seed(c.seed, 70));
-  const Tensor &q = in.q, &k = in.k, &v = in.v, &up = in.grad_o;
+  // The loss is sum(o * up) over the evaluated queries: up is 0 at the others.
+  const QueryChoice chosen = choose_queries(rows, s.g, c.seed);
+  const Tensor up = only_rows(in.grad_o, chosen.mask);
+  const Tensor &q = in.q, &k = in.k, &v = in.v, &probe = chosen.mask;
   const Tensor iq = topk >= 0 ? in.index_q : Tensor(), ik = topk >= 0 ? in.index_k : Tensor();
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   AttentionRun run;
   std::vector<Tensor> o(c.cp), dq(c.cp), dk(c.cp), dv(c.cp), kept(c.cp);
   const std::vector<Input> inputs = {{"q", &q},        {"k", &k},         {"v", &v},
                                      {"up", &up},      {"index_q", &iq},  {"index_k", &ik},
-                                     {"positions", &rows.positions},      {"padding", &rows.padding}};
+                                     {"positions", &rows.positions},      {"padding", &rows.padding},
+                                     {"probe", &probe}};
   run_reading(inputs, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
     const PackedContext& ctx = s.context(r);
@@ -121,21 +228,24 @@ AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const Att
     Var vq = mine(q), vk = mine(k), vv = mine(v);
     const Tensor pos = local(rows.positions, ctx);
     const SparseIndexer indexer{topk >= 0 ? local(iq, ctx) : Tensor(), topk >= 0 ? local(ik, ctx) : Tensor(), topk};
-    const CpAttention a =
-        fn(rope_fn(vq, pos), rope_fn(vk, pos), vv, ctx, local(rows.padding, ctx), &comm, topk >= 0 ? &indexer : nullptr);
+    const CpAttention a = fn(rope_fn(vq, pos), rope_fn(vk, pos), vv, ctx, local(rows.padding, ctx), &comm,
+                             topk >= 0 ? &indexer : nullptr, probe.defined() ? local(probe, ctx) : Tensor());
     backward(a.anchor.defined() ? add(dot(a.out, local(up, ctx)), a.anchor) : dot(a.out, local(up, ctx)));
     o[r] = host(a.out.value());
     dq[r] = host(vq.grad()), dk[r] = host(vk.grad()), dv[r] = host(vv.grad());
     kept[r] = host(a.kept);
   }, run_options(opt), {&o, &dq, &dk, &dv, &kept});
-  run.o = joined(o);
-  run.dq = joined(dq), run.dk = joined(dk), run.dv = joined(dv);
-  if (topk >= 0) run.kept = joined(kept);
+  // Outputs compare at the evaluated queries (an implementation may evaluate
+  // more); dq is 0 at the others for any implementation (their upstream is 0).
+  run.o = only_rows(joined(o), probe);
+  run.dq = only_rows(joined(dq), probe), run.dk = joined(dk), run.dv = joined(dv);
+  if (topk >= 0) run.kept = only_rows(joined(kept), probe, -1);
+  run.queries_evaluated = chosen.chosen, run.queries = chosen.real;
   o = dq = dk = dv = kept = {};
   // The reference after the ranks' run (their inputs are unchanged: run_reading
   // checked), so that its results are not held through the ranks' peak.
   run.ref = reference_attention(reference_rope(q, rows.positions), reference_rope(k, rows.positions), v, rows.doc_ids,
-                                rows.padding, up, scale, iq, ik, topk);
+                                rows.padding, up, scale, iq, ik, topk, probe);
   run.ref.dq = reference_rope_backward(run.ref.dq, rows.positions);
   run.ref.dk = reference_rope_backward(run.ref.dk, rows.positions);
   return run;
@@ -150,6 +260,13 @@ std::shared_ptr<const AttentionRun> attention_run(Prepared& s, const CheckOption
   return cached;
 }
 
+// A row's result, saying how many queries it evaluated.
+PropertyResult evaluated(PropertyResult r, const AttentionRun& run) {
+  r.queries_evaluated = run.queries_evaluated;
+  r.queries = run.queries;
+  return r;
+}
+
 }  // namespace
 
 PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn, const RopeFn& rope_fn,
@@ -158,10 +275,12 @@ PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const At
   const auto run = attention_run(s, o, fn, rope_fn, topk);
   if (topk >= 0) {
     const std::int64_t wrong = count_wrong(run->ref.kept, run->kept);
-    if (wrong) return failed("kept keys differ from the unsharded selection in " + std::to_string(wrong) + " places");
+    if (wrong)
+      return evaluated(failed("kept keys differ from the unsharded selection in " + std::to_string(wrong) + " places"),
+                       *run);
   }
   t.expect_close(run->ref.o, run->o, kAttentionTolerance, "o");
-  return t.result(kAttentionTolerance);
+  return evaluated(t.result(kAttentionTolerance), *run);
 }
 
 PropertyResult attention_backward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn,
@@ -172,7 +291,7 @@ PropertyResult attention_backward_of(Prepared& s, const CheckOptions& o, const A
   t.expect_close(run->ref.dq, run->dq, kAttentionTolerance, "dq");
   t.expect_close(run->ref.dk, run->dk, kAttentionTolerance, "dk");
   t.expect_close(run->ref.dv, run->dv, kAttentionTolerance, "dv");
-  return t.result(kAttentionTolerance);
+  return evaluated(t.result(kAttentionTolerance), *run);
 }
 
 // ---------------------------------------------------------------------------
