@@ -41,7 +41,27 @@ struct CheckOptions {
   // check_all measures each row's peak resident memory, resetting the process's
   // high-water mark before each row (the process's own peak is then lost).
   bool row_memory = false;
+  // The rows check_all runs, by name (empty: every row of the table).
+  std::vector<std::string> rows;
+  // Told before each row check_all runs (its name, how many rows of this case
+  // ran before it, how many it runs in all) and once after the last (name "").
+  std::function<void(const std::string& row, int done, int total)> on_row;
 };
+
+// The work of the attention rows on a layout (doc ids and padding [B, S] or
+// [B, P], the cuts of `g`, the case's seed): the (query, key) pairs they evaluate
+// and how many of the real queries, as the rows choose them.
+struct AttentionWork {
+  std::int64_t pairs = 0, queries_evaluated = 0, queries = 0;
+};
+AttentionWork attention_work(const Tensor& doc_ids, const Tensor& padding, const ReferenceGeometry& g,
+                             std::uint64_t seed);
+
+// The names of the table's rows, in its order.
+std::vector<std::string> property_row_names();
+// The rows named in `names` ("NAME,NAME"), or every row but them (skip); an
+// unknown name is InvalidInput listing the names.
+std::vector<std::string> choose_rows(const std::vector<std::string>& only, const std::vector<std::string>& skip);
 
 struct PropertyResult {
   std::string property;
@@ -49,9 +69,6 @@ struct PropertyResult {
   bool ok = false;
   double error = 0;    // wrong elements, or relative RMSE for floating-point results
   std::string detail;  // why it failed
-  // The attention rows on long documents evaluate a chosen set of queries:
-  // how many (-1: not such a row), of how many real ones.
-  std::int64_t queries_evaluated = -1, queries = 0;
   // The run could not complete (a rank timed out or died, memory ran out): no
   // verdict on the code under test, and not a failure of the property.
   bool aborted = false;
@@ -62,6 +79,10 @@ struct PropertyResult {
   // ran (Linux: its high-water mark, reset before the row); else, or where the
   // system cannot say, 0.
   std::int64_t peak_bytes = 0;
+  // The attention rows on long documents evaluate a chosen set of queries:
+  // how many (-1: not such a row), of how many real ones, and the (query, key)
+  // pairs evaluated. (Last: results are also made by position.)
+  std::int64_t queries_evaluated = -1, queries = 0, pairs = 0;
 };
 
 // One case prepared once: its reference layout and geometry (never from the code
