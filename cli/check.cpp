@@ -1,7 +1,11 @@
 // cpsim check: every property on batch files at each CP size.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
 #include <iomanip>
-#include <set>
 #include <iostream>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "cli/job.hpp"
@@ -18,6 +22,64 @@ using namespace cpsim::verify;
 namespace {
 
 std::string with_commas(std::int64_t n);
+
+// Progress on long work, on standard error: on a terminal one line rewritten in
+// place (the batch, the CP size, the row, rows done of all, elapsed and about how
+// long is left, from the time estimate scaled by how the run keeps to it); else
+// a plain line every 5 seconds. Nothing until a second has passed, so a short
+// check prints nothing.
+class CheckProgress {
+ public:
+  using Clock = std::chrono::steady_clock;
+  CheckProgress(bool on, double estimated_total) : on_(on), tty_(isatty(STDERR_FILENO) != 0), total_(estimated_total) {}
+  // Before `row` of `batch` at `cp`, whose estimated seconds are `row_estimate`.
+  void row(const std::string& batch, int cp, const std::string& row, int done, int total, double row_estimate) {
+    if (!row_done_.empty()) estimated_done_ += last_estimate_;
+    row_done_ = row;
+    last_estimate_ = row_estimate;
+    ++rows_started_;
+    if (!on_ || row.empty()) return;
+    const double elapsed = seconds(Clock::now() - start_);
+    if (elapsed < 1.0) return;
+    if (!tty_ && seconds(Clock::now() - last_) < 5.0) return;
+    last_ = Clock::now();
+    // What is left of the estimate, at the pace the run has kept so far.
+    const double pace = estimated_done_ > 0.5 ? elapsed / estimated_done_ : 1.0;
+    const double left = std::max(0.0, total_ - estimated_done_) * pace;
+    char line[512];
+    std::snprintf(line, sizeof line, "%s cp=%d: %s (row %d of %d), %.0f s elapsed, about %.0f s left", batch.c_str(),
+                  cp, row.c_str(), done + 1, total, elapsed, left);
+    if (tty_) {
+      std::fprintf(stderr, "\r\033[K%s", line);
+      shown_ = true;
+    } else {
+      std::fprintf(stderr, "cpsim check: %s\n", line);
+    }
+    std::fflush(stderr);
+  }
+  // The line ends before anything else is printed.
+  void finish() {
+    if (shown_) std::fprintf(stderr, "\r\033[K");
+    shown_ = false;
+  }
+
+ private:
+  static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+  bool on_, tty_, shown_ = false;
+  double total_, estimated_done_ = 0, last_estimate_ = 0;
+  int rows_started_ = 0;
+  std::string row_done_;
+  Clock::time_point start_ = Clock::now(), last_ = Clock::now();
+};
+
+// "31 s", "4 min", "2.5 h".
+std::string format_seconds(double s) {
+  char out[32];
+  if (s < 90) std::snprintf(out, sizeof out, "%.0f s", s);
+  else if (s < 5400) std::snprintf(out, sizeof out, "%.0f min", s / 60);
+  else std::snprintf(out, sizeof out, "%.1f h", s / 3600);
+  return out;
+}
 
 void print_table(const std::string& name, const std::vector<PropertyResult>& results, const std::vector<int>& cps) {
   std::cout << name << "\n";
@@ -122,12 +184,35 @@ int run_check(CheckArgs a) {
   // reported (one line naming the file) and the others still run; exit 2 overall.
   std::vector<BatchFile> files;
   std::vector<std::string> paths, invalid;
+  if (!a.rows.empty() || !a.skip.empty()) o.rows = choose_rows(a.rows, a.skip);
+  on_backend.rows = o.rows;
+  // CPU time, from the layout (the attention rows' work depends on the documents'
+  // lengths): each batch's estimate at every CP size, refused over --max-time.
+  std::vector<std::vector<TimeEstimate>> times;
   for (const auto& path : a.batches) {
     try {
       const MappedFile file(path);
       fingerprint_bytes(file.bytes());
       BatchFile f = parse_batch(file.bytes(), path, fits(path));
-      derive_layout(f.batch);
+      const Layout layout = derive_layout(f.batch);
+      std::vector<TimeEstimate> mine;
+      double total = 0;
+      for (int cp : a.cp_sizes) {
+        const ReferenceGeometry g = reference_geometry(layout.doc_ids.dim(1), cp);
+        const std::int64_t pairs = attention_work(layout.doc_ids, layout.padding, g, a.model.seed).pairs;
+        mine.push_back(estimate_check_time(layout.doc_ids.dim(0) * g.padded_len, pairs, cp, on_backend));
+        total += mine.back().seconds;
+      }
+      if (a.max_time > 0 && total > a.max_time)
+        throw InvalidInput(path + ": needs about " + format_seconds(total) + " of CPU at cp " +
+                           [&] {
+                             std::string cps;
+                             for (int cp : a.cp_sizes) cps += (cps.empty() ? "" : ",") + std::to_string(cp);
+                             return cps;
+                           }() +
+                           ", over --max-time " + format_seconds(a.max_time) +
+                           "; check fewer CP sizes or rows (--rows, --skip), or raise --max-time");
+      times.push_back(std::move(mine));
       files.push_back(std::move(f));
       paths.push_back(path);
     } catch (const InvalidInput& e) {
@@ -160,13 +245,38 @@ int run_check(CheckArgs a) {
     for (int cp : a.cp_sizes) expect_plan_fits(*plan, sequence_length(files[i].batch), cp, paths[i]);
   nlohmann::json out = {{"ok", true}, {"results", nlohmann::json::array()}}, notes = nlohmann::json::object();
   bool failed = false, aborted = false;
+  // The estimates, said before the run when it is long enough to matter.
+  double estimated = 0;
+  for (const auto& per_file : times)
+    for (const auto& e : per_file) estimated += e.seconds;
+  if (!a.quiet && estimated >= 1)
+    for (std::size_t i = 0; i < files.size(); ++i) {
+      std::string cps;
+      for (std::size_t k = 0; k < a.cp_sizes.size(); ++k)
+        cps += (k ? ", " : "") + ("cp " + std::to_string(a.cp_sizes[k]) + " " + format_seconds(times[i][k].seconds));
+      std::cerr << "cpsim check: " << paths[i] << ": about " << format_seconds([&] {
+        double t = 0;
+        for (const auto& e : times[i]) t += e.seconds;
+        return t;
+      }()) << " of CPU (" << cps << ")\n";
+    }
+  CheckProgress progress(!a.quiet && !a.job.multi, estimated);
   for (std::size_t i = 0; i < files.size(); ++i) {
     std::vector<PropertyResult> all;
-    for (int cp : a.cp_sizes) {
+    for (std::size_t k = 0; k < a.cp_sizes.size(); ++k) {
+      const int cp = a.cp_sizes[k];
       if (job_broken(a.job)) break;  // every later property would fail the same way
       LayoutCase c{files[i].batch, files[i].pad_token_id, cp, a.model.seed, std::nullopt, *plan};
-      for (auto& r : check_all(c, o)) all.push_back(r);
+      CheckOptions with_progress = o;
+      with_progress.on_row = [&, i, k, cp](const std::string& row, int done, int total) {
+        double row_estimate = 0;
+        for (const auto& [name, sec] : times[i][k].rows)
+          if (name == row) row_estimate = sec;
+        progress.row(paths[i], cp, row, done, total, row_estimate);
+      };
+      for (auto& r : check_all(c, with_progress)) all.push_back(r);
     }
+    progress.finish();
     for (const auto& r : all) {
       failed = failed || (!r.ok && !r.aborted);
       aborted = aborted || r.aborted;
@@ -175,7 +285,8 @@ int run_check(CheckArgs a) {
                           {"cpu_seconds", r.cpu_seconds}};
       if (a.row_memory) j["peak_bytes"] = r.peak_bytes;
       if (!r.ok) j["detail"] = r.detail;
-      if (r.queries_evaluated >= 0) j["queries_evaluated"] = r.queries_evaluated, j["queries"] = r.queries;
+      if (r.queries_evaluated >= 0)
+        j["queries_evaluated"] = r.queries_evaluated, j["queries"] = r.queries, j["attention_pairs"] = r.pairs;
       out["results"].push_back(j);
     }
     const std::vector<std::string> said = notes_of(files[i]);

@@ -100,6 +100,13 @@ Parsed parse_options(int argc, char** argv) {
   c->add_option("--max-memory", check.max_memory,
                 "refuse a batch whose estimated peak memory is larger: 512M, 8G, ... (default: 80% of this machine's "
                 "memory)");
+  c->add_option("--max-time", check.max_time,
+                "refuse a batch whose estimated CPU time (every CP size, every row) is longer, in seconds")
+      ->check(CLI::PositiveNumber);
+  c->add_option("--rows", check.rows, "only these property rows (names as in the table), comma-separated")
+      ->delimiter(',');
+  c->add_option("--skip", check.skip, "every property row but these, comma-separated")->delimiter(',');
+  c->add_flag("--quiet", check.quiet, "no progress lines on standard error");
   c->footer(
       "Example:\n  cpsim check examples/spec_example.json --cp 1,2,3,4,8\n"
       "  cpsim check batch.safetensors --backend gloo --json\n"

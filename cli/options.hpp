@@ -56,6 +56,9 @@ struct CheckArgs {
   bool json = false;
   bool row_memory = false;  // each row's peak resident bytes (resets the process's high-water mark)
   std::string max_memory;  // "8G"; empty: 80% of the machine's memory
+  double max_time = 0;     // seconds of CPU a batch may be estimated to take (0: no limit)
+  std::vector<std::string> rows, skip;  // the property rows to run, or to leave out
+  bool quiet = false;                   // no progress lines
 };
 
 struct FuzzArgs {

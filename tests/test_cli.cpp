@@ -296,6 +296,56 @@ TEST(Cli, MemoryIsEstimatedFirstAndRunningOutAborts) {
   std::filesystem::remove(path);
 }
 
+// A check of a few seconds says its time estimate first, then shows its progress:
+// on a terminal (a pseudo-terminal, through script(1)) one line rewritten in place
+// with the row, rows done, elapsed and about how long is left; not on a terminal,
+// the estimate; with --quiet, nothing. --rows and --skip choose rows; an unknown
+// name is exit 2 listing the names; --max-time refuses a batch over its estimate.
+TEST(Cli, ALongCheckShowsItsEstimateAndProgress) {
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-progress-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string batch = (dir / "long.json").string();
+  {
+    std::ofstream out(batch);
+    out << "{\"seq_len\": 100000, \"seq_lens\": [[";
+    for (int d = 0; d < 100; ++d) out << (d ? ", " : "") << 1000;
+    out << "]]}\n";
+  }
+  if (std::system("command -v script >/dev/null 2>&1") == 0) {
+    const auto tty = run_process({"/usr/bin/script", "-qfec", std::string(kCpsim) + " check " + batch + " --cp 2,8",
+                                  "/dev/null"},
+                                 300s);
+    EXPECT_EQ(tty.status, 0) << tty.out << tty.err;
+    EXPECT_THAT(tty.out, AllOf(HasSubstr("of CPU (cp 2 "), HasSubstr("\r\033[K"), HasSubstr(" cp=8: "),
+                               HasSubstr(" of 19), "), HasSubstr(" s elapsed, about "), HasSubstr(" s left")))
+        << tty.out;
+    EXPECT_THAT(tty.out, HasSubstr("all properties hold"));
+  }
+  const auto piped = run_process({kCpsim, "check", batch, "--cp", "2"}, 300s);
+  EXPECT_EQ(piped.status, 0) << piped.err;
+  EXPECT_THAT(piped.err, HasSubstr("cpsim check: " + batch + ": about "));
+  EXPECT_THAT(piped.err, Not(HasSubstr("\r")));
+  const auto quiet = run_process({kCpsim, "check", batch, "--cp", "2", "--quiet", "--rows", "layout,rope"}, 300s);
+  EXPECT_EQ(quiet.status, 0) << quiet.err;
+  EXPECT_EQ(quiet.err, "");
+  EXPECT_THAT(quiet.out, AllOf(HasSubstr("rope"), Not(HasSubstr("shard")), Not(HasSubstr("attention"))));
+  const auto skipped = run_process({kCpsim, "check", batch, "--cp", "2", "--quiet", "--skip",
+                                    "attention_forward,attention_backward,sparse_attention_forward,"
+                                    "sparse_attention_backward,recurrence_forward,recurrence_backward,two_steps"},
+                                   300s);
+  EXPECT_EQ(skipped.status, 0) << skipped.err;
+  EXPECT_THAT(skipped.out, AllOf(HasSubstr("loss_backward"), Not(HasSubstr("attention")), Not(HasSubstr("two_steps"))));
+  const auto unknown = run_process({kCpsim, "check", batch, "--rows", "layout,attenton_forward"}, 60s);
+  EXPECT_EQ(unknown.status, 2);
+  EXPECT_THAT(unknown.err, AllOf(HasSubstr("no property row named 'attenton_forward'"),
+                                 HasSubstr("the rows are layout, shard, gather_forward")));
+  const auto too_long = run_process({kCpsim, "check", batch, "--cp", "8", "--max-time", "0.5"}, 60s);
+  EXPECT_EQ(too_long.status, 2);
+  EXPECT_THAT(too_long.err, AllOf(HasSubstr("of CPU at cp 8, over --max-time"), HasSubstr("--rows, --skip")));
+  EXPECT_EQ(too_long.out, "");
+  std::filesystem::remove_all(dir);
+}
+
 // An in-process gloo group large enough to take seconds to connect says so first.
 TEST(Cli, ALargeInProcessGlooGroupSaysHowLongConnectingTakes) {
   const auto r = run_process({kCpsim, "check", (kExamples / "spec_example.json").string(), "--backend", "gloo", "--cp",

@@ -103,10 +103,71 @@ std::int64_t read_cgroup_limit() {
 
 }  // namespace
 
+namespace {
+
+// Microseconds of CPU per token of the padded batch (B x P): a + b x cp, and for
+// the rows that run an attention simulation, microseconds per (query, key) pair
+// evaluated. Rows that share another row's simulation cost only their
+// comparison. Measured on 2 cores (cpsim check --json, threads backend).
+struct RowTime {
+  double a, b, per_pair = 0;
+};
+const std::map<std::string, RowTime>& row_times() {
+  static const std::map<std::string, RowTime> times = {
+      {"layout", {0.12, 0}},
+      {"shard", {0.11, 0.07}},
+      {"gather_forward", {0.05, 0.05}},
+      {"gather_backward", {0.02, 0.17}},
+      {"anchor", {0.02, 0.12}},
+      {"halo_forward", {0.13, 0.015}},
+      {"halo_backward", {0.3, 0.02}},
+      {"conv_forward", {0.57, 0.03}},
+      {"conv_backward", {0.08, 0}},
+      {"recurrence_forward", {2.7, 0.15}},
+      {"recurrence_backward", {0.12, 0}},
+      {"rope", {0.44, 0.015}},
+      {"attention_forward", {1.5, 0.075, 0.2}},
+      {"attention_backward", {0.09, 0}},
+      {"sparse_attention_forward", {1.5, 0.075, 0.1}},
+      {"sparse_attention_backward", {0.09, 0}},
+      {"loss_forward", {0.85, 0.02}},
+      {"loss_backward", {0.06, 0}},
+      {"two_steps", {2.0, 0.1}},
+  };
+  return times;
+}
+
+Shapes shapes_of(int cp, const CheckOptions& o) {
+  return {static_cast<double>(cp),          static_cast<double>(o.channels), static_cast<double>(o.heads),
+          static_cast<double>(o.key_dim),   static_cast<double>(o.value_dim), static_cast<double>(o.vocab),
+          static_cast<double>(o.index_dim), static_cast<double>(o.topk)};
+}
+
+}  // namespace
+
 bool every_row_has_a_memory_model() {
   for (const PropertyRow& row : property_table())
-    if (!row_models().count(row.name)) return false;
+    if (!row_models().count(row.name) || !row_times().count(row.name)) return false;
   return true;
+}
+
+TimeEstimate estimate_check_time(std::int64_t tokens, std::int64_t attention_pairs, int cp, const CheckOptions& o) {
+  const Shapes at = shapes_of(cp, o), base = shapes_of(cp, CheckOptions{});
+  // A pair's work: every head's q.k (rotated dim) and its value row.
+  const double pair_scale = (o.heads * (2.0 * o.rope_dim() + o.value_dim)) / (2.0 * (2 * 4 + 4));
+  TimeEstimate e;
+  for (const PropertyRow& row : property_table()) {
+    if (!o.rows.empty() && std::find(o.rows.begin(), o.rows.end(), row.name) == o.rows.end()) continue;
+    const auto t = row_times().find(row.name);
+    const auto m = row_models().find(row.name);
+    if (t == row_times().end() || m == row_models().end()) continue;
+    const double shape_scale = m->second(at) / m->second(base);
+    const double us = static_cast<double>(tokens) * (t->second.a + t->second.b * cp) * shape_scale +
+                      static_cast<double>(attention_pairs) * t->second.per_pair * pair_scale;
+    e.rows.emplace_back(row.name, us * 1e-6);
+    e.seconds += us * 1e-6;
+  }
+  return e;
 }
 
 MemoryEstimate estimate_check_memory(std::int64_t rows, std::int64_t seq_len, int keys, int cp, const CheckOptions& o) {

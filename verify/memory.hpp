@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "verify/properties.hpp"
 
@@ -28,8 +30,22 @@ struct MemoryEstimate {
 // `keys` [B, S] keys at CP size `cp`, with the model shapes and backend of `o`.
 MemoryEstimate estimate_check_memory(std::int64_t rows, std::int64_t seq_len, int keys, int cp, const CheckOptions& o);
 
-// Whether every row of the property table has a memory model (a test keeps it so).
+// Whether every row of the property table has a memory model and a time model (a
+// test keeps it so).
 bool every_row_has_a_memory_model();
+
+// How much CPU time `cpsim check` takes on a batch at a CP size, estimated before
+// it runs, per row (those of o.rows, or every row): each row costs a per-token
+// time that grows with cp (fitted to `cpsim check --json`'s cpu_seconds on the
+// threads backend at the default model shapes: 128k and 256k tokens of short and
+// long documents at CP 1 and 8), scaled by its memory model's bytes at o's shapes
+// over those at the defaults; the attention rows add their (query, key) pairs
+// (attention_work). Within about a factor of 2 of what it measures.
+struct TimeEstimate {
+  double seconds = 0;
+  std::vector<std::pair<std::string, double>> rows;  // each row's, in the table's order
+};
+TimeEstimate estimate_check_time(std::int64_t tokens, std::int64_t attention_pairs, int cp, const CheckOptions& o);
 
 // The default limit: 80% of this machine's memory (the smaller of physical memory
 // and a cgroup's limit), or half the address-space limit (ulimit -v) when that is

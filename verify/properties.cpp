@@ -3,6 +3,8 @@
 // verify/rows/ (layout and shard, gather, halo and conv, recurrence).
 #include "verify/properties.hpp"
 
+#include <algorithm>
+
 #include <cstdio>
 
 #include <sys/resource.h>
@@ -160,7 +162,13 @@ std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o
     getrusage(RUSAGE_SELF, &u);
     return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
   };
-  for (const PropertyRow& row : property_table()) {
+  std::vector<const PropertyRow*> chosen;
+  for (const PropertyRow& row : property_table())
+    if (o.rows.empty() || std::find(o.rows.begin(), o.rows.end(), row.name) != o.rows.end()) chosen.push_back(&row);
+  const int total = static_cast<int>(chosen.size());
+  for (int i = 0; i < total; ++i) {
+    const PropertyRow& row = *chosen[i];
+    if (o.on_row) o.on_row(row.name, i, total);
     const double before = cpu_now();
     if (o.row_memory) reset_peak_resident();
     out.push_back(p ? run_row(row, *p, o) : threw(row.name, c.cp, "could not prepare the case: ", why));
@@ -170,6 +178,31 @@ std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o
     // row (other shapes): the peak stays that of the largest row.
     release_host_cache();
   }
+  if (o.on_row) o.on_row("", total, total);
+  return out;
+}
+
+std::vector<std::string> property_row_names() {
+  std::vector<std::string> names;
+  for (const PropertyRow& row : property_table()) names.push_back(row.name);
+  return names;
+}
+
+std::vector<std::string> choose_rows(const std::vector<std::string>& only, const std::vector<std::string>& skip) {
+  const std::vector<std::string> names = property_row_names();
+  std::string all;
+  for (const auto& n : names) all += (all.empty() ? "" : ", ") + n;
+  for (const auto* list : {&only, &skip})
+    for (const std::string& n : *list)
+      if (std::find(names.begin(), names.end(), n) == names.end())
+        CPSIM_INVALID(list == &only ? "--rows" : "--skip", ": no property row named '", n.substr(0, 64),
+                      "'; the rows are ", all);
+  std::vector<std::string> out;
+  for (const std::string& n : names)
+    if ((only.empty() || std::find(only.begin(), only.end(), n) != only.end()) &&
+        std::find(skip.begin(), skip.end(), n) == skip.end())
+      out.push_back(n);
+  if (out.empty()) CPSIM_INVALID("--rows and --skip leave no property row to run");
   return out;
 }
 

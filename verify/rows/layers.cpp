@@ -96,7 +96,7 @@ PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& f
 struct AttentionRun {
   AttentionReference ref;
   Tensor o, dq, dk, dv, kept;
-  std::int64_t queries_evaluated = 0, queries = 0;
+  std::int64_t queries_evaluated = 0, queries = 0, pairs = 0;
 };
 
 namespace {
@@ -120,9 +120,10 @@ struct QueryChoice {
   std::int64_t chosen = 0, real = 0;
 };
 
-QueryChoice choose_queries(const LayerRows& rows, const ReferenceGeometry& g, std::uint64_t seed) {
-  const std::int64_t B = rows.doc_ids.dim(0), P = rows.doc_ids.dim(1);
-  const Tensor ids = host_values(rows.doc_ids, DType::i64), pad = host_values(rows.padding, DType::i64);
+QueryChoice choose_queries(const Tensor& doc_ids, const Tensor& padding_in, const ReferenceGeometry& g,
+                           std::uint64_t seed, std::int64_t* pairs_out = nullptr) {
+  const std::int64_t B = doc_ids.dim(0), P = doc_ids.dim(1);
+  const Tensor ids = host_values(doc_ids, DType::i64), pad = host_values(padding_in, DType::i64);
   const std::int64_t *id = ids.data<std::int64_t>(), *padding = pad.data<std::int64_t>();
   // Each real query's visible keys: the real tokens of its document so far.
   std::vector<std::int64_t> visible(static_cast<std::size_t>(B * P), 0);
@@ -141,6 +142,7 @@ QueryChoice choose_queries(const LayerRows& rows, const ReferenceGeometry& g, st
   }
   if (total <= kAllQueriesPairs) {
     c.chosen = c.real;
+    if (pairs_out) *pairs_out = total;
     return c;
   }
   c.mask = Tensor::full({B, P}, DType::i64, 0.0);
@@ -187,6 +189,7 @@ QueryChoice choose_queries(const LayerRows& rows, const ReferenceGeometry& g, st
   const std::int64_t budget = pairs + kSampledPairs;
   for (std::int64_t tries = 0; pairs < budget && c.chosen < c.real && tries < 8 * B * P; ++tries)
     take(rng.below(B), rng.below(P));
+  if (pairs_out) *pairs_out = pairs;
   return c;
 }
 
@@ -210,7 +213,8 @@ AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const Att
   // One set of inputs for the dense and the sparse form (and `cpsim golden`).
   const AttentionInputs in = random_attention_inputs(B, P, H, D, Dv, opt.index_dim, mix_seed(c.seed, 70));
   // The loss is sum(o * up) over the evaluated queries: up is 0 at the others.
-  const QueryChoice chosen = choose_queries(rows, s.g, c.seed);
+  std::int64_t pairs = 0;
+  const QueryChoice chosen = choose_queries(rows.doc_ids, rows.padding, s.g, c.seed, &pairs);
   const Tensor up = only_rows(in.grad_o, chosen.mask);
   const Tensor &q = in.q, &k = in.k, &v = in.v, &probe = chosen.mask;
   const Tensor iq = topk >= 0 ? in.index_q : Tensor(), ik = topk >= 0 ? in.index_k : Tensor();
@@ -240,7 +244,7 @@ AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const Att
   run.o = only_rows(joined(o), probe);
   run.dq = only_rows(joined(dq), probe), run.dk = joined(dk), run.dv = joined(dv);
   if (topk >= 0) run.kept = only_rows(joined(kept), probe, -1);
-  run.queries_evaluated = chosen.chosen, run.queries = chosen.real;
+  run.queries_evaluated = chosen.chosen, run.queries = chosen.real, run.pairs = pairs;
   o = dq = dk = dv = kept = {};
   // The reference after the ranks' run (their inputs are unchanged: run_reading
   // checked), so that its results are not held through the ranks' peak.
@@ -264,10 +268,19 @@ std::shared_ptr<const AttentionRun> attention_run(Prepared& s, const CheckOption
 PropertyResult evaluated(PropertyResult r, const AttentionRun& run) {
   r.queries_evaluated = run.queries_evaluated;
   r.queries = run.queries;
+  r.pairs = run.pairs;
   return r;
 }
 
 }  // namespace
+
+AttentionWork attention_work(const Tensor& doc_ids, const Tensor& padding, const ReferenceGeometry& g,
+                             std::uint64_t seed) {
+  AttentionWork w;
+  const QueryChoice c = choose_queries(doc_ids, padding, g, seed, &w.pairs);
+  w.queries_evaluated = c.chosen, w.queries = c.real;
+  return w;
+}
 
 PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn, const RopeFn& rope_fn,
                                     std::int64_t topk) {
