@@ -44,6 +44,36 @@ Var rope(const Var& x, const Tensor& positions, double base) {
   });
 }
 
+namespace {
+// For each key position j of each row, where the run of its document starts: the
+// first position a query at j of j's document sees (first_key: back over its
+// document's ids and 0s, up to another document's id). On the host, [B, Lk].
+Tensor run_starts(const Tensor& k_ids) {
+  const Tensor ids = k_ids.is_cpu() ? k_ids : k_ids.to(Device::host());
+  const std::int64_t B = ids.dim(0), L = ids.dim(1);
+  Tensor first({B, L}, DType::i64);
+  const auto* id = ids.data<std::int64_t>();
+  auto* f = first.data<std::int64_t>();
+  for (std::int64_t b = 0; b < B; ++b) {
+    // The run holding position j: it starts after the last position before j
+    // whose id is another document's (not 0, not j's).
+    std::int64_t doc = 0, start = 0;
+    for (std::int64_t j = 0; j < L; ++j) {
+      const std::int64_t x = id[b * L + j];
+      if (x != 0 && x != doc) {
+        // A new document's first token: its run reaches back over the 0s before it.
+        std::int64_t s = j;
+        while (s > start && id[b * L + s - 1] == 0) --s;
+        start = s;
+        doc = x;
+      }
+      f[b * L + j] = start;
+    }
+  }
+  return first;
+}
+}  // namespace
+
 Var document_attention(const Var& q, const Var& k, const Var& v, const Tensor& q_ids, const Tensor& k_ids,
                        std::int64_t q_start, double scale, const Tensor& kept) {
   const Tensor &qv = q.value(), &kv = k.value(), &vv = v.value();
@@ -62,6 +92,7 @@ Var document_attention(const Var& q, const Var& k, const Var& v, const Tensor& q
   CPSIM_ENFORCE(kv.dtype() == qv.dtype() && vv.dtype() == qv.dtype(), "document_attention: q, k, v of one dtype");
   expect_float(qv, "document_attention");
   const Tensor qi = where(q_ids, qv), ki = where(k_ids, qv), kp = where(kept, qv);
+  const Tensor kf = where(run_starts(k_ids), qv);
   // For each query, the next one (itself included) with an id: the key gradient's skip list.
   const Tensor host_q_ids = q_ids.is_cpu() ? q_ids : q_ids.to(Device::host());
   Tensor next_host({qv.dim(0), qv.dim(1)}, DType::i64);
@@ -81,6 +112,7 @@ Var document_attention(const Var& q, const Var& k, const Var& v, const Tensor& q
   kernels::Attention a;
   a.q = qv.raw(), a.k = kv.raw(), a.v = vv.raw();
   a.next_query = static_cast<const std::int64_t*>(nq.raw());
+  a.k_first = static_cast<const std::int64_t*>(kf.raw());
   a.q_ids = static_cast<const std::int64_t*>(qi.raw());
   a.k_ids = static_cast<const std::int64_t*>(ki.raw());
   a.kept = kp.defined() ? static_cast<const std::int64_t*>(kp.raw()) : nullptr;
@@ -92,14 +124,16 @@ Var document_attention(const Var& q, const Var& k, const Var& v, const Tensor& q
   Tensor lse({a.rows, a.q_len, a.heads}, qv.dtype(), qv.device());
   a.o = o.raw(), a.lse = lse.raw();
   kernels::kernels_for(qv.device()).attention_forward(a, qv.dtype(), kernels::current_stream());
-  return record(o, "document_attention", {q, k, v}, [a, qv, kv, vv, qi, ki, kp, nq, o, lse](const Tensor& g) {
+  return record(o, "document_attention", {q, k, v}, [a, qv, kv, vv, qi, ki, kp, nq, kf, o, lse](const Tensor& g) {
     // dq is written in full; dk and dv only at the keys the local queries see
     // (zeros elsewhere: on the host, pages that are never touched).
     Tensor dq = Tensor::empty(qv.shape(), qv.dtype(), qv.device()), dk(kv.shape(), kv.dtype(), kv.device()),
            dv(vv.shape(), vv.dtype(), vv.device());
+    Tensor delta({a.rows, a.q_len, a.heads}, qv.dtype(), qv.device());
     kernels::Attention b = a;
     b.d_o = g.raw();
     b.dq = dq.raw(), b.dk = dk.raw(), b.dv = dv.raw();
+    b.delta = delta.raw();
     kernels::kernels_for(qv.device()).attention_backward(b, qv.dtype(), kernels::current_stream());
     return std::vector<Tensor>{dq, dk, dv};
   });
@@ -118,6 +152,8 @@ Tensor topk_keep(const Tensor& index_q, const Tensor& index_k, const Tensor& q_i
   a.q = index_q.raw(), a.k = kk.raw();
   a.q_ids = static_cast<const std::int64_t*>(qi.raw());
   a.k_ids = static_cast<const std::int64_t*>(ki.raw());
+  const Tensor kf = where(run_starts(k_ids), index_q);
+  a.k_first = static_cast<const std::int64_t*>(kf.raw());
   a.kept = static_cast<std::int64_t*>(kept.raw());
   a.rows = index_q.dim(0), a.q_len = index_q.dim(1), a.k_len = index_k.dim(1), a.dim = index_q.dim(2);
   a.q_start = q_start, a.topk = topk;

@@ -4,8 +4,12 @@
 // Written plainly first (one thread per output, loops in index order, so results
 // do not depend on the device's scheduling); speed comes later.
 //   rope            one thread per (b, t, h, pair)
-//   attention       forward: one thread per (b, t, h) query; backward: dq per
-//                   query, dk and dv per (b, j, h) key, summing over queries in order
+//   attention       forward: one thread per (b, t, h) query, one pass over its
+//                   keys (the online softmax); backward: dO.o once per query,
+//                   dq per query, dk and dv per (b, j, h) key, summing over the
+//                   queries that see anything (a skip list) in order. A query
+//                   finds its first key from the run starts of the key ids; the
+//                   sparse form visits only its kept keys
 //   top-k           one thread per query: a running list of its topk best keys
 //                   (higher score, or equal and earlier), then in position order
 // A query's keys are its document's run of positions up to it: work grows with
@@ -88,6 +92,14 @@ CPSIM_HD inline index_t first_key(const std::int64_t* ids, index_t at, std::int6
   return j;
 }
 
+// The first key a query at `at` of document `doc` sees: the run start precomputed
+// for the key at `at` when that key is of the query's document (`first`, may be
+// null), else by scanning back.
+CPSIM_HD inline index_t first_key_of(const std::int64_t* ids, const std::int64_t* first, index_t at,
+                                     std::int64_t doc) {
+  return first && at >= 0 && ids[at] == doc ? first[at] : first_key(ids, at, doc);
+}
+
 // Whether query t of row b sees key j (and, with a kept list, kept it).
 CPSIM_HD inline bool attention_sees(const Attention& a, index_t b, index_t t, index_t j) {
   const std::int64_t doc = a.q_ids[b * a.q_len + t];
@@ -104,11 +116,31 @@ CPSIM_HD inline index_t next_at(const std::int64_t* next, index_t q_len, index_t
   return t < q_len ? next[t] : q_len;
 }
 
-// The range of keys query t may see: [lo, hi] (empty when lo > hi).
-CPSIM_HD inline void attention_range(const Attention& a, index_t b, index_t t, index_t& lo, index_t& hi) {
-  const std::int64_t doc = a.q_ids[b * a.q_len + t];
-  hi = a.q_start + t < a.k_len ? a.q_start + t : a.k_len - 1;
-  lo = doc == 0 ? hi + 1 : first_key(a.k_ids + b * a.k_len, hi, doc);
+// The keys query t of row b may see, in ascending order: its document's run of
+// positions [lo, hi], or, with a kept list, the kept keys in that run. key(i) for
+// i < count is a candidate; sees(j) says whether it is one of the query's.
+struct QueryKeys {
+  const std::int64_t* ids = nullptr;   // the row's key ids
+  const std::int64_t* kept = nullptr;  // the query's kept list, or null
+  std::int64_t doc = 0;
+  index_t lo = 0, hi = -1, count = 0;
+  CPSIM_HD index_t key(index_t i) const { return kept ? kept[i] : lo + i; }
+  CPSIM_HD bool sees(index_t j) const { return j >= lo && j <= hi && ids[j] == doc; }
+};
+CPSIM_HD inline QueryKeys query_keys(const Attention& a, index_t b, index_t t) {
+  QueryKeys k;
+  k.doc = a.q_ids[b * a.q_len + t];
+  k.ids = a.k_ids + b * a.k_len;
+  if (k.doc == 0 || a.k_len == 0) return k;
+  k.hi = a.q_start + t < a.k_len ? a.q_start + t : a.k_len - 1;
+  k.lo = first_key_of(k.ids, a.k_first ? a.k_first + b * a.k_len : nullptr, k.hi, k.doc);
+  if (a.kept) {
+    k.kept = a.kept + (b * a.q_len + t) * a.topk;
+    while (k.count < a.topk && k.kept[k.count] >= 0) ++k.count;
+  } else {
+    k.count = k.hi - k.lo + 1;
+  }
+  return k;
 }
 
 template <class T>
@@ -121,52 +153,67 @@ struct AttentionForward {
     for (index_t d = 0; d < a.dim; ++d) acc += q[d] * k[d];
     return static_cast<T>(a.scale) * acc;
   }
+  // One pass over the keys with a running maximum (the online softmax): the
+  // output and the normaliser are rescaled when a larger score arrives.
   CPSIM_HD void operator()(index_t i) const {  // i over (b, t, h)
     const index_t h = i % a.heads, bt = i / a.heads, t = bt % a.q_len, b = bt / a.q_len;
     T* o = static_cast<T*>(a.o) + i * a.v_dim;
     for (index_t d = 0; d < a.v_dim; ++d) o[d] = T(0);
-    index_t lo, hi;
-    attention_range(a, b, t, lo, hi);
+    const QueryKeys keys = query_keys(a, b, t);
     T m = T(0), z = T(0);
     bool any = false;
-    for (index_t j = lo; j <= hi; ++j) {
-      if (!attention_sees(a, b, t, j)) continue;
+    for (index_t n = 0; n < keys.count; ++n) {
+      const index_t j = keys.key(n);
+      if (!keys.sees(j)) continue;
       const T s = score(b, t, h, j);
-      if (!any || s > m) m = s;
-      any = true;
+      const T* v = static_cast<const T*>(a.v) + ((b * a.k_len + j) * a.heads + h) * a.v_dim;
+      if (!any || s > m) {
+        const T c = any ? exp(m - s) : T(0);  // what the sums so far weigh at the new maximum
+        z = z * c + T(1);
+        for (index_t d = 0; d < a.v_dim; ++d) o[d] = o[d] * c + v[d];
+        m = s;
+        any = true;
+      } else {
+        const T p = exp(s - m);
+        z += p;
+        for (index_t d = 0; d < a.v_dim; ++d) o[d] += p * v[d];
+      }
     }
     if (!any) {
       static_cast<T*>(a.lse)[i] = T(0);
       return;
-    }
-    for (index_t j = lo; j <= hi; ++j) {
-      if (!attention_sees(a, b, t, j)) continue;
-      const T p = exp(score(b, t, h, j) - m);
-      z += p;
-      const T* v = static_cast<const T*>(a.v) + ((b * a.k_len + j) * a.heads + h) * a.v_dim;
-      for (index_t d = 0; d < a.v_dim; ++d) o[d] += p * v[d];
     }
     for (index_t d = 0; d < a.v_dim; ++d) o[d] /= z;
     static_cast<T*>(a.lse)[i] = m + log(z);
   }
 };
 
-// p_ij and ds_ij = p_ij (dO_i . v_j - dO_i . o_i) of one visible (query, key) pair.
+// p_ij and ds_ij = p_ij (dO_i . v_j - dO_i . o_i) of one visible (query, key)
+// pair (dO_i . o_i from the delta scratch).
 template <class T>
 CPSIM_HD inline void attention_pair(const Attention& a, index_t b, index_t t, index_t h, index_t j, T& p, T& ds) {
   const AttentionForward<T> f{a};
   const index_t qi = (b * a.q_len + t) * a.heads + h, kj = (b * a.k_len + j) * a.heads + h;
   p = exp(f.score(b, t, h, j) - static_cast<const T*>(a.lse)[qi]);
   const T* g = static_cast<const T*>(a.d_o) + qi * a.v_dim;
-  const T* o = static_cast<const T*>(a.o) + qi * a.v_dim;
   const T* v = static_cast<const T*>(a.v) + kj * a.v_dim;
-  T dp = T(0), delta = T(0);
-  for (index_t d = 0; d < a.v_dim; ++d) {
-    dp += g[d] * v[d];
-    delta += g[d] * o[d];
-  }
-  ds = p * (dp - delta);
+  T dp = T(0);
+  for (index_t d = 0; d < a.v_dim; ++d) dp += g[d] * v[d];
+  ds = p * (dp - static_cast<const T*>(a.delta)[qi]);
 }
+
+// dO_i . o_i of each query (b, t, h): the delta scratch.
+template <class T>
+struct AttentionDelta {
+  Attention a;
+  CPSIM_HD void operator()(index_t i) const {
+    const T* g = static_cast<const T*>(a.d_o) + i * a.v_dim;
+    const T* o = static_cast<const T*>(a.o) + i * a.v_dim;
+    T delta = T(0);
+    for (index_t d = 0; d < a.v_dim; ++d) delta += g[d] * o[d];
+    static_cast<T*>(a.delta)[i] = delta;
+  }
+};
 
 template <class T>
 struct AttentionQueryGrad {
@@ -175,10 +222,10 @@ struct AttentionQueryGrad {
     const index_t h = i % a.heads, bt = i / a.heads, t = bt % a.q_len, b = bt / a.q_len;
     T* dq = static_cast<T*>(a.dq) + i * a.dim;
     for (index_t d = 0; d < a.dim; ++d) dq[d] = T(0);
-    index_t lo, hi;
-    attention_range(a, b, t, lo, hi);
-    for (index_t j = lo; j <= hi; ++j) {
-      if (!attention_sees(a, b, t, j)) continue;
+    const QueryKeys keys = query_keys(a, b, t);
+    for (index_t n = 0; n < keys.count; ++n) {
+      const index_t j = keys.key(n);
+      if (!keys.sees(j)) continue;
       T p, ds;
       attention_pair<T>(a, b, t, h, j, p, ds);
       const T* k = static_cast<const T*>(a.k) + ((b * a.k_len + j) * a.heads + h) * a.dim;
@@ -231,6 +278,7 @@ template <class Policy>
 void attention_backward(Policy&& policy, const Attention& a, DType dtype) {
   with_float(dtype, [&](auto tag) {
     using T = decltype(tag);
+    for_each_index(policy, a.rows * a.q_len * a.heads, AttentionDelta<T>{a});
     for_each_index(policy, a.rows * a.q_len * a.heads, AttentionQueryGrad<T>{a});
     for_each_index(policy, a.rows * a.k_len * a.heads, AttentionKeyGrad<T>{a});
   });
@@ -253,7 +301,8 @@ struct TopKKeep {
     const std::int64_t doc = a.q_ids[i];
     if (doc == 0 || a.topk == 0) return;
     const std::int64_t* ids = a.k_ids + b * a.k_len;
-    const index_t hi = a.q_start + t < a.k_len ? a.q_start + t : a.k_len - 1, lo = first_key(ids, hi, doc);
+    const index_t hi = a.q_start + t < a.k_len ? a.q_start + t : a.k_len - 1,
+                  lo = first_key_of(ids, a.k_first ? a.k_first + b * a.k_len : nullptr, hi, doc);
     // kept[0, n) holds the best keys so far, best first (higher score; on equal
     // scores the earlier key, which came first). A key enters before the first
     // kept key it beats.

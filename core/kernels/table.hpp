@@ -137,6 +137,12 @@ struct Attention {
   // [B, Lq]: the first query t' >= t whose id is not 0 (q_len when none): the key
   // gradient visits only the queries that see anything.
   const std::int64_t* next_query = nullptr;
+  // [B, Lk]: where the run of key j's document starts (first_key at j for its own
+  // id), so that a query finds its first key at once instead of scanning back.
+  const std::int64_t* k_first = nullptr;
+  // Backward scratch [B, Lq, H]: dO_i . o_i of each query (the softmax gradient's
+  // shift), computed once per query instead of once per (query, key) pair.
+  void* delta = nullptr;
   std::int64_t topk = 0;
   void *o = nullptr, *lse = nullptr;
   const void* d_o = nullptr;
@@ -152,6 +158,7 @@ struct Attention {
 struct TopK {
   const void *q = nullptr, *k = nullptr;
   const std::int64_t *q_ids = nullptr, *k_ids = nullptr;
+  const std::int64_t* k_first = nullptr;  // as Attention::k_first
   std::int64_t* kept = nullptr;
   std::int64_t rows = 0, q_len = 0, k_len = 0, dim = 0, q_start = 0, topk = 0;
 };
