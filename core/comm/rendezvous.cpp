@@ -21,6 +21,11 @@ inline void relax() {
 }
 constexpr int kSpins = 20000;  // about 20-50 us of pause instructions
 constexpr int kYields = 64;
+// Spinning and yielding end after this long, whatever the count: on a machine
+// busy with other processes one yield can give the core away for a whole time
+// slice (milliseconds), and 64 of them made each collective wait ~100 ms; past it
+// the waiter sleeps on the futex, and the last arrival's wake ends the sleep.
+constexpr std::chrono::microseconds kBusyWait{50};
 
 // Sleeps while *word == expected, at most `limit` (a wake or a change ends it early).
 void futex_wait(std::atomic<std::uint32_t>& word, std::uint32_t expected, std::chrono::nanoseconds limit) {
@@ -92,11 +97,18 @@ bool Rendezvous::wait_for(const std::atomic<std::uint64_t>& reached, std::uint64
                           std::chrono::steady_clock::time_point deadline, Stop stop) {
   // A core for every rank: spin. Fewer cores: yield a few times, which lets the
   // ranks that have not arrived yet run, before sleeping.
-  if (spin_)
-    for (int i = 0; i < kSpins && reached.load(std::memory_order_acquire) < seq && !poisoned_.load(); ++i) relax();
-  else
-    for (int i = 0; i < kYields && reached.load(std::memory_order_acquire) < seq && !poisoned_.load(); ++i)
+  const auto busy_until = std::chrono::steady_clock::now() + kBusyWait;
+  if (spin_) {
+    for (int i = 0; i < kSpins && reached.load(std::memory_order_acquire) < seq && !poisoned_.load(); ++i) {
+      relax();
+      if (i % 256 == 255 && std::chrono::steady_clock::now() >= busy_until) break;
+    }
+  } else {
+    for (int i = 0; i < kYields && reached.load(std::memory_order_acquire) < seq && !poisoned_.load(); ++i) {
       std::this_thread::yield();
+      if (std::chrono::steady_clock::now() >= busy_until) break;
+    }
+  }
   for (;;) {
     const std::uint32_t event = event_.load(std::memory_order_acquire);
     if (reached.load(std::memory_order_acquire) >= seq) return true;
