@@ -212,6 +212,33 @@ TEST(LayerControls, EveryAttentionControlFailsOnALongDocumentBatch) {
   EXPECT_THAT(skipped.detail, HasSubstr("rank 3 returned without joining reduce_scatter")) << skipped.detail;
 }
 
+// Which queries the attention rows evaluate: every one while the pairs are few;
+// on long documents a set that is the same for a seed, differs with the seed,
+// and costs pairs linear in the tokens: at most six queries a rank (its first and
+// last positions, those around its cuts) and two a document (first and last),
+// each reading at most its document, plus the sample's budget and one last
+// query's keys.
+TEST(LayerControls, TheAttentionRowsChooseTheirQueriesByTheLayout) {
+  const auto work = [](const std::string& json, int cp, std::uint64_t seed) {
+    const Batch b = parse_batch(json, "case").batch;
+    const Layout l = derive_layout(b);
+    return attention_work(l.doc_ids, l.padding, reference_geometry(l.doc_ids.dim(1), cp), seed);
+  };
+  const AttentionWork small = work(R"({"seq_len": 4096, "seq_lens": [[1000, 2000, 1000]]})", 4, 1);
+  EXPECT_EQ(small.queries_evaluated, small.queries);
+  EXPECT_EQ(small.queries, 4000);
+  EXPECT_EQ(small.pairs, (1000 * 1001 / 2) * 2 + 2000 * 2001 / 2);
+  const std::string long_row = R"({"seq_len": 262144, "seq_lens": [[1, 100000, 150000, 1]]})";
+  const AttentionWork a = work(long_row, 8, 1), again = work(long_row, 8, 1), other = work(long_row, 8, 2);
+  EXPECT_LT(a.queries_evaluated, a.queries / 100);
+  EXPECT_EQ(a.queries, 250002);
+  EXPECT_EQ(a.queries_evaluated, again.queries_evaluated);
+  EXPECT_EQ(a.pairs, again.pairs);
+  EXPECT_NE(a.pairs, other.pairs);
+  EXPECT_LE(a.pairs, 6 * 8 * 150000 + 2 * 262144 + (std::int64_t{1} << 22) + 150000);
+  EXPECT_GE(a.pairs, std::int64_t{1} << 22);
+}
+
 TEST(LayerControls, LossCatchesTargetsAlignedAfterSharding) {
   expect_found(expect_counterexample("targets aligned after sharding", [](const LayoutCase& c) {
     RC_ASSERT(check_loss_forward(c, quick(), targets_after_sharding).ok);
