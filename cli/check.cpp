@@ -37,7 +37,6 @@ class CheckProgress {
     if (!row_done_.empty()) estimated_done_ += last_estimate_;
     row_done_ = row;
     last_estimate_ = row_estimate;
-    ++rows_started_;
     if (!on_ || row.empty()) return;
     const double elapsed = seconds(Clock::now() - start_);
     if (elapsed < 1.0) return;
@@ -67,8 +66,7 @@ class CheckProgress {
   static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
   bool on_, tty_, shown_ = false;
   double total_, estimated_done_ = 0, last_estimate_ = 0;
-  int rows_started_ = 0;
-  std::string row_done_;
+  std::string row_done_;  // the row running now ("" after a case's last)
   Clock::time_point start_ = Clock::now(), last_ = Clock::now();
 };
 
