@@ -159,6 +159,35 @@ TEST_P(BackendCalls, DifferentSizesOrDtypesAreReported) {
   }), AllOf(HasSubstr("different dtypes"), HasSubstr("float64"), HasSubstr("int64")));
 }
 
+// A caller's name for a call (CallOptions::label: the torch backend's all_reduce
+// carried by an all_gather) is compared and reported in place of the collective's:
+// the same collective under two names is a mismatch, and so are other arguments;
+// the call site is shown, never compared.
+TEST_P(BackendCalls, TheCallersNameAndArgumentsAreCheckedAndReported) {
+  auto labelled = [](const std::string& name, const std::string& args, const std::string& site) {
+    CallOptions o;
+    o.label = CallLabel::of(name, args, site);
+    return o;
+  };
+  EXPECT_THAT(collective_error(2, [&](Communicator& comm) {
+    double x = 1, y[2];
+    comm.all_gather(&x, y, 1, DType::f64,
+                    labelled(comm.rank() == 0 ? "all_reduce" : "all_gather", "float64 x 1", "step.py:" +
+                             std::to_string(7 + comm.rank())));
+  }), AllOf(HasSubstr("different collectives at #1"), HasSubstr("rank 0: in all_reduce #1 (float64 x 1) at step.py:7"),
+            HasSubstr("rank 1: in all_gather #1 (float64 x 1) at step.py:8")));
+  EXPECT_THAT(collective_error(2, [&](Communicator& comm) {
+    double x = 1, y[2];
+    comm.all_gather(&x, y, 1, DType::f64, labelled("all_reduce", comm.rank() == 0 ? "float64 x 1, MAX" : "float64 x 1, SUM", ""));
+  }), AllOf(HasSubstr("all_reduce #1 with different arguments"), HasSubstr("MAX"), HasSubstr("SUM")));
+  // The same name, arguments and sizes at other sites: one call, it runs.
+  run_ranks(2, [&](Communicator& comm) {
+    double x = comm.rank(), y[2] = {};
+    comm.all_gather(&x, y, 1, DType::f64, labelled("all_reduce", "float64 x 1, SUM", "site" + std::to_string(comm.rank())));
+    EXPECT_EQ(y[1], 1.0);
+  }, fast());
+}
+
 TEST_P(BackendCalls, MispairedSendRecvIsReported) {
   EXPECT_THAT(collective_error(3, [](Communicator& comm) {
     float out = 1, in = 0;
@@ -226,7 +255,9 @@ TEST_P(BackendCalls, PerCallTimeoutOverridesTheDefault) {
       return;
     }
     try {
-      comm.barrier(CallOptions{50ms});
+      CallOptions quick;
+      quick.timeout = 50ms;
+      comm.barrier(quick);
     } catch (...) {
       release = true;
       throw;

@@ -2,16 +2,26 @@
 
 #include "core/comm/forwarding.hpp"
 
+#include <cstring>
 #include <sstream>
 
 namespace cpsim {
 
-CallRecord call_record(CollectiveKind kind, std::size_t count, DType dtype) {
+CallRecord call_record(CollectiveKind kind, std::size_t count, DType dtype, const CallLabel& label) {
   CallRecord c;
   c.kind = kind;
   c.count = count;
   c.dtype = dtype;
+  c.label = label;
   return c;
+}
+
+CallLabel CallLabel::of(const std::string& name, const std::string& args, const std::string& site) {
+  CallLabel l;
+  std::strncpy(l.name, name.c_str(), sizeof(l.name) - 1);
+  std::strncpy(l.args, args.c_str(), sizeof(l.args) - 1);
+  std::strncpy(l.site, site.c_str(), sizeof(l.site) - 1);
+  return l;
 }
 
 CallRecord send_recv_record(const SendRecv& step, DType dtype) {
@@ -46,8 +56,16 @@ std::string describe_calls(const std::vector<CallRecord>& calls) {
   return describe_ranks(ranks);
 }
 
+std::string call_name(const CallRecord& c) { return c.label.empty() ? collective_name(c.kind) : c.label.name; }
+
 std::string describe_call(const CallRecord& c) {
   std::ostringstream os;
+  const std::string site = c.label.site[0] ? std::string(" at ") + c.label.site : "";
+  if (!c.label.empty()) {
+    os << c.label.name << " #" << c.seq;
+    if (c.label.args[0]) os << " (" << c.label.args << ")";
+    return os.str() + site;
+  }
   os << collective_name(c.kind) << " #" << c.seq << " (";
   switch (c.kind) {
     case CollectiveKind::send_recv:
@@ -62,7 +80,7 @@ std::string describe_call(const CallRecord& c) {
     default: os << "count " << c.count << ", " << dtype_name(c.dtype);
   }
   os << ")";
-  return os.str();
+  return os.str() + site;
 }
 
 std::string name_ranks(const std::vector<int>& ranks) {
@@ -90,11 +108,14 @@ std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls) {
   const std::string at = " #" + std::to_string(a.seq);
   for (int q = 1; q < n; ++q) {
     const CallRecord& b = calls[q];
-    if (b.kind != a.kind) return "ranks entered different collectives at" + at;
+    if (b.kind != a.kind || std::strcmp(b.label.name, a.label.name) != 0)
+      return "ranks entered different collectives at" + at;
+    if (std::strcmp(b.label.args, a.label.args) != 0)
+      return std::string(a.label.name) + at + " with different arguments";
     if (b.kind == CollectiveKind::barrier) continue;
-    if (b.dtype != a.dtype) return std::string(collective_name(a.kind)) + at + " with different dtypes";
+    if (b.dtype != a.dtype) return call_name(a) + at + " with different dtypes";
     if (b.kind != CollectiveKind::send_recv && b.count != a.count)
-      return std::string(collective_name(a.kind)) + at + " with different sizes";
+      return call_name(a) + at + " with different sizes";
     if (b.kind == CollectiveKind::broadcast && b.root != a.root) return "broadcast" + at + " with different roots";
   }
   if (a.kind == CollectiveKind::broadcast && (a.root < 0 || a.root >= n))
@@ -128,7 +149,9 @@ class CheckedCommunicator final : public ForwardingCommunicator {
   void barrier(CallOptions o) override { before(call_record(CollectiveKind::barrier), o); }
 
  private:
-  void before(const CallRecord& mine, CallOptions o) override {
+  void before(const CallRecord& call, CallOptions o) override {
+    CallRecord mine = call;
+    mine.label = o.label;
     const auto calls = channel_->exchange(mine, o.timeout_or(timeout()));
     if (channel_->checks()) return;
     if (auto why = find_mismatch(calls)) channel_->stop("collective mismatch: " + *why + describe_calls(calls));

@@ -45,11 +45,16 @@ struct CallRecord {
   // skips the wait for readers only when every rank's record is staged (a group
   // decision: one rank may stage a small send while it receives a large one).
   bool staged = false;
+  CallLabel label;  // the caller's name for the call (CallOptions::label), or empty
 };
 
 // The record of one call (seq left 0: the rendezvous numbers calls).
-CallRecord call_record(CollectiveKind kind, std::size_t count = 0, DType dtype = DType::f32);
+CallRecord call_record(CollectiveKind kind, std::size_t count = 0, DType dtype = DType::f32,
+                       const CallLabel& label = {});
 CallRecord send_recv_record(const SendRecv& step, DType dtype);
+
+// The call's name: the caller's (its label), else the collective's.
+std::string call_name(const CallRecord& call);
 
 // "all_gather #3 (count 8, float64)".
 std::string describe_call(const CallRecord& call);

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <string>
 
 #include "core/tensor.hpp"
@@ -16,9 +17,24 @@ namespace cpsim {
 enum class CollectiveKind { all_gather, reduce_scatter, all_reduce, send_recv, broadcast, barrier };
 const char* collective_name(CollectiveKind kind);
 
+// What a caller names a call that another collective carries (the torch
+// backend's all_reduce with MAX is an all_gather and a reduction): reports show
+// `name` and `args` in place of cpsim's collective and sizes, and the call check
+// compares them across ranks as it compares those. `site` says where the caller
+// made the call ("step.py:12"); it is shown, never compared. Fixed size, so a
+// record crosses processes as bytes; longer texts are cut.
+struct CallLabel {
+  char name[32] = {};
+  char args[96] = {};
+  char site[96] = {};
+  bool empty() const { return name[0] == 0; }
+  static CallLabel of(const std::string& name, const std::string& args, const std::string& site = "");
+};
+
 // Per-call options; a zero timeout means the communicator's default.
 struct CallOptions {
   std::chrono::milliseconds timeout{0};
+  CallLabel label;
   // This call's timeout, given the communicator's default: the one place the
   // zero-means-default rule lives.
   std::chrono::milliseconds timeout_or(std::chrono::milliseconds fallback) const {

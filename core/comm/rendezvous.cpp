@@ -165,7 +165,7 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
           const RankState& s = ranks_[q];
           if (s.posted < seq && (s.phase == Phase::exited || s.phase == Phase::failed))
             poison_locked("rank " + std::to_string(q) + (s.phase == Phase::exited ? " returned" : " threw") +
-                          " without joining " + collective_name(call.kind) + " #" + std::to_string(seq) +
+                          " without joining " + call_name(call) + " #" + std::to_string(seq) +
                           " that rank " + std::to_string(rank) + " waits in");
         }
         timeout_locked(rank, call, start, timeout, behind_locked(&RankState::posted, seq), ", which never arrived");

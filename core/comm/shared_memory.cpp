@@ -5,6 +5,7 @@ namespace cpsim {
 void SharedMemoryCommunicator::run(CallRecord c, std::size_t bytes, CallOptions o,
                                    const std::function<void(const std::vector<CallRecord>&)>& reads,
                                    const std::function<void()>& after) {
+  c.label = o.label;
   publish(c, bytes);
   rendezvous_->run(
       rank_, c, o.timeout_or(timeout()),

@@ -35,7 +35,7 @@ class GlooCommunicator final : public Communicator {
 
   void all_gather(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord c = g_->numbered(call_record(CollectiveKind::all_gather, count, dt));
+    const CallRecord c = g_->numbered(call_record(CollectiveKind::all_gather, count, dt, o.label));
     const std::size_t bytes = count * dtype_size(dt);
     if (without_peers(send, recv, bytes)) return;
     g_->transport(c, [&] { gather_bytes(send, recv, bytes, t); });
@@ -43,7 +43,7 @@ class GlooCommunicator final : public Communicator {
 
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord c = g_->numbered(call_record(CollectiveKind::reduce_scatter, count, dt));
+    const CallRecord c = g_->numbered(call_record(CollectiveKind::reduce_scatter, count, dt, o.label));
     const std::size_t bytes = count * dtype_size(dt);
     if (without_peers(send, recv, bytes)) return;
     // Every rank's slice for this rank arrives (alltoall), then adds up in rank order.
@@ -60,7 +60,7 @@ class GlooCommunicator final : public Communicator {
 
   void all_reduce(void* buf, std::size_t count, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord c = g_->numbered(call_record(CollectiveKind::all_reduce, count, dt));
+    const CallRecord c = g_->numbered(call_record(CollectiveKind::all_reduce, count, dt, o.label));
     const std::size_t bytes = count * dtype_size(dt);
     if (bytes == 0 || size() == 1) return;
     std::vector<std::uint8_t> parts(bytes * size());
@@ -70,7 +70,9 @@ class GlooCommunicator final : public Communicator {
 
   void send_recv(const SendRecv& step, DType dt, CallOptions o) override {
     const auto t = g_->pick(o);
-    const CallRecord c = g_->numbered(send_recv_record(step, dt));
+    CallRecord c = send_recv_record(step, dt);
+    c.label = o.label;
+    c = g_->numbered(c);
     const void* send = step.send;
     void* recv = step.recv;
     const int dst = step.dst, src = step.src;
@@ -98,7 +100,7 @@ class GlooCommunicator final : public Communicator {
 
   void broadcast(void* buf, std::size_t count, DType dt, int root, CallOptions o) override {
     const auto t = g_->pick(o);
-    CallRecord c = call_record(CollectiveKind::broadcast, count, dt);
+    CallRecord c = call_record(CollectiveKind::broadcast, count, dt, o.label);
     c.root = root;
     c = g_->numbered(c);
     const std::size_t bytes = count * dtype_size(dt);
@@ -114,7 +116,7 @@ class GlooCommunicator final : public Communicator {
 
   // The exchange is an all-to-all barrier (under the checked communicator, its
   // own exchange is, and this is not called).
-  void barrier(CallOptions o) override { g_->exchange(call_record(CollectiveKind::barrier), g_->pick(o)); }
+  void barrier(CallOptions o) override { g_->exchange(call_record(CollectiveKind::barrier, 0, DType::f32, o.label), g_->pick(o)); }
 
  private:
   // Nothing to move, or a group of one (where each rank's result is its own

@@ -30,6 +30,7 @@ struct Wire {
   std::int32_t root = -1, dst = -1, src = -1;
   std::uint64_t seq = 0, count = 0, recv_count = 0;
   char text[200] = {};
+  CallLabel label;
 };
 static_assert(std::is_trivially_copyable_v<Wire>);
 
@@ -41,6 +42,7 @@ Wire to_wire(const CallRecord& c, GlooRank::Status status, const std::string& te
   w.root = c.root, w.dst = c.dst, w.src = c.src;
   w.seq = c.seq, w.count = c.count, w.recv_count = c.recv_count;
   std::strncpy(w.text, text.c_str(), sizeof(w.text) - 1);
+  w.label = c.label;
   return w;
 }
 
@@ -50,6 +52,7 @@ CallRecord from_wire(const Wire& w) {
   c.dtype = static_cast<DType>(w.dtype);
   c.root = w.root, c.dst = w.dst, c.src = w.src;
   c.seq = w.seq, c.count = w.count, c.recv_count = w.recv_count;
+  c.label = w.label;
   return c;
 }
 
@@ -296,7 +299,7 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
   if (threw >= 0 || returned >= 0) {
     if (waiting < 0) return calls;  // every rank has stopped: nobody waits
     const CallRecord& w = calls[waiting];
-    const std::string joining = std::string(collective_name(w.kind)) + " #" + std::to_string(w.seq) +
+    const std::string joining = call_name(w) + " #" + std::to_string(w.seq) +
                                 " that rank " + std::to_string(waiting) + " waits in";
     // The first line as every backend words it (core/comm/rendezvous.cpp); which
     // call each rank is in follows in the states.

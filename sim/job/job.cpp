@@ -178,7 +178,9 @@ void ProcessJob::run(int n, const RankFn& fn, std::chrono::milliseconds timeout,
     all_->begin(timeout);
     auto comm = all_->communicator();
     if (config_.rank >= n) all_->patience(n, timeout);  // once the group is done, the others get the timeout
-    comm->barrier(CallOptions{config_.rank < n ? timeout : std::max<std::chrono::milliseconds>(timeout, 600s)});
+    CallOptions wait;
+    wait.timeout = config_.rank < n ? timeout : std::max<std::chrono::milliseconds>(timeout, 600s);
+    comm->barrier(wait);
     const std::int64_t length = static_cast<std::int64_t>(payload.size());
     all_->all_gather_bytes(&length, lengths.data(), sizeof length);
     for (auto l : lengths) longest = std::max(longest, l);
