@@ -8,12 +8,15 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps configure build test test-asan test-tsan fuzz run bench bench-quick bench-compare gpu-bundle gpu-check clean
+.PHONY: all deps python-env configure build test test-asan test-tsan fuzz run bench bench-quick bench-compare gpu-bundle gpu-check clean
 
 all: build
 
 deps:
 	@bash scripts/install-deps.sh
+
+python-env:
+	@bash scripts/python-env.sh
 
 $(BUILD)/Makefile: | deps
 	cmake -S . -B $(BUILD) $(CMAKE_FLAGS)
@@ -23,12 +26,18 @@ configure: $(BUILD)/Makefile
 build: deps configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: build
+# The Python suites need the project's environment (.venv: torch 2.x from PyPI,
+# pinned in python/requirements.txt); make test makes it and builds the torch
+# backend against it.
+test: deps
+	bash scripts/python-env.sh >/dev/null
+	cmake -S . -B $(BUILD) $(CMAKE_FLAGS) -DCPSIM_PYTHON=$(abspath .venv/bin/python)
+	cmake --build $(BUILD) -j $(JOBS)
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 SANITIZER_CASES ?= max_success=30
 # Sanitizer and fuzz builds: light optimisation and line tables, to build fast.
-CHECK_FLAGS = -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" -DCPSIM_GPU=OFF -DCPSIM_TORCH=OFF
+CHECK_FLAGS = -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" -DCPSIM_GPU=OFF
 # The suites that run ranks as threads (every backend), and the multi-process jobs.
 TSAN_TESTS ?= threads|gloo|delayed|BackendCalls|Collectives|CheckedCommunicator|PropertyTable|Launch
 
@@ -74,11 +83,11 @@ bench: build
 bench-quick: build
 	$(BUILD)/cpsim bench --quick --svg $(BUILD)/bench.svg
 
-# The same sizes through torch.distributed's Gloo, side by side. Installs nothing:
-# it needs Debian's python3-torch (apt-get install python3-torch).
+# The same sizes through torch.distributed's Gloo, side by side, with the
+# project's torch (.venv, made here when missing).
 bench-compare: build
-	@/usr/bin/python3 -c "import torch" 2>/dev/null || { echo "bench-compare needs PyTorch: apt-get install python3-torch"; exit 2; }
-	/usr/bin/python3 bench/compare_torch.py $(BUILD)/cpsim
+	bash scripts/python-env.sh >/dev/null
+	.venv/bin/python bench/compare_torch.py $(BUILD)/cpsim
 
 # The GPU bundle (binaries + the libraries they need, examples, gpu-check) for a
 # GPU machine without dev packages or a network; gpu-check runs every GPU check

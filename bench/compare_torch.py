@@ -2,9 +2,9 @@
 """What users run today, side by side with cpsim: torch.distributed's Gloo backend
 (one process per rank, loopback) against cpsim's backends on the same all_gather
 sizes, and a plain torch loop doing the gather + halo property work against cpsim's
-property throughput. Needs python3-torch (Debian) and a built cpsim:
+property throughput. Needs torch (the project's .venv: make bench-compare) and a built cpsim:
 
-    python3 bench/compare_torch.py build/cpsim [--ranks 2,4,8] [--sizes 64K,1M,16M] [--seconds 5]
+    .venv/bin/python bench/compare_torch.py build/cpsim [--ranks 2,4,8] [--sizes 64K,1M,16M] [--seconds 5]
 
 Every figure is measured in this run; ratios are cpsim time / torch time (below 1:
 cpsim is faster) and cpsim cases/s / torch cases/s.
@@ -22,7 +22,7 @@ try:
     import torch.distributed.nn.functional as dnn
     import torch.multiprocessing as mp
 except ImportError:
-    sys.exit("compare_torch.py needs PyTorch: apt-get install python3-torch (Debian), then run it again")
+    sys.exit("compare_torch.py needs PyTorch: make bench-compare (it makes the project's .venv), or run it with .venv/bin/python")
 
 
 def parse_size(text):

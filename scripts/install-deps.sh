@@ -4,7 +4,7 @@
 set -euo pipefail
 packages=(cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
           libgloo-dev libhiredis-dev nlohmann-json3-dev libcli11-dev libfmt-dev redis-server
-          python3-numpy python3-torch libtorch-dev pybind11-dev python3-pytest clang libclang-rt-14-dev)
+          python3-numpy python3-venv python3-dev clang libclang-rt-14-dev)
 # Thrust/CUB (the one kernel source): the CUDA toolkit's CCCL, else Debian's.
 [ -e /usr/local/cuda/include/cccl/thrust/version.h ] || packages+=(libthrust-dev)
 missing=()

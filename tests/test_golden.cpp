@@ -295,8 +295,10 @@ TEST(Golden, InputsAreStoredAsGivenAndEveryTensorLoadsInPlace) {
   EXPECT_EQ(m["conventions"]["q_scale"], 1.0);
   EXPECT_TRUE(m["files"]["rank_0.safetensors"]["conv_dw_partial"].contains("tolerance"));
 
-  if (std::system("/usr/bin/python3 -c 'import torch, numpy' >/dev/null 2>&1") == 0) {
-    const auto r = cpsim::testing::run_process({"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) +
+  // With torch: the project's environment (make test sets CPSIM_PYTHON), else the system's.
+  const std::string python = std::string(CPSIM_PYTHON).empty() ? "/usr/bin/python3" : CPSIM_PYTHON;
+  if (std::system((python + " -c 'import torch, numpy' >/dev/null 2>&1").c_str()) == 0) {
+    const auto r = cpsim::testing::run_process({python, std::string(CPSIM_SOURCE_DIR) +
                                                 "/tests/golden_frombuffer.py", out.string(), lengths.string()}, 120s);
     EXPECT_EQ(r.status, 0) << r.out << r.err;
     EXPECT_THAT(r.out, HasSubstr("load in place"));

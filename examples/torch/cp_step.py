@@ -21,8 +21,8 @@ import torch.distributed as dist
 PAD_DOC_ID = 0
 _LENGTH_KEYS = ("seq_lens", "seq_lens_padded", "cu_seqlens", "cu_seqlens_padded")
 # The fill of each key beyond the sequence when it is padded to the CP multiple.
-# The collectives torch's own gloo backend has (1.13 lacks the tensor forms of
-# all_gather and any reduce_scatter): list all_gather, and all_reduce in backward.
+# The collectives every torch gloo backend has (older ones lack the tensor forms
+# of all_gather and any reduce_scatter): list all_gather, and all_reduce in backward.
 PORTABLE = False
 _FILL = {"labels": -100, "padding_mask": True, "loss_mask": 0, "attention_mask": 0}
 

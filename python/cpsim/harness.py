@@ -294,19 +294,27 @@ def _exchange(text, group):
 
 def _job_verdict(folder, step, case_number):
     """One case in a job: this process runs its rank of the step on a fresh group
-    of every process; the verdicts of all processes are agreed over the job's
-    own group, so every process's generator takes the same branch."""
+    of every process (the default group of a torch world of the case's own); the
+    verdicts of all processes are agreed over the job's own group, so every
+    process's generator takes the same branch."""
+    import torch.distributed as dist
     from cpsim import torch as ct
-    job, main = ct._job, ct._session.process_group()
+    job, main = ct._job, dist.group.WORLD
     rank = job.rank()
     golden = _Golden(folder)
     session = job.session("case%d" % case_number)
-    pg = session.process_group()
-    ct._local.pg = pg
-    ct.c10d._pg_group_ranks[pg] = {r: r for r in range(golden.cp)}
+    saved = (getattr(ct._local, "world", None), getattr(ct._local, "source", None))
+    ct._install()
+    # The case's groups are named after the case (the program's own, on this
+    # thread too, keep their names).
+    world = ct._RankWorld()
+    world.group_count = 1000 * (case_number + 1)
+    ct._local.world, ct._local.source = world, ct._job_source([session])
     own, why = False, ""
     try:
+        dist.init_process_group("cpsim", store=dist.HashStore(), rank=rank, world_size=job.size())
         why = _run_rank(golden, step, rank)
+        ct._unwaited(job.ledger(), rank)
         session.finish()  # a peer still in a call learns that this rank returned
     except BaseException as e:  # noqa: B902 - every failure is this case's verdict
         if session.collective_failed() or isinstance(e, ct.CollectiveError):
@@ -315,8 +323,8 @@ def _job_verdict(folder, step, case_number):
             own, why = True, "rank %d raised %s: %s" % (rank, type(e).__name__, e)
             session.fail("%s: %s" % (type(e).__name__, e))
     finally:
-        ct._local.pg = None
-        ct.c10d._pg_group_ranks.pop(pg, None)
+        ct._local.world, ct._local.source = saved
+        ct._uninstall()
     verdicts = _exchange(("1" if own else "0") + why, main)
     del session
     # A rank's own exception first (its peers' reports are its consequence).
@@ -366,7 +374,7 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
         # each process its rank; every process draws the same cases (one seed).
         import torch.distributed as dist
         chosen = torch.tensor([int.from_bytes(os.urandom(6), "little") if seed is None else int(seed)])
-        dist.broadcast(chosen, src=0, group=ct._session.process_group())
+        dist.broadcast(chosen, src=0, group=dist.group.WORLD)
         seed, max_cp = int(chosen), ct._job.size()
         ct._install()  # each case's group is this thread's default group while it runs
     workdir = tempfile.mkdtemp(prefix="cpsim-check-")

@@ -1,4 +1,4 @@
-"""Run PyTorch CP code on cpsim's ranks.
+"""Run PyTorch CP code on cpsim's ranks (torch 2.x).
 
     import cpsim.torch
     def step(rank, world_size):
@@ -8,54 +8,101 @@
     cpsim.torch.spawn(step, world_size=4)
 
 spawn() runs fn(rank, world_size) on `world_size` threads of this process. Each
-thread sees its own default process group (backend "cpsim"), so torch.distributed
-calls without a group go to that rank. Every call passes cpsim's call check first:
-a rank that skips a collective its peers enter, a different collective, size or
-dtype, a rank that raises, or one that never arrives ends every rank within the
-timeout with cpsim's one-line error naming each rank's call. send and recv are
-paired: a recv whose sender stopped or never sends, a size or dtype that
-differs, or a send no recv takes is a named error too.
+thread is a rank with a torch.distributed world of its own: its default group
+(backend "cpsim"), and every group it makes (dist.new_group, DeviceMesh), so
+torch.distributed code runs unchanged. Every call passes cpsim's call check first:
+a rank that skips a collective its peers enter, a different collective, size,
+dtype, reduction or root, a rank that raises, or one that never arrives ends
+every rank within the timeout with cpsim's report naming each rank's call and
+where the program made it. Sends and receives match in any order (a ring that
+posts its irecv first is fine, as on NCCL and Gloo); a receive nothing comes for,
+a size or dtype that differs, a send nobody receives, a request never waited on,
+and an output used before its request was waited on are named errors.
 """
 import atexit
+import os
 import sys
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from cpsim import _C
 
-CollectiveError = _C.CollectiveError
+# Modules whose functions take `group=group.WORLD` as a default argument read the
+# default group when they are imported: imported here, on no rank's thread, so
+# that no rank's group becomes every later program's default.
+import torch.distributed.nn.functional  # noqa: E402,F401
+import torch.distributed.device_mesh  # noqa: E402,F401
 
-_local = threading.local()
+# A call's site is the innermost frame outside these (torch's and cpsim's own files).
+_C.set_internal_paths([os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep])
+
+CollectiveError = _C.CollectiveError
+Unsupported = _C.Unsupported
+
+_local = threading.local()  # this thread's rank: .world (its torch world), .source (its Backends)
 _patch_lock = threading.Lock()
 _patched = 0
 _saved = {}
 
 
-def _default_group():
-    pg = getattr(_local, "pg", None)
-    if pg is not None:
-        return pg
-    return _saved["_get_default_group"]()
+class _RankWorld(c10d._World):
+    """One rank's torch.distributed state (torch keeps it in module globals: one
+    per process). Everything _World holds, held here."""
+
+    def __init__(self):
+        super().__init__()
+        self._maps = {name: {} for name in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config",
+                                            "tags_to_pg", "pg_to_tag")}
+        self._count = 0
+
+    pg_map = property(lambda self: self._maps["pg_map"])
+    pg_names = property(lambda self: self._maps["pg_names"])
+    pg_group_ranks = property(lambda self: self._maps["pg_group_ranks"])
+    pg_backend_config = property(lambda self: self._maps["pg_backend_config"])
+    tags_to_pg = property(lambda self: self._maps["tags_to_pg"])
+    pg_to_tag = property(lambda self: self._maps["pg_to_tag"])
+
+    @property
+    def group_count(self):
+        return self._count
+
+    @group_count.setter
+    def group_count(self, value):
+        self._count = value
 
 
-def _is_initialized():
-    return getattr(_local, "pg", None) is not None or _saved["is_initialized"]()
+class _Worlds:
+    """torch.distributed's world while cpsim ranks run: the calling thread's own
+    (a rank's), or the process's (any other thread)."""
+
+    def __init__(self, shared):
+        object.__setattr__(self, "_shared", shared)
+
+    def _current(self):
+        world = getattr(_local, "world", None)
+        return world if world is not None else object.__getattribute__(self, "_shared")
+
+    def __getattr__(self, name):
+        return getattr(self._current(), name)
+
+    def __setattr__(self, name, value):
+        setattr(self._current(), name, value)
 
 
 def _install():
-    """Per-thread default groups: torch.distributed's default-group lookups read
-    this thread's cpsim rank while a spawn runs (and the real ones otherwise)."""
+    """Per-thread worlds (and per-thread group registries in torch's C++ side)."""
     global _patched
     with _patch_lock:
         if _patched == 0:
-            _saved["_get_default_group"] = c10d._get_default_group
-            _saved["is_initialized"] = c10d.is_initialized
-            c10d._get_default_group = _default_group
-            c10d.is_initialized = _is_initialized
-            dist.is_initialized = _is_initialized
+            _saved["world"] = c10d._world
+            c10d._world = _Worlds(c10d._world)
+            torch._C._distributed_c10d._set_thread_isolation_mode(True)
         _patched += 1
 
 
@@ -64,9 +111,73 @@ def _uninstall():
     with _patch_lock:
         _patched -= 1
         if _patched == 0:
-            c10d._get_default_group = _saved["_get_default_group"]
-            c10d.is_initialized = _saved["is_initialized"]
-            dist.is_initialized = _saved["is_initialized"]
+            c10d._world = _saved.pop("world")
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+
+
+def _create(opts, backend_options=None):
+    """torch's call for each group made with backend "cpsim": this thread's rank
+    makes its Backend."""
+    source = getattr(_local, "source", None)
+    if source is None:
+        raise RuntimeError("backend 'cpsim' runs inside cpsim.torch.spawn() or after cpsim.torch.init_process_group()")
+    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    return source(str(opts.group_id), ranks)
+
+
+dist.Backend.register_backend("cpsim", _create, extended_api=True, devices=["cpu"])
+# cpsim records every call itself (the call check); torch's flight recorder is one
+# per process and would take thread ranks for one rank changing its number.
+if isinstance(getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None), set):
+    c10d._FR_SELF_RECORDING_BACKENDS.add("cpsim")
+
+
+class UsedBeforeWait(RuntimeError):
+    """A rank used the output of a request before waiting on it."""
+
+
+# What reads nothing of a tensor's values: its shape, type and place.
+_METADATA = frozenset((
+    "size", "dim", "numel", "nelement", "shape", "dtype", "device", "ndim", "is_contiguous", "stride",
+    "storage_offset", "data_ptr", "untyped_storage", "element_size", "requires_grad", "is_floating_point",
+    "layout", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "grad_fn", "_version", "__len__",
+    "names", "is_leaf", "output_nr", "_base", "itemsize", "nbytes", "wait_tensor", "__repr__", "__format__"))
+
+
+def _op_name(func):
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: its own name
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class _UseBeforeWait(TorchFunctionMode):
+    """Inside a rank: any torch operation on a tensor that an open request (one
+    not waited on) will write is the race real code has (on NCCL it reads what
+    is there before the data comes): a named error."""
+
+    def __init__(self, ledger, rank):
+        super().__init__()
+        self.ledger, self.rank = ledger, rank
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.ledger.size() and _op_name(func) not in _METADATA:
+            self._check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _check(self, func, args, kwargs):
+        pending = [(out.untyped_storage().data_ptr(), what) for out, what in self.ledger.outstanding()
+                   if out.numel() > 0]
+        if not pending:
+            return
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor) and a.numel() > 0:
+                where = a.untyped_storage().data_ptr()
+                for ptr, what in pending:
+                    if ptr == where:
+                        raise UsedBeforeWait("rank %d used the output of its %s (in %s) before wait() on its request"
+                                             % (self.rank, what, _op_name(func) or func))
 
 
 class RankFailed(RuntimeError):
@@ -77,6 +188,12 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
+def _unwaited(ledger, rank):
+    text = ledger.unwaited(rank)
+    if text:
+        raise CollectiveError("a request never waited on:\n  " + text)
+
+
 def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
     """Runs fn(rank, world_size, *args) on world_size ranks of a cpsim group of
     `backend` (threads or gloo), as threads of this process; returns every rank's
@@ -84,23 +201,33 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
     every rank has stopped: a rank's own exception (its peers' CollectiveErrors
     are its consequence), or a CollectiveError naming every rank's call."""
     group = _C.SpawnedGroup(backend, world_size, float(timeout))
-    results, errors, groups = [None] * world_size, [None] * world_size, [None] * world_size
+    store = dist.HashStore()
+    results, errors, backends = [None] * world_size, [None] * world_size, [[] for _ in range(world_size)]
 
     def run(rank):
+        ledger = group.ledger(rank)
+
+        def source(name, ranks):
+            b = group.backend(name, ranks, rank)
+            backends[rank].append(b)
+            return b
+
+        _local.world, _local.source = _RankWorld(), source
         try:
-            _local.pg = groups[rank] = group.process_group(rank)
-            # Group ranks are global ranks (irecv and friends translate through this map).
-            c10d._pg_group_ranks[_local.pg] = {r: r for r in range(world_size)}
-            results[rank] = fn(rank, world_size, *args)
+            dist.init_process_group("cpsim", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout))
+            with _UseBeforeWait(ledger, rank):
+                results[rank] = fn(rank, world_size, *args)
+            _unwaited(ledger, rank)
             group.finish(rank)
         except BaseException as e:  # noqa: B902 - every failure ends the rank and tells its peers
             errors[rank] = e
             group.fail(rank, "%s: %s" % (type(e).__name__, e))
         finally:
-            c10d._pg_group_ranks.pop(groups[rank], None)
-            _local.pg = None
+            _local.world = _local.source = None
 
     _install()
+    hook = sys.excepthook  # each rank's init_process_group wraps it (a "[rank N]:" prefix)
     try:
         threads = [threading.Thread(target=run, args=(r,), name="cpsim rank %d" % r) for r in range(world_size)]
         for t in threads:
@@ -109,14 +236,15 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
             t.join()
         group.done()
     finally:
+        sys.excepthook = hook
         _uninstall()
     # The root cause first: an exception of the rank's own, then cpsim's report.
     # A rank whose own call ended in cpsim's report raised the report (it crosses
     # torch's bindings as a RuntimeError with cpsim's text); any other exception
     # is the rank's own.
     def reported_by_cpsim(rank, error):
-        return isinstance(error, CollectiveError) or (
-            isinstance(error, RuntimeError) and groups[rank] is not None and groups[rank].collective_failed())
+        return isinstance(error, (CollectiveError, _C.Aborted)) or (
+            isinstance(error, RuntimeError) and any(b.collective_failed() for b in backends[rank]))
 
     own = [(r, e) for r, e in enumerate(errors) if e is not None and not reported_by_cpsim(r, e)]
     reported = [(r, e) for r, e in enumerate(errors) if e is not None]
@@ -136,6 +264,29 @@ _job = None      # this process's rank of its job (init_process_group)
 _session = None  # the program's session of it: the default group
 
 
+def _job_source(default_session):
+    """The Backends of a process of a job: the default group on `default_session`,
+    a group of every process on a fresh session of its own."""
+
+    def source(name, ranks):
+        if default_session[0] is not None:
+            session, default_session[0] = default_session[0], None
+            return session.backend()
+        if ranks != list(range(_job.size())):
+            raise Unsupported("cpsim does not support groups of some of the processes of a job yet (new_group(%s) "
+                              "of %d processes); ranks as threads of one process have them: cpsim.torch.spawn"
+                              % (ranks, _job.size()))
+        session = _job.session("group-%d-%s" % (len(_job_sessions), name))
+        _job_sessions.append(session)
+        return session.backend()
+
+    return source
+
+
+_job_sessions = []
+_program_mode = []
+
+
 def init_process_group(timeout=20.0):
     """Makes this process one rank of the job `cpsim launch -n N -- python3 SCRIPT`
     started (or torchrun, Slurm, Open MPI, with CPSIM_STORE naming the store) and
@@ -143,27 +294,20 @@ def init_process_group(timeout=20.0):
     transport: every call is checked across the processes, so a rank that skips a
     collective, calls another one or another size, raises, or never arrives ends
     every rank within `timeout` with cpsim's one-line error. Returns the group.
-    (send and recv between processes are not supported: spawn() has them.)"""
+    (send and recv between processes are not supported yet: spawn() has them.)"""
     global _job, _session
     if _job is not None:
         raise RuntimeError("cpsim.torch.init_process_group: this process already joined its job")
     _job = _C.JobGroup(float(timeout))
     _session = _job.session("")
-    pg = _session.process_group()
+    _local.source = _job_source([_session])
     # torch's own store stays in this process: the processes met in cpsim's store
-    # when the job was joined, so torch's store-based barrier after init (which
-    # counts the ranks in its store) is told that every rank is there.
-    local = dist.HashStore()
-
-    def create(store, rank, size, timeout):
-        local.add("store_based_barrier_key:%d" % c10d._group_count, size - 1)
-        return pg
-
-    if hasattr(dist.Backend, "CPSIM"):
-        dist.Backend.CPSIM = create
-    else:
-        dist.Backend.register_backend("cpsim", create)
-    dist.init_process_group("cpsim", store=local, rank=_job.rank(), world_size=_job.size())
+    # when the job was joined.
+    dist.init_process_group("cpsim", store=dist.HashStore(), rank=_job.rank(), world_size=_job.size(),
+                            timeout=timedelta(seconds=timeout))
+    # Outputs of open requests are watched on this thread from now on.
+    _program_mode.append(_UseBeforeWait(_job.ledger(), _job.rank()))
+    _program_mode[0].__enter__()
     atexit.register(_finish_job)
     previous = sys.excepthook
 
@@ -181,7 +325,7 @@ def init_process_group(timeout=20.0):
         previous(kind, value, traceback)
 
     sys.excepthook = excepthook
-    return pg
+    return dist.group.WORLD
 
 
 def _finish_job():
@@ -190,12 +334,12 @@ def _finish_job():
     if job is None:
         return
     try:
+        _unwaited(job.ledger(), job.rank())
         session.finish()  # a peer still in a call learns that this rank returned
         job.leave()
     except Exception as e:  # noqa: BLE001 - atexit cannot raise: say it and fail the exit status
         sys.stderr.write("rank %d: %s\n" % (job.rank(), e))
         sys.stderr.flush()
-        import os
         os._exit(1)
 
 

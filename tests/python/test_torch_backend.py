@@ -4,6 +4,7 @@ choreography mistake is a named error in under the timeout, never a hang."""
 import os
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -46,62 +47,177 @@ def test_collectives_agree_with_their_definitions(backend):
         assert torch.equal(mine, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * total)
 
 
-# Every dtype the backend accepts, through every reduction it accepts (SUM, the
-# only one: bool sums as logical or), against a closed form: rank r contributes
-# x_r[i] = r + i + 1 (bool: i % world == r), so the all-reduced sum is
-# world * (i + 1) + world * (world - 1) / 2, and rank r's reduce-scatter block is
-# that sum at positions [r * n, (r + 1) * n). Values stay small integers: exact in
-# every dtype, bfloat16 included, so the comparison is bitwise.
-ACCEPTED_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64, torch.bool]
+# Every dtype torch can send, through every reduction defined for it, against
+# closed forms in Python integers: rank r contributes x_r[i] = (i + r) % 3 + 1
+# (bool: (i + r) % 2 == 0), small integers exact in every dtype, so the
+# comparison is bitwise (AVG: the exact sum divided in the dtype, as torch does).
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+          torch.int64, torch.uint8, torch.bool]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
 
 
-@pytest.mark.parametrize("dtype", ACCEPTED_DTYPES, ids=str)
-def test_every_accepted_dtype_sums_to_its_closed_form(dtype):
+def _defined(op, dtype):
+    if op == "AVG":
+        return dtype.is_floating_point
+    if op in ("BAND", "BOR", "BXOR"):
+        return not dtype.is_floating_point
+    return not (dtype == torch.bool and op in ("SUM", "PRODUCT"))
+
+
+def _contribution(rank, count, dtype):
+    i = torch.arange(count)
+    return ((i + rank) % 2 == 0) if dtype == torch.bool else ((i + rank) % 3 + 1).to(dtype)
+
+
+def _closed_form(op, values):
+    from functools import reduce
+    import operator
+    f = {"SUM": operator.add, "AVG": operator.add, "PRODUCT": operator.mul, "MIN": min, "MAX": max,
+         "BAND": operator.and_, "BOR": operator.or_, "BXOR": operator.xor}[op]
+    return reduce(f, values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_through_every_reduction_matches_its_closed_form(dtype):
     world, n = 3, 4
 
-    def contribution(rank, count):
-        i = torch.arange(count)
-        return (i % world == rank) if dtype == torch.bool else (i + rank + 1).to(dtype)
-
     def step(rank, world):
-        summed = contribution(rank, world * n)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        mine = torch.empty(n, dtype=dtype)
-        dist.reduce_scatter_tensor(mine, contribution(rank, world * n), op=dist.ReduceOp.SUM)
+        out = {}
+        for op in OPS:
+            if not _defined(op, dtype):
+                continue
+            summed = _contribution(rank, world * n, dtype)
+            dist.all_reduce(summed, op=getattr(dist.ReduceOp, op))
+            mine = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(mine, _contribution(rank, world * n, dtype), op=getattr(dist.ReduceOp, op))
+            rooted = _contribution(rank, world * n, dtype)
+            dist.reduce(rooted, dst=1, op=getattr(dist.ReduceOp, op))
+            out[op] = summed, mine, rooted
         gathered = torch.empty(world * n, dtype=dtype)
-        dist.all_gather_into_tensor(gathered, contribution(rank, n))
-        return summed, mine, gathered
+        dist.all_gather_into_tensor(gathered, _contribution(rank, n, dtype))
+        return out, gathered
 
-    i = torch.arange(world * n)
-    want = torch.ones(world * n, dtype=torch.bool) if dtype == torch.bool else \
-        (world * (i + 1) + world * (world - 1) // 2).to(dtype)
-    for rank, (summed, mine, gathered) in enumerate(ct.spawn(step, world)):
-        assert summed.dtype == dtype and torch.equal(summed, want), (dtype, summed, want)
-        assert torch.equal(mine, want[rank * n:(rank + 1) * n]), (dtype, rank, mine)
-        assert torch.equal(gathered, torch.cat([contribution(r, n) for r in range(world)])), (dtype, gathered)
+    for rank, (out, gathered) in enumerate(ct.spawn(step, world)):
+        assert torch.equal(gathered, torch.cat([_contribution(r, n, dtype) for r in range(world)])), (dtype, gathered)
+        for op, (summed, mine, rooted) in out.items():
+            parts = [_contribution(r, world * n, dtype).tolist() for r in range(world)]
+            exact = [_closed_form(op, [p[i] for p in parts]) for i in range(world * n)]
+            want = torch.tensor(exact).to(dtype)
+            if op == "AVG":
+                want = want / world
+            assert summed.dtype == dtype and torch.equal(summed, want), (op, dtype, summed, want)
+            assert torch.equal(mine, want[rank * n:(rank + 1) * n]), (op, dtype, rank, mine)
+            if rank == 1:
+                assert torch.equal(rooted, want), (op, dtype, rooted)
+            else:
+                assert torch.equal(rooted, _contribution(rank, world * n, dtype)), (op, dtype, rank, rooted)
 
 
-# Every other reduction is refused by name, never computed as a sum: a MAX, MIN,
-# AVG or PRODUCT that summed would pass any test of SUM alone.
-@pytest.mark.parametrize("op", ["MAX", "MIN", "AVG", "PRODUCT", "BAND", "BOR", "BXOR"])
-def test_every_other_reduction_is_refused_by_name(op):
-    if not hasattr(dist.ReduceOp, op):
-        pytest.skip("this torch has no ReduceOp.%s" % op)
+@pytest.mark.parametrize("op,dtype", [("AVG", torch.int32), ("BAND", torch.float32), ("BXOR", torch.bfloat16)])
+def test_a_reduction_torch_does_not_define_for_a_dtype_is_named(op, dtype):
+    def step(rank, world):
+        dist.all_reduce(torch.ones(2, dtype=dtype), op=getattr(dist.ReduceOp, op))
+
+    with pytest.raises(ct.RankFailed) as e:
+        ct.spawn(step, 2, timeout=5)
+    assert ("all_reduce with %s of %s" % (op, str(dtype).split(".")[1])) in str(e.value), str(e.value)
+
+
+def test_fp8_moves_bit_for_bit():
+    kinds = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d]
 
     def step(rank, world):
-        said = []
-        for call in (lambda: dist.all_reduce(torch.ones(2), op=getattr(dist.ReduceOp, op)),
-                     lambda: dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world),
-                                                        op=getattr(dist.ReduceOp, op))):
-            try:
-                call()
-                said.append("computed")
-            except (NotImplementedError, RuntimeError, ValueError) as e:
-                said.append(str(e))
-        return said
+        out = []
+        for kind in kinds:
+            x = (torch.arange(4, dtype=torch.float32) + rank).to(kind)
+            got = torch.empty(4 * world, dtype=kind)
+            dist.all_gather_into_tensor(got, x)
+            b = x.clone()
+            dist.broadcast(b, src=1)
+            out.append((got.view(torch.uint8), b.view(torch.uint8)))
+        return out
 
-    for said in ct.spawn(step, 2, timeout=5):
-        assert all("with a reduction other than SUM" in text for text in said), (op, said)
+    results = ct.spawn(step, 2)
+    for k, kind in enumerate(kinds):
+        want = torch.cat([(torch.arange(4, dtype=torch.float32) + r).to(kind).view(torch.uint8) for r in range(2)])
+        for out in results:
+            assert torch.equal(out[k][0], want) and torch.equal(out[k][1], want[4:]), kind
+
+
+def test_rooted_and_all_to_all_collectives_agree_with_their_definitions():
+    def step(rank, world):
+        x = torch.arange(2, dtype=torch.float64) + 10 * rank
+        got = [torch.empty(2, dtype=torch.float64) for _ in range(world)] if rank == 0 else None
+        dist.gather(x, got, dst=0)
+        piece = torch.empty(2, dtype=torch.float64)
+        dist.scatter(piece, [torch.full((2,), float(q)) .double() for q in range(world)] if rank == 1 else None, src=1)
+        # Uneven all_to_all_single: rank r sends q + 1 rows to rank q.
+        send = torch.cat([torch.full((q + 1, 2), float(10 * rank + q)) for q in range(world)])
+        recv = torch.empty(world * (rank + 1), 2)
+        dist.all_to_all_single(recv, send, output_split_sizes=[rank + 1] * world,
+                               input_split_sizes=[q + 1 for q in range(world)])
+        outs = [torch.empty(3, dtype=torch.int32) for _ in range(world)]
+        dist.all_to_all(outs, [torch.full((3,), 100 * rank + q, dtype=torch.int32) for q in range(world)])
+        coalesced = [torch.ones(2) * (rank + 1), torch.ones(3) * (rank + 2)]
+        dist.all_reduce_coalesced(coalesced)
+        objects = [None] * world
+        dist.all_gather_object(objects, {"rank": rank, "text": "r%d" % rank})
+        sent = [{"from": "root"}] if rank == 2 else [None]
+        dist.broadcast_object_list(sent, src=2)
+        dist.monitored_barrier(timeout=timedelta(seconds=5))
+        return got, piece, recv, outs, coalesced, objects, sent
+
+    world = 3
+    for rank, (got, piece, recv, outs, coalesced, objects, sent) in enumerate(ct.spawn(step, world)):
+        if rank == 0:
+            assert torch.equal(torch.stack(got), torch.stack([torch.arange(2).double() + 10 * r for r in range(world)]))
+        assert torch.equal(piece, torch.full((2,), float(rank)).double())
+        assert torch.equal(recv, torch.cat([torch.full((rank + 1, 2), float(10 * q + rank)) for q in range(world)]))
+        assert [int(o[0]) for o in outs] == [100 * q + rank for q in range(world)]
+        assert torch.equal(coalesced[0], torch.ones(2) * 6) and torch.equal(coalesced[1], torch.ones(3) * 9)
+        assert objects == [{"rank": r, "text": "r%d" % r} for r in range(world)]
+        assert sent == [{"from": "root"}]
+
+
+def test_dp_by_cp_groups_from_new_group_and_a_device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def step(rank, world):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        cp = mesh["cp"].get_group()
+        dp = mesh["dp"].get_group()
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=cp)
+        y = torch.tensor([float(rank)])
+        dist.all_reduce(y, group=dp, op=dist.ReduceOp.MAX)
+        pair = dist.new_group([0, 3])
+        z = torch.tensor([float(rank)])
+        if rank in (0, 3):
+            dist.all_reduce(z, group=pair)
+        return (x.item(), y.item(), z.item(), dist.get_process_group_ranks(cp), dist.get_rank(cp),
+                dist.get_backend(cp), dist.get_process_group_ranks(dist.group.WORLD))
+
+    for rank, (x, y, z, cp_ranks, cp_rank, backend, world_ranks) in enumerate(ct.spawn(step, 4)):
+        dp_row = rank // 2  # mesh [[0, 1], [2, 3]]: cp groups are rows, dp groups columns
+        assert cp_ranks == [2 * dp_row, 2 * dp_row + 1] and cp_rank == rank % 2, (rank, cp_ranks, cp_rank)
+        assert x == float(sum(cp_ranks)) and y == float(2 + rank % 2), (rank, x, y)
+        assert z == (3.0 if rank in (0, 3) else float(rank))
+        assert backend == "cpsim" and world_ranks == [0, 1, 2, 3]
+
+
+def test_the_autograd_all_gather_runs_forward_and_backward():
+    import torch.distributed.nn.functional as dnn
+
+    def step(rank, world):
+        x = torch.full((2,), float(rank + 1), requires_grad=True)
+        parts = dnn.all_gather(x)
+        loss = sum((q + 1) * p.sum() for q, p in enumerate(parts))
+        loss.backward()
+        return x.grad
+
+    for rank, grad in enumerate(ct.spawn(step, 3)):
+        # Every rank's loss weighs rank q's part by q + 1; x_r's gradient sums over ranks.
+        assert torch.equal(grad, torch.full((2,), 3.0 * (rank + 1))), (rank, grad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -155,13 +271,28 @@ def test_a_rank_that_raises_is_the_error_and_its_peers_stop():
 
 def test_what_cpsim_does_not_support_is_a_typed_error():
     def step(rank, world):
-        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.MAX)
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
 
     with pytest.raises(ct.RankFailed) as e:
         ct.spawn(step, 2, timeout=5)
-    assert "cpsim does not support all_reduce with a reduction other than SUM" in str(e.value)
+    assert "cpsim does not support all_reduce with PREMUL_SUM" in str(e.value), str(e.value)
     # Outside a spawn, torch.distributed is as it was.
     assert not dist.is_initialized()
+
+
+def test_different_reductions_are_a_mismatch_named_with_the_call_sites():
+    def step(rank, world):
+        x = torch.ones(2)
+        if rank == 0:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)  # the call site of rank 0
+        else:
+            dist.all_reduce(x)
+
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(step, 2, timeout=5)
+    text = str(e.value)
+    assert "all_reduce #1 with different arguments" in text, text
+    assert "MAX" in text and "SUM" in text and "test_torch_backend.py:" in text, text
 
 
 def test_send_and_recv_pair_up_around_a_ring():
@@ -195,7 +326,9 @@ def test_a_recv_whose_sender_never_sends_is_named_not_hung():
     with pytest.raises(ct.CollectiveError) as e:
         ct.spawn(step, 2, timeout=5)
     assert time.monotonic() - start < 5
-    assert "rank 1 waits in recv from rank 0" in str(e.value) and "returned" in str(e.value), str(e.value)
+    text = str(e.value)
+    assert "rank 1 waits for its recv from rank 0 (tag 0, float32 x 4) at test_torch_backend.py:" in text, text
+    assert "rank 0 returned without sending it" in text, text
 
 
 def test_send_and_recv_of_different_sizes_or_a_send_nobody_takes_are_named():
@@ -207,7 +340,7 @@ def test_send_and_recv_of_different_sizes_or_a_send_nobody_takes_are_named():
 
     with pytest.raises(ct.CollectiveError) as e:
         ct.spawn(sizes, 2, timeout=5)
-    assert "expects 4 float32" in str(e.value) and "holds 6 int64" in str(e.value), str(e.value)
+    assert "float32 x 4" in str(e.value) and "holds int64 x 6" in str(e.value), str(e.value)
 
     def unreceived(rank, world):
         if rank == 0:
@@ -216,6 +349,85 @@ def test_send_and_recv_of_different_sizes_or_a_send_nobody_takes_are_named():
     with pytest.raises(ct.CollectiveError) as e:
         ct.spawn(unreceived, 2, timeout=5)
     assert "a send no recv took" in str(e.value) and "tag 3" in str(e.value), str(e.value)
+
+
+# Sends and receives match in any order within a rank's outstanding requests, as
+# on NCCL and Gloo: a ring whose every rank posts its irecv first, and a batch
+# with the irecv first, are valid programs (they hung when a receive blocked).
+def test_a_ring_that_posts_its_irecv_first_completes():
+    def step(rank, world):
+        got = torch.empty(3)
+        r = dist.irecv(got, src=(rank - 1) % world)
+        s = dist.isend(torch.full((3,), float(rank)), dst=(rank + 1) % world)
+        r.wait()
+        s.wait()
+        halo = torch.empty(2)
+        ops = [dist.P2POp(dist.irecv, halo, (rank - 1) % world, tag=5),
+               dist.P2POp(dist.isend, torch.full((2,), 10.0 + rank), (rank + 1) % world, tag=5)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        blocking = torch.empty(1)
+        dist.recv(blocking, src=(rank + 1) % world) if rank % 2 else None
+        dist.send(torch.tensor([float(rank)]), dst=(rank - 1) % world)
+        dist.recv(blocking, src=(rank + 1) % world) if rank % 2 == 0 else None
+        return got, halo, blocking
+
+    world = 4
+    for rank, (got, halo, blocking) in enumerate(ct.spawn(step, world, timeout=5)):
+        assert torch.equal(got, torch.full((3,), float((rank - 1) % world)))
+        assert torch.equal(halo, torch.full((2,), 10.0 + (rank - 1) % world))
+        assert blocking.item() == float((rank + 1) % world)
+
+
+def test_a_request_never_waited_on_is_named():
+    def step(rank, world):
+        got = torch.empty(2)
+        if rank == 0:
+            dist.isend(torch.ones(2), dst=1)  # the request is dropped
+        else:
+            dist.recv(got, src=0)
+        return got
+
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(step, 2, timeout=5)
+    text = str(e.value)
+    assert "rank 0: its send to rank 1 (tag 0, float32 x 2) at test_torch_backend.py:" in text, text
+    assert "was never waited on" in text, text
+
+
+def test_an_output_used_before_its_wait_is_named():
+    def step(rank, world):
+        got = torch.empty(2)
+        out = torch.empty(2 * world)
+        gather = dist.all_gather_into_tensor(out, torch.ones(2) * rank, async_op=True)
+        r = dist.irecv(got, src=(rank - 1) % world)
+        dist.send(torch.ones(2), dst=(rank + 1) % world)
+        total = got.sum() if rank == 1 else out.sum()  # read before wait()
+        r.wait()
+        gather.wait()
+        return total
+
+    with pytest.raises(ct.RankFailed) as e:
+        ct.spawn(step, 2, timeout=5)
+    text = str(e.value)
+    assert "used the output of its" in text and "before wait()" in text, text
+    assert "recv from rank 0" in text or "all_gather_into_tensor" in text, text
+
+
+def test_a_recv_against_an_all_reduce_names_both_calls_and_where_they_are():
+    def step(rank, world):
+        if rank == 0:
+            dist.all_reduce(torch.ones(2))  # the all_reduce
+        else:
+            dist.recv(torch.empty(2), src=0)  # the recv
+
+    start = time.monotonic()
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(step, 2, timeout=3)
+    assert time.monotonic() - start < 5
+    text = str(e.value)
+    assert "all_reduce" in text and "recv from rank 0 (tag 0, float32 x 2) at test_torch_backend.py:" in text, text
+    assert text.count("test_torch_backend.py:") >= 2, text
 
 
 # Ranks as processes: cpsim launch -n N -- python3 job_script.py MODE, each calling
@@ -247,28 +459,6 @@ def test_processes_that_disagree_end_in_a_named_error_not_a_hang(mode, words):
     assert rc != 0, out
     assert took < 60, (took, out)
     assert all(w in out for w in words), (words, out)
-
-
-def test_what_cpsim_does_not_have_is_a_typed_error():
-    def step(rank, world):
-        x = torch.ones(world)
-        calls = {
-            "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(world), x),
-            "reduce": lambda: dist.reduce(x, dst=0),
-            "gather": lambda: dist.gather(x, [torch.empty(world) for _ in range(world)] if rank == 0 else None, dst=0),
-            "scatter": lambda: dist.scatter(x, [torch.ones(world) for _ in range(world)] if rank == 0 else None, src=0),
-        }
-        said = {}
-        for name, call in calls.items():
-            try:
-                call()
-            except NotImplementedError as e:  # cpsim.torch's Unsupported
-                said[name] = str(e)
-        return said
-
-    for said in ct.spawn(step, 2):
-        assert sorted(said) == ["all_to_all_single", "gather", "reduce", "scatter"], said
-        assert all(("cpsim does not support " + name) in text for name, text in said.items()), said
 
 
 def test_a_process_that_never_arrives_is_named_within_the_timeout():
