@@ -22,7 +22,6 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
-#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -30,7 +29,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -159,26 +157,30 @@ std::string python_call_site() {
 class Board {
  public:
   explicit Board(int ranks) : doing_(ranks) {}
-  void set(int rank, std::string what) {
+  // collective: the communicator sees it too (its reports name it already).
+  void set(int rank, std::string what, bool collective = false) {
     std::lock_guard<std::mutex> lock(mutex_);
-    doing_.at(rank) = std::move(what);
+    doing_.at(rank) = {std::move(what), collective};
   }
   // "\n  rank q: waits for its recv from rank 0 (tag 3) at step.py:12", for every
-  // rank doing something.
-  // outside_collectives: only what the communicator does not see (waits in
-  // point to point).
+  // rank doing something (outside_collectives: only what the communicator does
+  // not see, the waits in point to point).
   std::string lines(bool outside_collectives = false) const {
     std::lock_guard<std::mutex> lock(mutex_);
     std::string out;
     for (std::size_t q = 0; q < doing_.size(); ++q)
-      if (!doing_[q].empty() && !(outside_collectives && doing_[q].rfind("in ", 0) == 0))
-        out += "\n  rank " + std::to_string(q) + ": " + doing_[q];
+      if (!doing_[q].what.empty() && !(outside_collectives && doing_[q].collective))
+        out += "\n  rank " + std::to_string(q) + ": " + doing_[q].what;
     return out;
   }
 
  private:
+  struct Doing {
+    std::string what;
+    bool collective = false;
+  };
   mutable std::mutex mutex_;
-  std::vector<std::string> doing_;
+  std::vector<Doing> doing_;
 };
 
 // ---------------------------------------------------------------------------
@@ -744,7 +746,7 @@ class BackendCpsim : public c10d::Backend {
     last_site_ = python_call_site();
     CallOptions o;
     o.label = CallLabel::of(name, args, last_site_);
-    if (ctx_.board) ctx_.board->set(global(getRank()), "in " + name + (last_site_.empty() ? "" : " at " + last_site_));
+    if (ctx_.board) ctx_.board->set(global(getRank()), "in " + name + (last_site_.empty() ? "" : " at " + last_site_), true);
     try {
       f(*ctx_.comm, o);
     } catch (const CollectiveError& e) {
@@ -793,6 +795,7 @@ class BackendCpsim : public c10d::Backend {
   // rank; else only on the root).
   void reduce_into(at::Tensor& t, const c10d::ReduceOp& op, const std::string& name, int root) {
     expect_cpu(t, name.c_str());
+    expect_reduction(op, t, name);
     at::Tensor all = exchange(t, name, shape_text(t) + ", " + reduce_name(op) +
                                            (root >= 0 ? ", root " + std::to_string(root) : ""));
     if (root >= 0 && getRank() != root) return;
@@ -803,6 +806,7 @@ class BackendCpsim : public c10d::Backend {
   void scatter_reduced(at::Tensor& out, const at::Tensor& input, const c10d::ReduceOp& op, const std::string& name) {
     expect_cpu(out, name.c_str());
     expect_cpu(input, name.c_str());
+    expect_reduction(op, input, name);
     if (input.numel() != getSize() * out.numel())
       throw InvalidInput(name + ": the input holds " + std::to_string(input.numel()) + " elements, not " +
                          std::to_string(getSize()) + " x " + std::to_string(out.numel()));
@@ -811,7 +815,26 @@ class BackendCpsim : public c10d::Backend {
     out.copy_(sum.narrow(0, getRank() * out.numel(), out.numel()).view(out.sizes()));
   }
 
-  // rows [ranks, bytes] of `like`'s dtype reduced by `op` in rank order: a flat tensor.
+  // What cpsim does not reduce, refused before a byte moves (at every group size).
+  static void expect_reduction(const c10d::ReduceOp& op, const at::Tensor& like, const std::string& name) {
+    switch (op.op_) {
+      case c10d::ReduceOp::SUM:
+      case c10d::ReduceOp::AVG:
+      case c10d::ReduceOp::PRODUCT:
+      case c10d::ReduceOp::MIN:
+      case c10d::ReduceOp::MAX:
+      case c10d::ReduceOp::BAND:
+      case c10d::ReduceOp::BOR:
+      case c10d::ReduceOp::BXOR: break;
+      default: throw Unsupported("cpsim does not support " + name + " with " + reduce_name(op));
+    }
+    if (op.op_ == c10d::ReduceOp::AVG && !at::isFloatingType(like.scalar_type()) &&
+        !at::isComplexType(like.scalar_type()))
+      throw InvalidInput(name + " with AVG of " + dtype_text(like) + " (torch: floating types only)");
+  }
+
+  // rows [ranks, bytes] of `like`'s dtype reduced by `op` (one expect_reduction
+  // accepts) in rank order: a flat tensor.
   at::Tensor reduced(const at::Tensor& all, const at::Tensor& like, const c10d::ReduceOp& op,
                      const std::string& name) {
     const std::int64_t n = like.numel();
@@ -829,16 +852,10 @@ class BackendCpsim : public c10d::Backend {
           case c10d::ReduceOp::BAND: acc.bitwise_and_(x); break;
           case c10d::ReduceOp::BOR: acc.bitwise_or_(x); break;
           case c10d::ReduceOp::BXOR: acc.bitwise_xor_(x); break;
-          case c10d::ReduceOp::PREMUL_SUM: break;
-          default: throw Unsupported("cpsim does not support " + name + " with " + reduce_name(op));
+          default: break;  // refused by expect_reduction
         }
       }
-      if (op.op_ == c10d::ReduceOp::AVG) {
-        if (!at::isFloatingType(like.scalar_type()) && !at::isComplexType(like.scalar_type()))
-          throw InvalidInput(name + " with AVG of " + dtype_text(like) + " (torch: floating types only)");
-        acc.div_(getSize());
-      }
-      if (op.op_ == c10d::ReduceOp::PREMUL_SUM) throw Unsupported("cpsim does not support " + name + " with PREMUL_SUM");
+      if (op.op_ == c10d::ReduceOp::AVG) acc.div_(getSize());
     } catch (const c10::Error& e) {
       throw InvalidInput(name + " with " + reduce_name(op) + " of " + dtype_text(like) + ": " + e.what_without_backtrace());
     }
@@ -926,7 +943,6 @@ class SpawnedGroup {
  public:
   SpawnedGroup(const std::string& backend, int n, double timeout_s)
       : backend_(backend),
-        n_(n),
         timeout_(milliseconds(timeout_s)),
         board_(std::make_shared<Board>(n)),
         mailbox_(std::make_shared<Mailbox>(n, timeout_, board_)),
@@ -992,7 +1008,6 @@ class SpawnedGroup {
     return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000));
   }
   std::string backend_;
-  int n_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<Board> board_;
   std::shared_ptr<Mailbox> mailbox_;

@@ -376,7 +376,6 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
         chosen = torch.tensor([int.from_bytes(os.urandom(6), "little") if seed is None else int(seed)])
         dist.broadcast(chosen, src=0, group=dist.group.WORLD)
         seed, max_cp = int(chosen), ct._job.size()
-        ct._install()  # each case's group is this thread's default group while it runs
     workdir = tempfile.mkdtemp(prefix="cpsim-check-")
     command = [_cpsim_binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--max-cp",
                str(int(max_cp)), "--plan", plan, "--conv-width", str(int(conv_width))]
@@ -441,5 +440,3 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
         raise CheckFailed(message, result["failure"], result["batch"], path, result["cp"], result["plan"])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        if in_job:
-            ct._uninstall()
