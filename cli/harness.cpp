@@ -7,7 +7,9 @@
 // verdict. The protocol, one line each way per case:
 //   cpsim -> python   case FOLDER
 //   python -> cpsim   ok | fail WHY | stop
+// (with --batch, one case: the given layout at --cp, nothing drawn or shrunk)
 // and at the end cpsim writes WORKDIR/result.json and prints "done".
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -30,21 +32,84 @@ namespace cpsim::cli {
 
 using namespace cpsim::verify;
 
+namespace {
+
+// One case's verdict from the Python side: "" (ok), the failure, or nullopt when
+// it went away or asked to stop.
+std::optional<std::string> ask_verdict(const LayoutCase& c, const CheckOptions& o, const GoldenOptions& g,
+                                       const std::filesystem::path& folder) {
+  std::filesystem::remove_all(folder);
+  write_golden(c, o, folder.string(), "drawn", g);
+  std::cout << "case " << folder.string() << std::endl;
+  std::string verdict;
+  if (!std::getline(std::cin, verdict) || verdict == "stop") return std::nullopt;
+  if (verdict == "ok") return std::string();
+  return verdict.rfind("fail ", 0) == 0 ? verdict.substr(5) : verdict;
+}
+
+nlohmann::json case_json(const LayoutCase& c) {
+  std::ostringstream line;
+  line << c;
+  return {{"batch", batch_to_json(c.batch, c.pad_token_id, true) + "\n"},
+          {"cp", c.cp},
+          {"seed", c.seed},
+          {"plan", plan_choice_name(c.plan)},
+          {"cuts", c.plan.kind == PlanChoice::Kind::cuts ? nlohmann::json(c.plan.cuts) : nlohmann::json(nullptr)},
+          {"case", line.str()}};
+}
+
+void finish(const HarnessArgs& a, const nlohmann::json& result) {
+  std::ofstream((std::filesystem::path(a.workdir) / "result.json").string()) << result.dump() << "\n";
+  std::cout << "done" << std::endl;
+}
+
+// --batch: the user's step on one saved layout (a counterexample), no drawing.
+int replay_batch(const HarnessArgs& a, const CheckOptions& o, const GoldenOptions& g,
+                 const std::filesystem::path& folder) {
+  if (a.cp <= 0) throw UsageError("cpsim harness --batch: --cp N says the CP size to replay at");
+  if (a.plan == "random") throw UsageError("cpsim harness --batch: --plan equal, balanced or a plan file, not random");
+  const std::optional<PlanChoice> plan = plan_choice_of(PlanArg{a.plan, a.cost});
+  const BatchFile file = read_batch_file(a.batch);  // invalid: exit 2, naming the file and the key
+  LayoutCase c{file.batch, file.pad_token_id, a.cp, a.seed.value_or(0), std::nullopt, *plan};
+  if (c.plan.kind == PlanChoice::Kind::cuts && static_cast<int>(c.plan.cuts.size()) - 1 != a.cp)
+    throw UsageError("cpsim harness --batch: the plan file cuts for " + std::to_string(c.plan.cuts.size() - 1) +
+                     " ranks, --cp is " + std::to_string(a.cp));
+  expect_plan_fits(c.plan, sequence_length(c.batch), a.cp, a.batch);
+  const std::optional<std::string> verdict = ask_verdict(c, o, g, folder);
+  nlohmann::json result{{"ok", verdict && verdict->empty()}, {"stopped", !verdict}, {"ran", verdict ? 1 : 0},
+                        {"failure", verdict.value_or("")}, {"report", ""}};
+  if (verdict && !verdict->empty()) result.update(case_json(c));
+  finish(a, result);
+  return !verdict ? kExitAborted : verdict->empty() ? kExitOk : kExitFailed;
+}
+
+}  // namespace
+
 int run_harness(const HarnessArgs& a) {
   if (a.workdir.empty()) throw UsageError("cpsim harness: --workdir is required");
-  std::optional<LayoutFamily> family;
-  if (!a.family.empty()) family = read_family(a.family);  // invalid: exit 2, naming the field
-  PlanDraw plan;
-  if (a.plan != "random") plan = parse_plan_choice(a.plan, a.cost);
-  if (family && a.max_cp < family->cp.min)
-    throw UsageError("cpsim harness: family " + family->name + " runs at cp " + std::to_string(family->cp.min) + "-" +
-                     std::to_string(family->cp.max) + "; --max-cp " + std::to_string(a.max_cp) + " leaves none");
-  const auto gen = family ? gen_family_case(*family, a.max_cp, plan) : gen_layout_case(a.max_cp, plan);
   CheckOptions o;
   o.conv_width = a.conv_width;
   GoldenOptions g;
   g.shard_primary = a.shard_primary;
+  g.dtype = a.dtype == "f32" ? DType::f32 : a.dtype == "bf16" ? DType::bf16 : DType::f64;
   const std::filesystem::path folder = std::filesystem::path(a.workdir) / "case";
+  if (!a.batch.empty()) return replay_batch(a, o, g, folder);
+
+  std::optional<LayoutFamily> family;
+  if (!a.family.empty()) family = read_family(a.family);  // invalid: exit 2, naming the field
+  PlanDraw plan;
+  if (a.plan != "random") plan = parse_plan_choice(a.plan, a.cost);
+  // The CP sizes: --cp (every case), else --cps (each as often as any other),
+  // else 1..--max-cp.
+  std::vector<int> sizes = a.cp_sizes;
+  if (sizes.empty())
+    for (int cp = 1; cp <= a.max_cp; ++cp) sizes.push_back(cp);
+  std::sort(sizes.begin(), sizes.end());  // a failure shrinks towards the smallest
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  if (family && std::none_of(sizes.begin(), sizes.end(), [&](int cp) { return cp >= family->cp.min && cp <= family->cp.max; }))
+    throw UsageError("cpsim harness: family " + family->name + " runs at cp " + std::to_string(family->cp.min) + "-" +
+                     std::to_string(family->cp.max) + "; the CP sizes asked for leave none");
+  const auto gen = family ? gen_family_case(*family, sizes, plan) : gen_layout_case(sizes, plan);
 
   std::optional<LayoutCase> smallest;
   std::string failure;
@@ -52,18 +117,15 @@ int run_harness(const HarnessArgs& a) {
   int ran = 0;
   auto property = [&](const LayoutCase& c) {
     if (stopped) RC_FAIL("stopped");
-    std::filesystem::remove_all(folder);
-    write_golden(c, o, folder.string(), "drawn", g);
-    std::cout << "case " << folder.string() << std::endl;
-    std::string verdict;
-    if (!std::getline(std::cin, verdict) || verdict == "stop") {
+    const std::optional<std::string> verdict = ask_verdict(c, o, g, folder);
+    if (!verdict) {
       stopped = true;
       RC_FAIL("stopped");
     }
     ++ran;
-    if (verdict != "ok") {
+    if (!verdict->empty()) {
       smallest = c;  // the last failure seen is the most shrunk one
-      failure = verdict.rfind("fail ", 0) == 0 ? verdict.substr(5) : verdict;
+      failure = *verdict;
       RC_FAIL(failure);
     }
   };
@@ -74,21 +136,29 @@ int run_harness(const HarnessArgs& a) {
   const PropertyOutcome outcome =
       run_property(settings, [&] { property(a.cp > 0 ? at_cp(*gen, a.cp) : *gen); });
 
+  // RapidCheck shrinks the CP size with the layout drawn after it, so a smaller
+  // size may show the same shrunk layout failing: the smallest that does is the
+  // one reported (a random plan's cuts become equal intervals at another size).
+  if (smallest && !stopped && a.cp == 0)
+    for (int cp : sizes) {
+      if (cp >= smallest->cp) break;
+      const LayoutCase smaller = at_cp(*smallest, cp);
+      if (family && !family_violation(*family, smaller).empty()) continue;
+      const std::optional<std::string> verdict = ask_verdict(smaller, o, g, folder);
+      if (!verdict) {
+        stopped = true;
+        break;
+      }
+      ++ran;
+      if (!verdict->empty()) {
+        smallest = smaller, failure = *verdict;
+        break;
+      }
+    }
   nlohmann::json result{{"ok", outcome.ok && !stopped}, {"stopped", stopped}, {"ran", ran},
                         {"failure", failure}, {"report", outcome.report}};
-  if (smallest && !stopped) {
-    result["batch"] = batch_to_json(smallest->batch, smallest->pad_token_id, true) + "\n";
-    result["cp"] = smallest->cp;
-    result["seed"] = smallest->seed;
-    result["plan"] = plan_choice_name(smallest->plan);
-    result["cuts"] = smallest->plan.kind == PlanChoice::Kind::cuts ? nlohmann::json(smallest->plan.cuts)
-                                                                     : nlohmann::json(nullptr);
-    std::ostringstream line;
-    line << *smallest;
-    result["case"] = line.str();
-  }
-  std::ofstream((std::filesystem::path(a.workdir) / "result.json").string()) << result.dump() << "\n";
-  std::cout << "done" << std::endl;
+  if (smallest && !stopped) result.update(case_json(*smallest));
+  finish(a, result);
   return stopped ? kExitAborted : outcome.ok ? kExitOk : kExitFailed;
 }
 

@@ -136,12 +136,19 @@ Parsed parse_options(int argc, char** argv) {
   h->add_option("--max-cp", harness.max_cp, "largest CP size drawn")->check(CLI::Range(1, 64));
   h->add_option("--cp", harness.cp, "every case at this CP size (a drawn plan's cuts become equal intervals)")
       ->check(CLI::Range(1, 64));
-  h->add_option("--family", harness.family, "draw only members of this layout family")->check(CLI::ExistingFile);
-  h->add_option("--plan", harness.plan, "equal, balanced or random (drawn cuts)")
-      ->check(CLI::IsMember({"equal", "balanced", "random"}));
+  h->add_option("--cps", harness.cp_sizes, "draw CP sizes from this list, each as often as any other")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 64));
+  auto* hf = h->add_option("--family", harness.family, "draw only members of this layout family")->check(CLI::ExistingFile);
+  h->add_option("--batch", harness.batch, "replay this batch file (one case at --cp, with --plan and --seed)")
+      ->check(CLI::ExistingFile)
+      ->excludes(hf);
+  h->add_option("--plan", harness.plan, "equal, balanced, random (drawn cuts), or with --batch a plan file");
   h->add_option("--cost", harness.cost, "the balanced plan's token cost");
   h->add_option("--conv-width", harness.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
   h->add_flag("--shard-primary", harness.shard_primary, "input_ids sharded like the other keys");
+  h->add_option("--dtype", harness.dtype, "dtype of every floating input and expected value (tolerances in the manifest)")
+      ->check(CLI::IsMember({"f64", "f32", "bf16"}));
   h->add_option("--workdir", harness.workdir, "where each case's golden folder is written")->required();
   h->footer("Speaks a line protocol on stdin/stdout (cli/harness.cpp); run it through cpsim.torch.check.");
   ShowArgs& show = o.show;

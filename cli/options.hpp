@@ -77,12 +77,15 @@ struct HarnessArgs {
   int cases = 100;
   int max_cp = 8;
   int cp = 0;  // every case at this CP size (the processes of a job); 0: drawn, 1..max_cp
+  std::vector<int> cp_sizes;  // drawn from this list, each as often as any other (instead of 1..max_cp)
+  std::string batch;          // replay this batch file at --cp (one case, no drawing)
   std::string family;
   std::string plan = "equal";  // equal, balanced (by cost) or random (drawn cuts)
   std::string cost = "attention";
   std::optional<std::uint64_t> seed;  // RapidCheck's (RC_PARAMS, else random) when unset
   int conv_width = 4;
   bool shard_primary = false;
+  std::string dtype = "f64";  // of every floating input and expected value: f64, f32 or bf16
   std::string workdir;
 };
 

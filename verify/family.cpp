@@ -232,9 +232,10 @@ LayoutCase member(const LayoutFamily& f, const Draw& d) {
 
 }  // namespace
 
-rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& f, int max_cp, const PlanDraw& draw) {
+namespace {
+
+rc::Gen<LayoutCase> family_case_at(const LayoutFamily& f, const rc::Gen<int>& cp_size, const PlanDraw& draw) {
   using namespace rc;
-  const int hi = std::max(1, std::min(f.cp.max, max_cp)), lo = std::min(f.cp.min, hi);
   const auto in = [](Range r) { return gen::inRange(r.min, r.max + 1); };
   const Gen<int> length = f.short_lengths
                               ? gen::weightedOneOf<int>({{3, gen::inRange(f.document_length.min,
@@ -247,7 +248,7 @@ rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& f, int max_cp, const Pla
     return gen::container<std::vector<std::pair<int, int>>>(static_cast<std::size_t>(n), doc);
   });
   const Range rows = thd(f.form) ? Range{1, 1} : f.rows;
-  return gen::mapcat(gen::pair(gen::inRange(lo, hi + 1), in(rows)), [=](std::pair<int, int> cp_rows) {
+  return gen::mapcat(gen::pair(cp_size, in(rows)), [=](std::pair<int, int> cp_rows) {
     const int cp = cp_rows.first, B = cp_rows.second;
     const std::size_t n = static_cast<std::size_t>(B);
     return gen::map(gen::tuple(gen::container<std::vector<std::vector<std::pair<int, int>>>>(n, row),
@@ -262,6 +263,14 @@ rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& f, int max_cp, const Pla
                     });
   });
 }
+
+}  // namespace
+
+rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& f, int max_cp, const PlanDraw& draw) {
+  const int hi = std::max(1, std::min(f.cp.max, max_cp)), lo = std::min(f.cp.min, hi);
+  return family_case_at(f, rc::gen::inRange(lo, hi + 1), draw);
+}
+
 
 namespace {
 
@@ -371,6 +380,15 @@ std::string family_violation(const LayoutFamily& f, const LayoutCase& c) {
   if (!within(S - longest, f.tail_padding))
     return "tail padding " + std::to_string(S - longest) + " outside " + range_text(f.tail_padding);
   return "";
+}
+
+rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& f, const std::vector<int>& cp_sizes, const PlanDraw& draw) {
+  std::vector<int> in_range;
+  for (int cp : cp_sizes)
+    if (within(cp, f.cp)) in_range.push_back(cp);
+  if (in_range.empty())
+    throw InvalidInput("family " + f.name + " runs at cp " + range_text(f.cp) + "; none of the CP sizes asked for is in it");
+  return family_case_at(f, gen_cp_size(in_range), draw);
 }
 
 }  // namespace cpsim::verify

@@ -60,6 +60,10 @@ LayoutFamily parse_family(const std::string& text, const std::string& source);
 
 // Members of the family, at CP sizes within both the family's range and max_cp.
 rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& family, int max_cp = 16, const PlanDraw& plan = std::nullopt);
+// Members at the listed CP sizes within the family's range, each as often as any
+// other (gen_cp_size); InvalidInput when none of them is in the range.
+rc::Gen<LayoutCase> gen_family_case(const LayoutFamily& family, const std::vector<int>& cp_sizes,
+                                    const PlanDraw& plan = std::nullopt);
 
 // Why `c` is not a batch the family's packer could emit (empty: it is one). Read
 // from the batch's own keys, not from how the generator built it.

@@ -23,9 +23,11 @@ PlanSpec plan_spec_of(const PlanChoice& c) {
   return s;
 }
 
-rc::Gen<LayoutSpec> gen_layout_spec(int max_cp, const PlanDraw& draw) {
+namespace {
+
+rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& draw) {
   using namespace rc;
-  return gen::mapcat(gen::pair(gen::inRange(1, max_cp + 1), gen::inRange(0, kLayoutForms)), [draw](std::pair<int, int> cp_form) {
+  return gen::mapcat(gen::pair(cp_size, gen::inRange(0, kLayoutForms)), [draw](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
@@ -67,8 +69,34 @@ rc::Gen<LayoutSpec> gen_layout_spec(int max_cp, const PlanDraw& draw) {
   });
 }
 
+}  // namespace
+
+rc::Gen<int> gen_cp_size(const std::vector<int>& sizes) {
+  CPSIM_ENFORCE(!sizes.empty(), "a list of CP sizes to draw from is empty");
+  // An index drawn uniformly whatever the size (gen::inRange scales with it),
+  // shrinking towards 0 (gen::elementOf does not shrink).
+  const std::size_t n = sizes.size();
+  const rc::Gen<std::size_t> index = [n](const rc::Random& random, int /*size*/) {
+    const auto i = static_cast<std::size_t>(rc::Random(random).next() % n);
+    return rc::shrinkable::shrinkRecur(i, [](std::size_t x) { return rc::shrink::towards<std::size_t>(x, 0); });
+  };
+  return rc::gen::map(index, [sizes](std::size_t i) { return sizes[i]; });
+}
+
+rc::Gen<LayoutSpec> gen_layout_spec(int max_cp, const PlanDraw& draw) {
+  return layout_spec_at(rc::gen::inRange(1, max_cp + 1), draw);
+}
+
+rc::Gen<LayoutSpec> gen_layout_spec(const std::vector<int>& cp_sizes, const PlanDraw& draw) {
+  return layout_spec_at(gen_cp_size(cp_sizes), draw);
+}
+
 rc::Gen<LayoutCase> gen_layout_case(int max_cp, const PlanDraw& plan) {
   return rc::gen::map(gen_layout_spec(max_cp, plan), build_case);
+}
+
+rc::Gen<LayoutCase> gen_layout_case(const std::vector<int>& cp_sizes, const PlanDraw& plan) {
+  return rc::gen::map(gen_layout_spec(cp_sizes, plan), build_case);
 }
 
 }  // namespace cpsim::verify

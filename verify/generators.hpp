@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <rapidcheck.h>
+#include <vector>
 
 #include "verify/cases.hpp"
 
@@ -22,6 +23,12 @@ rc::Gen<PlanSpec> gen_plan_spec(int cp);
 PlanSpec plan_spec_of(const PlanChoice& choice);
 rc::Gen<LayoutSpec> gen_layout_spec(int max_cp = 16, const PlanDraw& plan = std::nullopt);
 rc::Gen<LayoutCase> gen_layout_case(int max_cp = 16, const PlanDraw& plan = std::nullopt);
+// CP sizes from a list, each as often as any other at every generator size (the
+// max_cp forms draw 1..max_cp as RapidCheck's inRange does: small sizes first);
+// a failure shrinks towards the list's first size.
+rc::Gen<int> gen_cp_size(const std::vector<int>& sizes);
+rc::Gen<LayoutSpec> gen_layout_spec(const std::vector<int>& cp_sizes, const PlanDraw& plan = std::nullopt);
+rc::Gen<LayoutCase> gen_layout_case(const std::vector<int>& cp_sizes, const PlanDraw& plan = std::nullopt);
 
 }  // namespace cpsim::verify
 
