@@ -118,8 +118,15 @@ std::vector<std::string>& internal_paths() {
   return paths;
 }
 
+// What a call made with no frame of the program's own on the stack is part of
+// (the harness's backward of a step's output), per thread; "" when unset.
+std::string& site_context() {
+  thread_local std::string context;
+  return context;
+}
+
 // Where the program made the call: the innermost Python frame outside torch and
-// cpsim ("step.py:12"), or "" when none (a call from C++).
+// cpsim ("step.py:12"), else the thread's site context, or "" (a call from C++).
 std::string python_call_site() {
   if (!Py_IsInitialized()) return "";
   pybind11::gil_scoped_acquire gil;
@@ -145,7 +152,7 @@ std::string python_call_site() {
     if (!site.empty()) break;
   }
   Py_XDECREF(frame);
-  return site;
+  return site.empty() ? site_context() : site;
 }
 
 }  // namespace
@@ -1129,6 +1136,7 @@ PYBIND11_MODULE(_C, m) {
       .def("session", &JobGroup::session, py::arg("name"), py::call_guard<py::gil_scoped_release>())
       .def("leave", &JobGroup::leave, py::call_guard<py::gil_scoped_release>());
   m.def("backends", [] { return cpsim::backend_names(); });
+  m.def("set_site_context", [](std::string context) { site_context() = std::move(context); });
   m.def("set_internal_paths", [](std::vector<std::string> paths) { internal_paths() = std::move(paths); },
         "folders whose frames are not a call's site (torch's and cpsim's own)");
 }

@@ -280,15 +280,68 @@ def document_attention(q, k, v, positions, doc_ids, padding, rank_start, scale, 
     return o + all_gather_backward_anchor(keys) + all_gather_backward_anchor(values) if anchor else o
 
 
+# --- targets and the token-mean loss across ranks ---
+
+def next_token_targets(tokens, doc_ids, padding):
+    """[B, N] -> [B, N]: tokens[t + 1] where t and t + 1 are real tokens of one
+    document, else -100 (a document's last token, padding)."""
+    targets = torch.full_like(tokens, -100)
+    same = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] != PAD_DOC_ID) & ~padding[:, :-1] & ~padding[:, 1:]
+    targets[:, :-1] = torch.where(same, tokens[:, 1:], targets[:, :-1])
+    return targets
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum of a value over the ranks; its gradient is the local one (every
+    rank's loss is the same sum, and each differentiates its own term)."""
+
+    @staticmethod
+    def forward(ctx, local):
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def token_mean_loss(logits, targets, per_rank_mean=False):
+    """Cross entropy over every rank's targets: the per-token sum and the target
+    count all-reduced, sum / count (0 when no rank has a target)."""
+    valid = targets != -100
+    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(torch.float64),
+                                               targets.reshape(-1).clamp(min=0), reduction="none")
+    local_sum = torch.where(valid.reshape(-1), losses, torch.zeros_like(losses)).sum()
+    count = valid.sum().to(torch.float64).reshape(1)
+    if per_rank_mean:  # PLANTED: each rank's mean, averaged over the ranks
+        mean = local_sum / count.clamp(min=1)[0]
+        return _SumOverRanks.apply(mean) / dist.get_world_size()
+    dist.all_reduce(count)
+    return _SumOverRanks.apply(local_sum) / count.clamp(min=1)[0]
+
+
 # --- one rank's step, as cpsim.torch.check runs it ---
 
-def make_step(restart_positions=False, wrong_neighbour=False, anchor=True):
+def make_step(restart_positions=False, wrong_neighbour=False, anchor=True, targets_after_sharding=False,
+              per_rank_mean=False):
     def step(case):
         local, doc_ids, padding = shard_batch(case.batch, case.rank, case.cp, case.pad_token_id,
                                               case.shard_primary, restart_positions)
         L = local["padding_mask"].shape[1]
         start = case.rank * L
+        P = doc_ids.shape[1]
+        tokens = torch.zeros(doc_ids.shape, dtype=torch.int64)
+        tokens[:, :case.tokens.shape[1]] = case.tokens
+        if targets_after_sharding:  # PLANTED: aligned on this rank's slice, after sharding
+            targets = next_token_targets(tokens[:, start:start + L], doc_ids[:, start:start + L],
+                                         padding[:, start:start + L])
+        else:
+            targets = next_token_targets(tokens, doc_ids, padding)[:, start:start + L]
+        assert P == case.cp * L
         return {
+            "targets": targets,
+            "loss": token_mean_loss(case.logits, targets, per_rank_mean),
             "batch": local,
             "doc_ids": doc_ids,
             "local_doc_ids": doc_ids[:, start:start + L],
@@ -307,6 +360,8 @@ VARIANTS = {
     "no_anchor": make_step(anchor=False),               # a named call mismatch, not a hang
     "wrong_neighbour": make_step(wrong_neighbour=True),  # a shrunk counterexample in the halo
     "restart_positions": make_step(restart_positions=True),  # positions restarted per rank
+    "targets_after_sharding": make_step(targets_after_sharding=True),  # a target lost at every shard edge
+    "per_rank_mean": make_step(per_rank_mean=True),     # the mean of per-rank means
 }
 
 

@@ -33,6 +33,14 @@ What the step may return (any subset; each is compared when present):
                    the gathered case.k, case.v after RoPE by position (scale
                    case.softmax_scale, base case.rope_base; 0 for a query that
                    sees no key); gradients to case.q, case.k, case.v checked
+  "targets"        [B, L] this rank's next-token targets, aligned on whole rows
+                   before sharding from case.tokens: tokens[t + 1] when t and
+                   t + 1 are real tokens of one document, else -100
+  "loss"           the token-mean cross entropy of case.logits [B, L, V] against
+                   the targets over every rank: the sum of per-token losses and
+                   the count of targets all-reduced, sum / count (0 when no
+                   target); the same value on every rank. Its gradient to
+                   case.logits (upstream 1) is checked: d(local sum) / count
 
 Gradients are taken in that order on every rank, one autograd.grad per output,
 as a training step's backward would: a rank whose output has no path to a
@@ -48,20 +56,22 @@ import tempfile
 
 import torch
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32,
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I32": torch.int32,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
-OUTPUTS = ("batch", "doc_ids", "local_doc_ids", "cu_seqlens", "gathered", "halo", "attention_o")
+OUTPUTS = ("batch", "doc_ids", "local_doc_ids", "cu_seqlens", "gathered", "halo", "attention_o", "targets", "loss")
 
 
 class CheckFailed(AssertionError):
     """The step disagreed with cpsim's references. `batch` is the smallest failing
     layout as BATCH JSON text, `path` where it was saved, `cp` the CP size,
-    `failure` what went wrong."""
+    `plan` and `seed` what replays it (check(step, batch=path, cp=cp, plan=plan,
+    seed=seed)), `failure` what went wrong: every rank's first difference, one
+    line each."""
 
-    def __init__(self, message, failure, batch, path, cp, plan):
+    def __init__(self, message, failure, batch, path, cp, plan, seed=None):
         super().__init__(message)
-        self.failure, self.batch, self.path, self.cp, self.plan = failure, batch, path, cp, plan
+        self.failure, self.batch, self.path, self.cp, self.plan, self.seed = failure, batch, path, cp, plan, seed
 
 
 def load_safetensors(path):
@@ -89,11 +99,15 @@ class RankCase:
     [B, S] tensors, this rank's own copy), the CP geometry, and this rank's
     shards of the activations (leaves that require grad)."""
 
-    def __init__(self, golden, rank):
+    def __init__(self, golden, rank, dp=1, dp_rank=0):
         m = golden.manifest
         cuts = golden.cuts
         lo, hi = cuts[rank], cuts[rank + 1]
         self.rank, self.cp = rank, golden.cp
+        # Data parallel replicas (check(dp=D)): D copies of the CP group, ranks
+        # dp_rank * cp + rank, as init_device_mesh("cpu", (dp, cp)) lays them out;
+        # every replica holds the same case.
+        self.dp, self.dp_rank, self.world_rank = dp, dp_rank, dp_rank * golden.cp + rank
         self.batch = {k: v.clone() for k, v in golden.batch.items()}
         self.pad_token_id = m["pad_token_id"]
         self.conv_width = m["conv_width"]
@@ -107,9 +121,15 @@ class RankCase:
 
         self.x = leaf("x")
         self.q, self.k, self.v = leaf("attention_q"), leaf("attention_k"), leaf("attention_v")
+        # The loss's inputs: the token ids folded into the vocabulary, global [B, S]
+        # like the batch (the targets are aligned from them), and this rank's logits.
+        self.tokens = golden.inputs["loss_tokens"][:, :self.S].clone()
+        self.logits = leaf("logits")
+        self.vocab = self.logits.shape[-1]
 
     def __repr__(self):
-        return "RankCase(rank=%d, cp=%d, S=%d, P=%d)" % (self.rank, self.cp, self.S, self.P)
+        return "RankCase(rank=%d, cp=%d, dp_rank=%d, dp=%d, S=%d, P=%d)" % (self.rank, self.cp, self.dp_rank, self.dp,
+                                                                         self.S, self.P)
 
 
 class _Golden:
@@ -189,10 +209,13 @@ def _difference(name, got, want, tolerance, scale=None):
     return ""
 
 
-def _run_rank(golden, step, rank):
+def _run_rank(golden, step, rank, dp=1, dp_rank=0):
     """One rank: the step, then its outputs' comparisons and gradients, in the
-    same order on every rank. Returns the first difference ('' when none)."""
-    case = RankCase(golden, rank)
+    same order on every rank. Returns this rank's first difference as (0, why)
+    for a value, (1, why) for a gradient (a gradient's difference may be a
+    forward one's consequence), or None when none."""
+    case = RankCase(golden, rank, dp, dp_rank)
+    who = "rank %d" % rank if dp == 1 else "rank %d (dp %d, cp %d)" % (case.world_rank, dp_rank, rank)
     out = step(case)
     if not isinstance(out, dict):
         raise TypeError("the step returned %s, not a dict of outputs" % type(out).__name__)
@@ -201,13 +224,13 @@ def _run_rank(golden, step, rank):
         raise ValueError("the step returned %s; cpsim.torch.check compares %s" % (unknown, list(OUTPUTS)))
     mine = golden.rank(rank)
     rfile = "rank_%d.safetensors" % rank
-    found = []
+    found, found_backward = [], []
 
     def against(name, got, key, file=rfile, want=None):
         want = mine[key] if want is None else want
         entry = golden.manifest["files"][file][key]
         scale = golden.rank(rank)[entry["scale"]] if entry.get("scale") and file == rfile else None
-        why = _difference("rank %d %s" % (rank, name), got, want, golden.tolerance(file, key), scale)
+        why = _difference("%s %s" % (who, name), got, want, golden.tolerance(file, key), scale)
         if why:
             found.append(why)
 
@@ -216,8 +239,8 @@ def _run_rank(golden, step, rank):
         for key in sorted(k for k in mine if k.startswith("batch.")):
             name = key[len("batch."):]
             if name not in local:
-                found.append("rank %d batch: no %s (shard_batch gives %s)" % (
-                    rank, name, sorted(k[6:] for k in mine if k.startswith("batch."))))
+                found.append("%s batch: no %s (shard_batch gives %s)" % (
+                    who, name, sorted(k[6:] for k in mine if k.startswith("batch."))))
             else:
                 against("batch " + name, local[name], key)
     if "doc_ids" in out:
@@ -227,7 +250,7 @@ def _run_rank(golden, step, rank):
     if "cu_seqlens" in out:
         rows = [k for k in mine if k.startswith("row_cu_seqlens.")]
         if len(out["cu_seqlens"]) != len(rows):
-            found.append("rank %d cu_seqlens: %d rows, expected %d" % (rank, len(out["cu_seqlens"]), len(rows)))
+            found.append("%s cu_seqlens: %d rows, expected %d" % (who, len(out["cu_seqlens"]), len(rows)))
         else:
             for b, cu in enumerate(out["cu_seqlens"]):
                 key = "row_cu_seqlens.%d" % b
@@ -242,13 +265,22 @@ def _run_rank(golden, step, rank):
             # backward here, and neither does the harness.
             for leaf, key in zip(leaves, expected):
                 if mine[key].abs().sum() != 0:
-                    found.append("rank %d %s: no gradient reaches the inputs (the output does not require grad)"
-                                 % (rank, name))
+                    found_backward.append("%s %s: no gradient reaches the inputs (the output does not "
+                                          "require grad)" % (who, name))
                     break
             return
-        grads = torch.autograd.grad(output, leaves, grad_outputs=upstream, retain_graph=True, allow_unused=True)
+        from cpsim import _C
+        # A collective of this backward has no frame of the step's own on the stack.
+        _C.set_site_context("the backward of the step's %s" % name)
+        try:
+            grads = torch.autograd.grad(output, leaves, grad_outputs=upstream, retain_graph=True, allow_unused=True)
+        finally:
+            _C.set_site_context("")
+        before = len(found)
         for leaf, grad, key in zip(leaves, grads, expected):
             against("%s gradient (%s)" % (name, key), torch.zeros_like(leaf) if grad is None else grad, key)
+        found_backward.extend(found[before:])
+        del found[before:]
 
     if "gathered" in out:
         against("gathered", out["gathered"], "gathered")
@@ -261,20 +293,42 @@ def _run_rank(golden, step, rank):
         backward("attention_o", out["attention_o"], [case.q, case.k, case.v],
                  golden.inputs["attention_grad_o"][:, lo:hi],
                  ["attention_dq", "attention_dk", "attention_dv"])
-    return found[0] if found else ""
+    if "targets" in out:
+        against("targets", out["targets"], "targets")
+    if "loss" in out:
+        loss = out["loss"]
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            loss = loss.reshape(mine["loss"].shape)  # a scalar, as a loss is
+        against("loss", loss, "loss")
+        backward("loss", loss, [case.logits], torch.ones_like(loss) if isinstance(loss, torch.Tensor) else None,
+                 ["loss_grad_logits"])
+    if found:
+        return (0, found[0])
+    return (1, found_backward[0]) if found_backward else None
 
 
-def _verdict(folder, step, backend, timeout):
+def _first_differences(per_rank):
+    """Every rank's first difference, the values' before the gradients' (a wrong
+    gradient often follows from a wrong value, maybe another rank's), one line
+    each; '' when every rank agrees."""
+    found = sorted((f[0], r, f[1]) for r, f in enumerate(per_rank) if f)
+    return "\n".join(why for _, _, why in found)
+
+
+def _verdict(folder, step, backend, timeout, dp=1):
     from cpsim import torch as ct  # the spawn (cpsim.torch imports this module)
     golden = _Golden(folder)
+    cp = golden.cp
     try:
-        found = ct.spawn(lambda rank, world: _run_rank(golden, step, rank), golden.cp, backend=backend,
-                         timeout=timeout)
+        found = ct.spawn(lambda rank, world: _run_rank(golden, step, rank % cp, dp, rank // cp), dp * cp,
+                         backend=backend, timeout=timeout)
     except ct.RankFailed as e:
         return "rank %d raised %s" % (e.rank, str(e).split(": ", 1)[1])
+    except ct.RankStuck as e:
+        return str(e)
     except ct.CollectiveError as e:
         return "the ranks' calls did not match: %s" % e
-    return next((f for f in found if f), "")
+    return _first_differences(found)
 
 
 def _exchange(text, group):
@@ -313,7 +367,8 @@ def _job_verdict(folder, step, case_number):
     own, why = False, ""
     try:
         dist.init_process_group("cpsim", store=dist.HashStore(), rank=rank, world_size=job.size())
-        why = _run_rank(golden, step, rank)
+        mine = _run_rank(golden, step, rank)
+        why = "%d%s" % mine if mine else ""
         ct._unwaited(job.ledger(), rank)
         session.finish()  # a peer still in a call learns that this rank returned
     except BaseException as e:  # noqa: B902 - every failure is this case's verdict
@@ -325,13 +380,18 @@ def _job_verdict(folder, step, case_number):
     finally:
         ct._local.world, ct._local.source = saved
         ct._uninstall()
+    # Each process's verdict: "1" and its own exception, or "0" and a report of
+    # cpsim's, or "0", the phase of its first difference (0 value, 1 gradient) and it.
     verdicts = _exchange(("1" if own else "0") + why, main)
     del session
     # A rank's own exception first (its peers' reports are its consequence).
     for v in verdicts:
         if v[:1] == "1":
             return v[1:]
-    return next((v[1:] for v in verdicts if v[1:]), "")
+    for v in verdicts:
+        if v[1:] and v[1] not in "01":
+            return v[1:]
+    return _first_differences([(int(v[1]), v[2:]) if v[1:] else None for v in verdicts])
 
 
 def _cpsim_binary():
@@ -346,16 +406,27 @@ def _cpsim_binary():
 
 
 def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backend="threads", timeout=20.0,
-          conv_width=4, shard_primary=False, out=None):
+          conv_width=4, shard_primary=False, out=None, cps=None, batch=None, cp=None, dp=1, dtype="f64"):
     """Property-tests `step(case) -> dict` (see the module's text) on `cases`
-    layouts drawn by cpsim at CP 1..max_cp (a family file's members when
-    `family` names one), every case on a simulated group of `backend` (threads
-    or gloo). `plan`: how the ranks cut the padded rows: equal (the default:
-    what an equal-interval implementation expects), balanced, or random (drawn
-    cuts, empty intervals included: the step must follow case.cuts). Returns
-    the number of cases run; raises CheckFailed with the smallest failing
-    layout, saved as a BATCH file to `out` (default: a file in the temporary
-    folder).
+    layouts drawn by cpsim at the CP sizes `cps` (default 1..max_cp), each size
+    as often as any other (a family file's members when `family` names one),
+    every case on a simulated group of `backend` (threads or gloo). `plan`: how
+    the ranks cut the padded rows: equal (the default: what an equal-interval
+    implementation expects), balanced, or random (drawn cuts, empty intervals
+    included: the step must follow case.cuts). Returns the number of cases run;
+    raises CheckFailed with the smallest failing layout, saved as a BATCH file
+    to `out` (default: a file in the temporary folder), and every rank's first
+    difference (values before gradients).
+
+    `batch=FILE, cp=N` replays the step on one saved layout (a CheckFailed's
+    path, with its `plan`, and `seed` for the same inputs) instead of drawing.
+
+    `dp=D` runs D data-parallel replicas of every case: D * cp ranks, rank
+    dp_rank * cp + case.rank, as init_device_mesh("cpu", (D, cp)) lays them out
+    (the step builds its mesh or groups; each replica holds the same case and is
+    compared with the same expected values). `dtype` (f64, f32 or bf16): the
+    dtype of every floating input the step gets and of the expected values,
+    compared within the manifest's tolerance of that dtype.
 
     In a process of a job (after cpsim.torch.init_process_group(), under
     `cpsim launch -n N`), every case runs at CP size N, this process being its
@@ -365,8 +436,23 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
     The layouts come from `cpsim harness` (the cpsim executable: CPSIM_BINARY,
     else the build's, else cpsim on the PATH), which draws and shrinks them
     with RapidCheck and writes each case's expected values."""
-    if plan not in ("equal", "balanced", "random"):
+    replay = batch is not None
+    if replay:
+        if cp is None:
+            raise ValueError("check(step, batch=FILE, cp=N): the CP size to replay the batch at")
+        if plan == "random":
+            raise ValueError("plan: a replay takes equal, balanced or a plan file, not random")
+    elif plan not in ("equal", "balanced", "random"):
         raise ValueError("plan: equal, balanced or random, not %r" % (plan,))
+    elif cp is not None:
+        raise ValueError("cp= goes with batch=FILE (a replay); cps=[...] chooses the CP sizes drawn")
+    if dtype not in ("f64", "f32", "bf16"):
+        raise ValueError("dtype: f64, f32 or bf16, not %r" % (dtype,))
+    if int(dp) < 1:
+        raise ValueError("dp: at least 1, not %r" % (dp,))
+    sizes = sorted(set(int(c) for c in (cps if cps is not None else range(1, int(max_cp) + 1))))
+    if not sizes or sizes[0] < 1:
+        raise ValueError("cps: CP sizes of at least 1, not %r" % (cps,))
     from cpsim import torch as ct
     in_job = ct._job is not None
     if in_job:
@@ -375,12 +461,22 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
         import torch.distributed as dist
         chosen = torch.tensor([int.from_bytes(os.urandom(6), "little") if seed is None else int(seed)])
         dist.broadcast(chosen, src=0, group=dist.group.WORLD)
-        seed, max_cp = int(chosen), ct._job.size()
+        if int(dp) != 1:
+            raise ct.Unsupported("check(dp=%d) in a job: cpsim does not support groups of some of the processes of "
+                                 "a job yet; cpsim.torch.check without a job (ranks as threads) has them" % int(dp))
+        seed, sizes = int(chosen), [ct._job.size()]
+        if replay and int(cp) != ct._job.size():
+            raise ValueError("check(batch=..., cp=%d) in a job of %d processes: the job's size is its CP size"
+                             % (int(cp), ct._job.size()))
     workdir = tempfile.mkdtemp(prefix="cpsim-check-")
-    command = [_cpsim_binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--max-cp",
-               str(int(max_cp)), "--plan", plan, "--conv-width", str(int(conv_width))]
-    if in_job:
-        command += ["--cp", str(int(max_cp))]
+    command = [_cpsim_binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--plan", plan,
+               "--conv-width", str(int(conv_width)), "--dtype", dtype]
+    if replay:
+        command += ["--batch", os.fspath(batch), "--cp", str(int(cp))]
+    else:
+        command += ["--cps", ",".join(str(c) for c in sizes)]
+    if in_job and not replay:
+        command += ["--cp", str(sizes[0])]
     if family:
         command += ["--family", family]
     if seed is not None:
@@ -401,7 +497,7 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
                     raise RuntimeError("cpsim harness said %r" % line)
                 number += 1
                 why = (_job_verdict(line[len("case "):], step, number) if in_job
-                       else _verdict(line[len("case "):], step, backend, timeout))
+                       else _verdict(line[len("case "):], step, backend, timeout, int(dp)))
                 if why:
                     last_failure = why
                 # One line back: the verdict's first line leads, the rest joined.
@@ -427,16 +523,22 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
         path = out or os.path.join(tempfile.gettempdir(), "cpsim-counterexample-%d.json" % os.getpid())
         with open(path, "w") as f:
             f.write(result["batch"])
-        replay = "cpsim check %s --cp %d" % (path, result["cp"])
+        references = "cpsim check %s --cp %d" % (path, result["cp"])
+        plan_arg = "equal"
         if result["cuts"] is not None:
-            with open(path + ".plan.json", "w") as f:
+            plan_arg = path + ".plan.json"
+            with open(plan_arg, "w") as f:
                 json.dump({"cuts": result["cuts"]}, f)
-            replay += " --plan %s.plan.json" % path
+            references += " --plan " + plan_arg
         elif result["plan"] != "equal":
-            replay += " --plan " + result["plan"].split(":")[0]
-        message = ("cpsim.torch.check: %s\nsmallest failing layout (cp=%d, plan %s), saved to %s:\n%s"
-                   "\nreplay the references with: %s" % (result["failure"], result["cp"], result["plan"], path,
-                                                         json.dumps(json.loads(result["batch"])), replay))
-        raise CheckFailed(message, result["failure"], result["batch"], path, result["cp"], result["plan"])
+            plan_arg = result["plan"].split(":")[0]
+            references += " --plan " + plan_arg
+        again = "cpsim.torch.check(step, batch=%r, cp=%d, plan=%r, seed=%d)" % (path, result["cp"], plan_arg,
+                                                                               result["seed"])
+        message = ("cpsim.torch.check: %s\n%s failing layout (cp=%d, plan %s), saved to %s:\n%s"
+                   "\nreplay the step with: %s\nreplay the references with: %s"
+                   % (result["failure"], "the replayed" if replay else "smallest", result["cp"], result["plan"],
+                      path, json.dumps(json.loads(result["batch"])), again, references))
+        raise CheckFailed(message, result["failure"], result["batch"], path, result["cp"], plan_arg, result["seed"])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

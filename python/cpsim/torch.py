@@ -23,6 +23,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -40,7 +41,9 @@ import torch.distributed.nn.functional  # noqa: E402,F401
 import torch.distributed.device_mesh  # noqa: E402,F401
 
 # A call's site is the innermost frame outside these (torch's and cpsim's own files).
-_C.set_internal_paths([os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep])
+# (and the thread module, where a spawned rank's stack begins).
+_C.set_internal_paths([os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
+                       threading.__file__])
 
 CollectiveError = _C.CollectiveError
 Unsupported = _C.Unsupported
@@ -188,6 +191,36 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
+class RankStuck(RuntimeError):
+    """A rank of a spawn still ran `timeout` seconds after a peer ended, in no
+    cpsim call (a loop or a wait of the program's own): `ranks` says which,
+    the message where each one was."""
+
+    def __init__(self, message, ranks):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class _Abandoned(BaseException):
+    """Raised inside a stuck rank's thread to stop it (pure Python code stops at
+    its next bytecode; a call blocked in C code stops when it returns)."""
+
+
+def _where(thread):
+    """The innermost frames of a running thread, as 'file:line in function' text."""
+    import traceback
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return "(it ended meanwhile)"
+    stack = traceback.extract_stack(frame)
+    return " <- ".join("%s:%d in %s" % (os.path.basename(f.filename), f.lineno, f.name) for f in reversed(stack[-3:]))
+
+
+def _stop_thread(thread):
+    import ctypes
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Abandoned))
+
+
 def _unwaited(ledger, rank):
     text = ledger.unwaited(rank)
     if text:
@@ -199,10 +232,15 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
     `backend` (threads or gloo), as threads of this process; returns every rank's
     result in rank order. The first failure is raised on the caller's thread once
     every rank has stopped: a rank's own exception (its peers' CollectiveErrors
-    are its consequence), or a CollectiveError naming every rank's call."""
+    are its consequence), or a CollectiveError naming every rank's call. A rank
+    still running `timeout` seconds after a peer ended (and so in no cpsim call,
+    whose own wait would have ended) is RankStuck, with where it was; its thread
+    is stopped at its next Python bytecode."""
     group = _C.SpawnedGroup(backend, world_size, float(timeout))
     store = dist.HashStore()
     results, errors, backends = [None] * world_size, [None] * world_size, [[] for _ in range(world_size)]
+    ended = [None] * world_size  # when each rank's thread ended (time.monotonic)
+    ending = threading.Condition()
 
     def run(rank):
         ledger = group.ledger(rank)
@@ -220,24 +258,53 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
                 results[rank] = fn(rank, world_size, *args)
             _unwaited(ledger, rank)
             group.finish(rank)
+        except _Abandoned:
+            pass  # reported by spawn as RankStuck
         except BaseException as e:  # noqa: B902 - every failure ends the rank and tells its peers
             errors[rank] = e
             group.fail(rank, "%s: %s" % (type(e).__name__, e))
         finally:
             _local.world = _local.source = None
+            with ending:
+                ended[rank] = time.monotonic()
+                ending.notify_all()
 
     _install()
     hook = sys.excepthook  # each rank's init_process_group wraps it (a "[rank N]:" prefix)
+    stuck = []
     try:
-        threads = [threading.Thread(target=run, args=(r,), name="cpsim rank %d" % r) for r in range(world_size)]
+        threads = [threading.Thread(target=run, args=(r,), name="cpsim rank %d" % r, daemon=True)
+                   for r in range(world_size)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
-        group.done()
+        # Every rank's wait in a cpsim call ends within the timeout; a rank still
+        # running that long (and a little) after a peer ended is in none.
+        grace = max(1.0, 0.1 * timeout)
+        with ending:
+            while any(e is None for e in ended):
+                first = min((e for e in ended if e is not None), default=None)
+                left = None if first is None else first + timeout + grace - time.monotonic()
+                if left is not None and left <= 0:
+                    stuck = [r for r in range(world_size) if ended[r] is None]
+                    break
+                ending.wait(left)
+        if stuck:
+            first = min(e for e in ended if e is not None)
+            first_rank = ended.index(first)
+            lines = ["rank %d is still running %.3g s after rank %d ended, in no cpsim call: at %s"
+                     % (r, time.monotonic() - first, first_rank, _where(threads[r])) for r in stuck]
+            for r in stuck:
+                group.fail(r, "stuck")
+                _stop_thread(threads[r])
+        for r, t in enumerate(threads):
+            t.join(1.0 if r in stuck else None)
+        if not stuck:
+            group.done()
     finally:
         sys.excepthook = hook
         _uninstall()
+    if stuck:
+        raise RankStuck("\n".join(lines), stuck)
     # The root cause first: an exception of the rank's own, then cpsim's report.
     # A rank whose own call ended in cpsim's report raised the report (it crosses
     # torch's bindings as a RuntimeError with cpsim's text); any other exception

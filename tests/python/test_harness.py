@@ -53,8 +53,10 @@ def test_a_halo_from_the_wrong_neighbour_is_shrunk(tmp_path):
     assert "halo" in e.value.failure, e.value.failure
     batch = json.loads(e.value.batch)
     tokens = torch.tensor(batch["input_ids"]).numel()
-    # Shrunk: two ranks and a handful of tokens show it.
-    assert e.value.cp == 2 and tokens <= 4, (e.value.cp, batch)
+    # Shrunk: a handful of tokens on two or three ranks show it (at cp 2 only rank
+    # 0 reads the wrong neighbour, seen once rank 1 holds a real token; at cp 3
+    # rank 2's halo misses rank 0's tail even on one padding token).
+    assert e.value.cp <= 3 and tokens <= 4, (e.value.cp, batch)
     with open(str(tmp_path / "smallest.json")) as f:
         assert json.load(f) == batch
 
@@ -151,3 +153,88 @@ def test_each_planted_bug_is_reported_with_ranks_as_processes(variant, words):
     assert rc == 1, out
     assert time.monotonic() - start < 120, out
     assert all(w in out for w in words), (words, out)
+
+
+@pytest.mark.parametrize("variant,words", [
+    ("targets_after_sharding", ["targets", "-100"]),  # the target at a shard edge inside a document is lost
+    ("per_rank_mean", ["loss"])])                     # a per-rank mean averaged over ranks
+def test_targets_and_the_loss_across_ranks_are_checked(variant, words):
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(cp_step.VARIANTS[variant], cases=CASES, max_cp=8, seed=11)
+    assert all(w in e.value.failure for w in words), e.value.failure
+    assert e.value.cp >= 2
+
+
+def test_every_rank_s_first_difference_is_reported_values_before_gradients():
+    # Rank 0's gradient is wrong; rank 1's value is wrong (and so is its gradient).
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return cp_step._AllGatherSequence.forward(ctx, x, 1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            g, _ = cp_step._AllGatherSequence.backward(ctx, grad)
+            return 2 * g if torch.distributed.get_rank() == 0 else g
+
+    def step(case):
+        gathered = Doubled.apply(case.x) if case.cp > 1 else case.x
+        if case.rank == 1:
+            gathered = gathered + 1
+        return {"gathered": gathered}
+
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(step, cases=CASES, cps=[2, 3], seed=4)
+    lines = e.value.failure.splitlines()
+    assert lines[0].startswith("rank 1 gathered:"), lines
+    assert lines[1].startswith("rank 0 gathered gradient"), lines
+    assert e.value.cp == 2 and len(lines) == 2, lines
+
+
+def test_cp_sizes_are_chosen_and_drawn_equally_often():
+    seen = []
+
+    def step(case):
+        if case.rank == 0:
+            seen.append(case.cp)
+        return {"gathered": cp_step.gather_sequence(case.x)}
+
+    assert ct.check(step, cases=12, cps=[8, 3], seed=1) == 12
+    assert sorted(set(seen)) == [3, 8], seen
+    seen.clear()
+    assert ct.check(step, cases=80, max_cp=8, seed=2) == 80
+    counts = [seen.count(cp) for cp in range(1, 9)]
+    assert min(counts) >= 3, counts  # uniform: 10 each on average; RapidCheck's sizes favour small ones
+    with pytest.raises(ValueError):
+        ct.check(step, cases=1, cps=[0])
+
+
+def test_a_saved_counterexample_replays_the_user_s_step(tmp_path):
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(cp_step.VARIANTS["targets_after_sharding"], cases=CASES, max_cp=8, seed=11,
+                 out=str(tmp_path / "smallest.json"))
+    first = e.value
+    assert "replay the step with: cpsim.torch.check(step, batch=" in str(first), str(first)
+    with pytest.raises(ct.CheckFailed) as again:
+        ct.check(cp_step.VARIANTS["targets_after_sharding"], batch=first.path, cp=first.cp, plan=first.plan,
+                 seed=first.seed)
+    assert again.value.failure == first.failure and again.value.cp == first.cp
+    # The faithful step holds on it, at its CP size and at others.
+    for cp in (first.cp, 1, 5):
+        assert ct.check(cp_step.step, batch=first.path, cp=cp, seed=first.seed) == 1
+    with pytest.raises(ValueError):
+        ct.check(cp_step.step, batch=first.path)  # a replay names its CP size
+
+
+def test_a_rank_stuck_in_python_ends_the_check_within_its_timeout():
+    def step(case):
+        if case.rank == case.cp - 1 and case.cp > 1:
+            while True:
+                pass
+        return {"gathered": cp_step.gather_sequence(case.x)}
+
+    start = time.monotonic()
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(step, cases=3, cps=[2], seed=1, timeout=2)
+    assert time.monotonic() - start < 60
+    assert "rank 1 is still running" in e.value.failure and "in step" in e.value.failure, e.value.failure

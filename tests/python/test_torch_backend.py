@@ -235,6 +235,25 @@ def test_a_rank_that_skips_a_collective_is_named_not_hung(backend):
     assert "rank 1" in text and "all_reduce" in text, text
 
 
+def test_a_rank_stuck_in_python_is_named_with_where_it_is_within_the_timeout():
+    def step(rank, world):
+        if rank == 2:
+            spin = 0
+            while True:  # stuck: in no cpsim call, so no call of its own times out
+                spin += 1
+        dist.all_reduce(torch.ones(4))
+
+    start = time.monotonic()
+    with pytest.raises(ct.RankStuck) as e:
+        ct.spawn(step, 3, timeout=2)
+    assert time.monotonic() - start < 2 + 2 + 3  # the peers' timeout, then as long again and a second
+    assert e.value.ranks == [2]
+    text = str(e.value)
+    assert "rank 2 is still running" in text and "test_torch_backend.py" in text and "in step" in text, text
+    # The stuck thread was stopped: the next spawn runs as usual.
+    assert ct.spawn(lambda rank, world: rank, 2) == [0, 1]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mismatched_calls_and_sizes_are_named(backend):
     def sizes(rank, world):
