@@ -16,5 +16,5 @@ try:
     n = ct.check(step, cases=cases, seed=11)
     print("rank %d: %d layouts hold at cp %d" % (ct._job.rank(), n, ct._job.size()))
 except ct.CheckFailed as e:
-    print("rank %d: %s" % (ct._job.rank(), str(e).splitlines()[0]))
+    print("rank %d: %s" % (ct._job.rank(), " | ".join(e.failure.splitlines())))
     sys.exit(1)
