@@ -40,8 +40,10 @@ extension = CppExtension(
     "cpsim._C",
     sources,
     include_dirs=[root],
+    # cpsim's core is C++20; older torch builds extensions as C++17 (2.10 does;
+    # its headers compile as C++20 too): the later -std wins.
     extra_compile_args=["-O2", "-g0", "-fvisibility=hidden", "-isystem", thrust, "-DHIREDIS_NESTED_INCLUDE", "-Wno-unused-parameter",
-                        "-Wno-missing-field-initializers"],
+                        "-Wno-missing-field-initializers", "-std=c++20"],
     # gloo first: torch's own library holds a different Gloo, and this module's
     # Gloo calls must bind to the one it was compiled against (the libraries are
     # searched in this order).

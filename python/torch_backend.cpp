@@ -118,11 +118,17 @@ std::vector<std::string>& internal_paths() {
   return paths;
 }
 
-// What a call made with no frame of the program's own on the stack is part of
-// (the harness's backward of a step's output), per thread; "" when unset.
+// What a call made under cpsim's own Python code is part of (the harness's
+// backward of a step's output), per thread; "" when unset. The frames outside
+// that code (the program that called the harness) are not the call's site.
 std::string& site_context() {
   thread_local std::string context;
   return context;
+}
+// The folder of cpsim's own Python files.
+std::string& own_path() {
+  static std::string path;
+  return path;
 }
 
 // Where the program made the call: the innermost Python frame outside torch and
@@ -140,6 +146,11 @@ std::string python_call_site() {
     const std::string path = file ? file : "";
     bool inside = path.rfind("<", 0) == 0;
     for (const std::string& p : internal_paths()) inside = inside || path.rfind(p, 0) == 0;
+    if (!site_context().empty() && !own_path().empty() && path.rfind(own_path(), 0) == 0) {
+      Py_DECREF(code);
+      Py_DECREF(frame);
+      return site_context();
+    }
     if (!inside) {
       const std::size_t slash = path.rfind('/');
       site = (slash == std::string::npos ? path : path.substr(slash + 1)) + ":" +
@@ -1028,12 +1039,12 @@ class SpawnedGroup {
 // own (the job's group) or one case of the harness (a fresh group).
 class JobSession {
  public:
-  JobSession(std::unique_ptr<sim::ProcessJob::Session> session, std::shared_ptr<Ledger> ledger, int size)
+  // ranks: the job ranks of the group's ranks, in group rank order.
+  JobSession(std::unique_ptr<sim::ProcessJob::Session> session, std::shared_ptr<Ledger> ledger,
+             std::vector<int> ranks)
       : session_(std::move(session)) {
-    std::vector<int> ranks(size);
-    for (int q = 0; q < size; ++q) ranks[q] = q;
     backend_ = c10::make_intrusive<BackendCpsim>(
-        RankContext{session_->communicator(), nullptr, nullptr, std::move(ledger), "", ranks});
+        RankContext{session_->communicator(), nullptr, nullptr, std::move(ledger), "", std::move(ranks)});
   }
   c10::intrusive_ptr<BackendCpsim> backend() { return backend_; }
   // The program returned: a peer still in a call learns it; a peer's call that
@@ -1080,10 +1091,13 @@ class JobGroup {
   int rank() const { return job_->rank(); }
   int size() const { return job_->size(); }
   // name "": the job's own group (the program's default group); another name: a
-  // fresh group every process opens under that name.
-  std::shared_ptr<JobSession> session(const std::string& name) {
-    return std::make_shared<JobSession>(job_->open_session(name, timeout_, find_backend("gloo").job_transport),
-                                        ledger_, size());
+  // fresh group every process opens under that name, or with `ranks` (ascending
+  // job ranks), a group of those processes only, which only they open.
+  std::shared_ptr<JobSession> session(const std::string& name, std::vector<int> ranks) {
+    if (ranks.empty())
+      for (int q = 0; q < size(); ++q) ranks.push_back(q);
+    return std::make_shared<JobSession>(
+        job_->open_session(name, timeout_, find_backend("gloo").job_transport, ranks), ledger_, ranks);
   }
   std::shared_ptr<Ledger> ledger() { return ledger_; }
   // The job's last barrier.
@@ -1133,10 +1147,12 @@ PYBIND11_MODULE(_C, m) {
       .def("rank", &JobGroup::rank)
       .def("size", &JobGroup::size)
       .def("ledger", &JobGroup::ledger)
-      .def("session", &JobGroup::session, py::arg("name"), py::call_guard<py::gil_scoped_release>())
+      .def("session", &JobGroup::session, py::arg("name"), py::arg("ranks") = std::vector<int>{},
+           py::call_guard<py::gil_scoped_release>())
       .def("leave", &JobGroup::leave, py::call_guard<py::gil_scoped_release>());
   m.def("backends", [] { return cpsim::backend_names(); });
   m.def("set_site_context", [](std::string context) { site_context() = std::move(context); });
+  m.def("set_own_path", [](std::string path) { own_path() = std::move(path); });
   m.def("set_internal_paths", [](std::vector<std::string> paths) { internal_paths() = std::move(paths); },
         "folders whose frames are not a call's site (torch's and cpsim's own)");
 }

@@ -346,7 +346,7 @@ def _exchange(text, group):
     return [bytes(p[:int(n)].tolist()).decode() for p, n in zip(parts, lengths)]
 
 
-def _job_verdict(folder, step, case_number):
+def _job_verdict(folder, step, case_number, dp=1):
     """One case in a job: this process runs its rank of the step on a fresh group
     of every process (the default group of a torch world of the case's own); the
     verdicts of all processes are agreed over the job's own group, so every
@@ -363,27 +363,30 @@ def _job_verdict(folder, step, case_number):
     # thread too, keep their names).
     world = ct._RankWorld()
     world.group_count = 1000 * (case_number + 1)
-    ct._local.world, ct._local.source = world, ct._job_source([session])
+    groups = []  # the case's other groups (a DeviceMesh's)
+    ct._local.world, ct._local.source = world, ct._job_source([session], groups)
     own, why = False, ""
     try:
         dist.init_process_group("cpsim", store=dist.HashStore(), rank=rank, world_size=job.size())
-        mine = _run_rank(golden, step, rank)
+        mine = _run_rank(golden, step, rank % golden.cp, dp, rank // golden.cp)
         why = "%d%s" % mine if mine else ""
         ct._unwaited(job.ledger(), rank)
-        session.finish()  # a peer still in a call learns that this rank returned
+        for s in groups + [session]:
+            s.finish()  # a peer still in a call learns that this rank returned
     except BaseException as e:  # noqa: B902 - every failure is this case's verdict
-        if session.collective_failed() or isinstance(e, ct.CollectiveError):
+        if any(s.collective_failed() for s in groups + [session]) or isinstance(e, ct.CollectiveError):
             why = "the ranks' calls did not match: %s" % e
         else:
             own, why = True, "rank %d raised %s: %s" % (rank, type(e).__name__, e)
-            session.fail("%s: %s" % (type(e).__name__, e))
+        for s in groups + [session]:
+            s.fail("%s: %s" % (type(e).__name__, e))
     finally:
         ct._local.world, ct._local.source = saved
         ct._uninstall()
     # Each process's verdict: "1" and its own exception, or "0" and a report of
     # cpsim's, or "0", the phase of its first difference (0 value, 1 gradient) and it.
     verdicts = _exchange(("1" if own else "0") + why, main)
-    del session
+    del session, groups
     # A rank's own exception first (its peers' reports are its consequence).
     for v in verdicts:
         if v[:1] == "1":
@@ -429,8 +432,8 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
     compared within the manifest's tolerance of that dtype.
 
     In a process of a job (after cpsim.torch.init_process_group(), under
-    `cpsim launch -n N`), every case runs at CP size N, this process being its
-    rank, on a fresh group of the processes (`backend` and `timeout` are the
+    `cpsim launch -n N`), every case runs at CP size N / dp, this process being
+    its rank, on a fresh group of the processes (`backend` and `timeout` are the
     job's); every process must call check() with the same arguments.
 
     The layouts come from `cpsim harness` (the cpsim executable: CPSIM_BINARY,
@@ -461,13 +464,13 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
         import torch.distributed as dist
         chosen = torch.tensor([int.from_bytes(os.urandom(6), "little") if seed is None else int(seed)])
         dist.broadcast(chosen, src=0, group=dist.group.WORLD)
-        if int(dp) != 1:
-            raise ct.Unsupported("check(dp=%d) in a job: cpsim does not support groups of some of the processes of "
-                                 "a job yet; cpsim.torch.check without a job (ranks as threads) has them" % int(dp))
-        seed, sizes = int(chosen), [ct._job.size()]
-        if replay and int(cp) != ct._job.size():
-            raise ValueError("check(batch=..., cp=%d) in a job of %d processes: the job's size is its CP size"
-                             % (int(cp), ct._job.size()))
+        if ct._job.size() % int(dp):
+            raise ValueError("check(dp=%d) in a job of %d processes: dp must divide the job's size"
+                             % (int(dp), ct._job.size()))
+        seed, sizes = int(chosen), [ct._job.size() // int(dp)]
+        if replay and int(cp) != sizes[0]:
+            raise ValueError("check(batch=..., cp=%d) in a job of %d processes at dp=%d: the CP size is %d"
+                             % (int(cp), ct._job.size(), int(dp), sizes[0]))
     workdir = tempfile.mkdtemp(prefix="cpsim-check-")
     command = [_cpsim_binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--plan", plan,
                "--conv-width", str(int(conv_width)), "--dtype", dtype]
@@ -496,7 +499,7 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
                 if not line.startswith("case "):
                     raise RuntimeError("cpsim harness said %r" % line)
                 number += 1
-                why = (_job_verdict(line[len("case "):], step, number) if in_job
+                why = (_job_verdict(line[len("case "):], step, number, int(dp)) if in_job
                        else _verdict(line[len("case "):], step, backend, timeout, int(dp)))
                 if why:
                     last_failure = why

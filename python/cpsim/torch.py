@@ -44,6 +44,7 @@ import torch.distributed.device_mesh  # noqa: E402,F401
 # (and the thread module, where a spawned rank's stack begins).
 _C.set_internal_paths([os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
                        threading.__file__])
+_C.set_own_path(os.path.dirname(__file__) + os.sep)
 
 CollectiveError = _C.CollectiveError
 Unsupported = _C.Unsupported
@@ -331,25 +332,30 @@ _job = None      # this process's rank of its job (init_process_group)
 _session = None  # the program's session of it: the default group
 
 
-def _job_source(default_session):
+def _job_source(default_session, sessions):
     """The Backends of a process of a job: the default group on `default_session`,
-    a group of every process on a fresh session of its own."""
+    any other group (of every process, or of some: new_group, DeviceMesh) on a
+    fresh session of its own, which its processes alone open (kept in
+    `sessions`: each is finished, or failed, with the program)."""
 
     def source(name, ranks):
         if default_session[0] is not None:
             session, default_session[0] = default_session[0], None
             return session.backend()
-        if ranks != list(range(_job.size())):
-            raise Unsupported("cpsim does not support groups of some of the processes of a job yet (new_group(%s) "
-                              "of %d processes); ranks as threads of one process have them: cpsim.torch.spawn"
-                              % (ranks, _job.size()))
-        session = _job.session("group-%d-%s" % (len(_job_sessions), name))
-        _job_sessions.append(session)
+        ranks = sorted(int(r) for r in ranks)
+        # torch names a group alike on every process (its own counter, which
+        # every process advances); a name used again (a world made anew) gets a
+        # fresh connection: the members count its uses alike.
+        key = (name, tuple(ranks))
+        _job_session_uses[key] = _job_session_uses.get(key, 0) + 1
+        session = _job.session("group-%s-%s-%d" % (name, ".".join(map(str, ranks)), _job_session_uses[key]), ranks)
+        sessions.append(session)
         return session.backend()
 
     return source
 
 
+_job_session_uses = {}
 _job_sessions = []
 _program_mode = []
 
@@ -367,7 +373,7 @@ def init_process_group(timeout=20.0):
         raise RuntimeError("cpsim.torch.init_process_group: this process already joined its job")
     _job = _C.JobGroup(float(timeout))
     _session = _job.session("")
-    _local.source = _job_source([_session])
+    _local.source = _job_source([_session], _job_sessions)
     # torch's own store stays in this process: the processes met in cpsim's store
     # when the job was joined.
     dist.init_process_group("cpsim", store=dist.HashStore(), rank=_job.rank(), world_size=_job.size(),
@@ -384,8 +390,9 @@ def init_process_group(timeout=20.0):
         session = _session
         if session is not None:
             reported = isinstance(value, (CollectiveError, _C.Aborted)) or (
-                isinstance(value, RuntimeError) and session.collective_failed())
-            session.fail("%s: %s" % (kind.__name__, value))
+                isinstance(value, RuntimeError) and any(s.collective_failed() for s in [session] + _job_sessions))
+            for s in _job_sessions + [session]:
+                s.fail("%s: %s" % (kind.__name__, value))
             if reported:
                 sys.stderr.write("rank %d: %s\n" % (_job.rank(), value))
                 return
@@ -402,7 +409,10 @@ def _finish_job():
         return
     try:
         _unwaited(job.ledger(), job.rank())
-        session.finish()  # a peer still in a call learns that this rank returned
+        # A peer still in a call (of any group) learns that this rank returned.
+        for group_session in _job_sessions:
+            group_session.finish()
+        session.finish()
         job.leave()
     except Exception as e:  # noqa: BLE001 - atexit cannot raise: say it and fail the exit status
         sys.stderr.write("rank %d: %s\n" % (job.rank(), e))

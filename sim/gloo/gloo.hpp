@@ -144,6 +144,9 @@ class GlooRank : public SideChannel, public std::enable_shared_from_this<GlooRan
 
   bool broken() const { return !broken_.empty(); }
   const std::string& broken_reason() const { return broken_; }
+  // A group of some of a job's processes: group rank q is job rank ranks[q], the
+  // rank its failure record is under (default: the same number).
+  void set_job_ranks(std::vector<int> ranks) { job_ranks_ = std::move(ranks); }
 
   // One call of the protocol: every rank's record and status. A rank that threw
   // or returned while others call stops the run.
@@ -184,6 +187,8 @@ class GlooRank : public SideChannel, public std::enable_shared_from_this<GlooRan
 
   std::shared_ptr<gloo::Context> context_;
   int rank_, size_;
+  std::vector<int> job_ranks_;  // empty: group rank = job rank
+  int job_rank(int q) const { return job_ranks_.empty() ? q : job_ranks_.at(q); }
   std::shared_ptr<Store> records_;
   std::chrono::milliseconds timeout_;
   bool processes_;

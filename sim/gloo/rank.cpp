@@ -150,7 +150,7 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
       if (q == rank_) continue;
       const bool suspect = std::find(suspects.begin(), suspects.end(), q) != suspects.end();
       if (!suspect && !processes_) continue;  // in-process ranks are never killed alone
-      const auto record = failure_record(*records_, q);
+      const auto record = failure_record(*records_, job_rank(q));
       if (!record) {
         if (suspect) silent.push_back(q);
         continue;
@@ -163,7 +163,8 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
     }
     std::string quiet;  // a process's liveness; in-process ranks are threads that just did not call
     if (processes_)
-      for (int q : silent) quiet += "\n  no failure record from rank " + std::to_string(q) + ": " + liveness(*records_, q);
+      for (int q : silent)
+        quiet += "\n  no failure record from rank " + std::to_string(q) + ": " + liveness(*records_, job_rank(q));
     // Peers' records that only say they lost someone too are worth the wait for the
     // root cause; a peer's timeout is one (it names whom it waited for).
     if (!died.empty() || (!lost.empty() && (!processes_ || timed_out || Clock::now() >= deadline)))
@@ -179,7 +180,7 @@ void GlooRank::break_group(const std::string& why, const std::vector<int>& suspe
   if (records_) {
     try {
       const std::string line = why.substr(0, why.find('\n'));
-      records_->set("failed/" + std::to_string(rank_), std::vector<char>(line.begin(), line.end()));
+      records_->set("failed/" + std::to_string(job_rank(rank_)), std::vector<char>(line.begin(), line.end()));
     } catch (const std::exception&) {
     }
   }

@@ -1,5 +1,7 @@
 #include "sim/job/job.hpp"
 
+#include <algorithm>
+
 #include <gloo/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 
@@ -105,11 +107,31 @@ void ProcessJob::Session::fail(const std::string& what) noexcept { rank_->fail(w
 
 std::unique_ptr<ProcessJob::Session> ProcessJob::open_session(const std::string& name,
                                                               std::chrono::milliseconds timeout,
-                                                              const JobTransport& transport) {
+                                                              const JobTransport& transport,
+                                                              const std::vector<int>& ranks) {
   if (!failure_.empty()) throw Aborted("the job stopped at an earlier failure: " + failure_);
-  std::shared_ptr<GlooRank> g = name.empty() ? all_ : connect(config_.size, "session/" + name);
+  std::vector<int> all(config_.size);
+  for (int q = 0; q < config_.size; ++q) all[q] = q;
+  const bool subset = !ranks.empty() && ranks != all;
+  std::shared_ptr<GlooRank> g;
+  if (!subset) {
+    g = name.empty() ? all_ : connect(config_.size, "session/" + name);
+  } else {
+    CPSIM_ENFORCE(!name.empty(), "a group of some of the processes needs a name of its own");
+    for (std::size_t i = 0; i < ranks.size(); ++i)
+      if (ranks[i] < 0 || ranks[i] >= config_.size || (i > 0 && ranks[i] <= ranks[i - 1]))
+        CPSIM_INVALID("group ", name, ": ranks must be ascending job ranks below ", config_.size);
+    const auto me = std::find(ranks.begin(), ranks.end(), config_.rank);
+    if (me == ranks.end()) CPSIM_INVALID("group ", name, ": rank ", config_.rank, " is not one of its ranks");
+    const int n = static_cast<int>(ranks.size()), index = static_cast<int>(me - ranks.begin());
+    std::shared_ptr<gloo::Context> context;
+    if (n > 1)
+      context = connect_gloo(index, n, *prefixed("session/" + name), gloo_device(""), config_.timeout, job_.get());
+    g = std::make_shared<GlooRank>(context, index, n, job_, config_.timeout, true);
+    g->set_job_ranks(ranks);
+  }
   g->begin(timeout);
-  std::unique_ptr<Communicator> comm = transport(g, config_.size);
+  std::unique_ptr<Communicator> comm = transport(g, g->size());
   return std::make_unique<Session>(std::move(g), std::move(comm));
 }
 

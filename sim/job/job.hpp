@@ -67,7 +67,9 @@ class ProcessJob final : public Job {
   // not for one run_ranks run. Each call is checked over the session's own side
   // channel under `timeout`. name "" is the job's own group; any other name
   // connects a fresh group (every process must open it), so that what fails in
-  // it (a mismatch, a rank that raised) stays in it.
+  // it (a mismatch, a rank that raised) stays in it. With `ranks` (ascending job
+  // ranks, this process among them), the group is of those processes only, this
+  // process its rank ranks.index(rank()); only they open it.
   class Session {
    public:
     Session(std::shared_ptr<GlooRank> rank, std::unique_ptr<Communicator> comm);
@@ -84,7 +86,7 @@ class ProcessJob final : public Job {
     std::shared_ptr<Communicator> comm_;
   };
   std::unique_ptr<Session> open_session(const std::string& name, std::chrono::milliseconds timeout,
-                                        const JobTransport& transport);
+                                        const JobTransport& transport, const std::vector<int>& ranks = {});
 
   // Every process must run the same job: same command, same batch bytes. Each
   // passes a fingerprint of its own; throws InvalidInput naming the ranks that

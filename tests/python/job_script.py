@@ -46,3 +46,31 @@ elif mode == "stall":
     dist.all_reduce(x)
 elif mode == "send":
     dist.send(x, dst=(rank + 1) % world)
+elif mode == "subgroups":  # 4 processes: a group of some, a (dp, cp) mesh, a group made twice
+    from torch.distributed.device_mesh import init_device_mesh
+    evens = dist.new_group([0, 2])
+    odds = dist.new_group([1, 3])
+    mine = evens if rank % 2 == 0 else odds
+    y = torch.tensor([float(rank)])
+    dist.all_reduce(y, group=mine)
+    assert y.item() == (0 + 2 if rank % 2 == 0 else 1 + 3), y
+    assert dist.get_process_group_ranks(mine) == ([0, 2] if rank % 2 == 0 else [1, 3])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    cp, dp = mesh["cp"].get_group(), mesh["dp"].get_group()
+    z = torch.tensor([float(rank)])
+    dist.all_reduce(z, op=dist.ReduceOp.MAX, group=cp)  # cp groups: {0, 1}, {2, 3}
+    assert z.item() == (1 if rank < 2 else 3), z
+    w = torch.tensor([float(rank)])
+    dist.all_reduce(w, op=dist.ReduceOp.AVG, group=dp)  # dp groups: {0, 2}, {1, 3}
+    assert w.item() == (1 if rank % 2 == 0 else 2), w
+    first = dist.new_group([0, 1, 2])
+    if rank < 3:
+        t = torch.ones(2)
+        dist.all_reduce(t, group=first)
+        assert torch.equal(t, torch.full((2,), 3.0)), t
+    dist.barrier()
+    print("rank %d: subgroups agree" % rank)
+elif mode == "subgroup_skip":  # 4 processes: rank 2 skips its group's collective
+    pair = dist.new_group([0, 2])
+    if rank == 0:
+        dist.all_reduce(x, group=pair)

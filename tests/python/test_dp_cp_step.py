@@ -69,7 +69,9 @@ class RingHalo(torch.autograd.Function):
         return grad[:, halo:], None, None, None
 
 
-def make_step(bug=None):
+def make_step(bug=None, halo=True):
+    """halo=False leaves the halo chain out (send and recv between the processes
+    of a job are not supported yet)."""
     def step(case):
         mesh = init_device_mesh("cpu", (case.dp, case.cp), mesh_dim_names=("dp", "cp"))
         cp_group, dp_group = mesh["cp"].get_group(), mesh["dp"].get_group()
@@ -92,8 +94,10 @@ def make_step(bug=None):
             targets = next_token_targets(tokens, doc, pad)[:, lo:hi]
 
         gathered = torch.cat(dist_nn.all_gather(case.x.contiguous(), group=cp_group), dim=1)
-        halo = RingHalo.apply(case.x, case.conv_width - 1, cp_group, bug == "unwaited_send") \
-            if case.conv_width > 1 else case.x
+        out = {"gathered": gathered}
+        if halo:
+            out["halo"] = RingHalo.apply(case.x, case.conv_width - 1, cp_group, bug == "unwaited_send") \
+                if case.conv_width > 1 else case.x
 
         valid = targets != -100
         V = case.logits.shape[-1]
@@ -120,7 +124,8 @@ def make_step(bug=None):
         averaged = loss.detach().clone()
         dist.all_reduce(averaged, op=dist.ReduceOp.AVG, group=dp_group)
         loss = loss + (averaged - loss).detach()
-        return {"gathered": gathered, "halo": halo, "targets": targets, "loss": loss}
+        out.update(targets=targets, loss=loss)
+        return out
     return step
 
 
@@ -144,3 +149,23 @@ def test_each_planted_bug_is_named_with_its_rank_and_call(bug, words):
     assert all(w in failure for w in words), (words, failure)
     assert "rank " in failure, failure
     assert e.value.cp >= 2, failure
+
+
+# Ranks as processes: cpsim launch -n 4 -- python3 job_harness.py dp_cp[:BUG] CASES (dp=2, cp=2),
+# each process one rank of a (dp, cp) mesh of the job's processes.
+@pytest.mark.parametrize("bug,words", [(None, []), ("per_rank_mean", ["rank 1 (dp 0, cp 1) loss:"]),
+                                       ("skipped_collective", ["all_reduce", "test_dp_cp_step.py:"])])
+def test_the_step_as_processes_of_a_launch(bug, words):
+    import subprocess
+    binary = os.environ.get("CPSIM_BINARY")
+    if not binary:
+        pytest.skip("CPSIM_BINARY (the cpsim executable) is not set: run through CTest")
+    script = os.path.join(os.path.dirname(__file__), "job_harness.py")
+    variant = "dp_cp" + (":" + bug if bug else "")
+    p = subprocess.run([binary, "launch", "-n", "4", "--", sys.executable, script, variant, "12"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    out = p.stdout.decode()
+    if bug is None:
+        assert p.returncode == 0 and all("rank %d: 12 layouts hold at cp 2" % r in out for r in range(4)), out
+    else:
+        assert p.returncode == 1 and all(w in out for w in words), (words, out)
