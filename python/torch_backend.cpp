@@ -17,12 +17,17 @@
 // Built by python/setup.py with torch's own build helper (pip install
 // --no-build-isolation ./python), against the torch that is installed.
 #include <Python.h>
+#include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <condition_variable>
+#include <functional>
+#include <thread>
 #include <cstring>
 #include <deque>
 #include <list>
@@ -37,6 +42,7 @@
 #include "core/comm/communicator.hpp"
 #include "core/comm/registry.hpp"
 #include "core/error.hpp"
+#include "sim/gloo/gloo.hpp"
 #include "sim/job/job.hpp"
 
 namespace cpsim::torch_backend {
@@ -227,13 +233,42 @@ struct PostedRecv {
 
 class Mailbox {
  public:
+  struct Message {
+    at::Tensor bytes;
+    std::string dtype;
+    std::int64_t numel = 0;
+    int seq = 0;
+    std::string site;
+  };
+  // How a message leaves this process for rank dst of another (a job's
+  // processes: ProcessWire); it returns once the message is on its way.
+  using Remote = std::function<void(int src, int dst, int tag, const Message& m)>;
+
   Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<Board> board)
       : state_(ranks, "running"), sent_(ranks, 0), timeout_(timeout), board_(std::move(board)) {}
+  // The mailbox of one process of a job: its receives are rank `local`'s; sends
+  // to any other rank go through `remote`.
+  void set_remote(int local, Remote remote) { local_ = local, remote_ = std::move(remote); }
 
   void send(const std::string& group, int src, int dst, int tag, const at::Tensor& t, const std::string& site) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
     check_peer(src, dst, "send to");
     Message m{as_bytes(t).clone(), dtype_text(t), t.numel(), ++sent_[src], site};
+    if (remote_ && dst != local_) {
+      lock.unlock();
+      remote_(src, dst, tag, m);
+      return;
+    }
+    arrive_locked(group, src, dst, tag, std::move(m));
+  }
+
+  // A message from another process for this one's rank.
+  void arrive(const std::string& group, int src, int dst, int tag, Message m) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    arrive_locked(group, src, dst, tag, std::move(m));
+  }
+
+  void arrive_locked(const std::string& group, int src, int dst, int tag, Message m) {
     for (auto& p : posted_) {
       if (p->done || p->group != group || p->dst != dst || p->tag != tag || (p->src >= 0 && p->src != src)) continue;
       deliver(*p, src, m);
@@ -323,13 +358,6 @@ class Mailbox {
   }
 
  private:
-  struct Message {
-    at::Tensor bytes;
-    std::string dtype;
-    std::int64_t numel = 0;
-    int seq = 0;
-    std::string site;
-  };
   void deliver(PostedRecv& p, int src, const Message& m) {
     p.done = true;
     p.source = src;
@@ -369,6 +397,110 @@ class Mailbox {
   std::string failure_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<Board> board_;
+  int local_ = -1;
+  Remote remote_;
+};
+
+// ---------------------------------------------------------------------------
+// Point to point between the processes of a job, over the group's Gloo context
+// (slots of its own): a send writes a header (tag, dtype, count, the sender's
+// call site) and the bytes; a thread of each process takes every message that
+// comes, from any peer, into the process's mailbox, where its receives match
+// them as between threads (any order, sizes checked, timeouts named).
+
+struct WireHeader {
+  std::int64_t tag = 0, numel = 0, nbytes = 0, seq = 0;
+  char dtype[24] = {};
+  char site[96] = {};
+};
+
+inline constexpr std::uint64_t kTorchHeaderSlot = 0xC5ull << 56 | 8;
+inline constexpr std::uint64_t kTorchPayloadSlot = 0xC5ull << 56 | 9;
+
+class ProcessWire {
+ public:
+  // ranks: the job ranks of the group's ranks; me: this process's group rank.
+  ProcessWire(std::shared_ptr<gloo::Context> context, std::vector<int> ranks, int me, std::shared_ptr<Mailbox> mailbox,
+              std::chrono::milliseconds timeout)
+      : context_(std::move(context)), ranks_(std::move(ranks)), me_(me), mailbox_(std::move(mailbox)),
+        timeout_(timeout) {
+    if (context_ && ranks_.size() > 1) thread_ = std::thread([this] { take(); });
+  }
+  ~ProcessWire() {
+    stopping_ = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (header_) header_->abortWaitRecv();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void send(int dst, int tag, const Mailbox::Message& m) {
+    const auto it = std::find(ranks_.begin(), ranks_.end(), dst);
+    if (it == ranks_.end() || !context_) throw InvalidInput("send to rank " + std::to_string(dst) + ": not in this group");
+    const int peer = static_cast<int>(it - ranks_.begin());
+    WireHeader h;
+    h.tag = tag, h.numel = m.numel, h.nbytes = m.bytes.numel(), h.seq = m.seq;
+    std::strncpy(h.dtype, m.dtype.c_str(), sizeof h.dtype - 1);
+    std::strncpy(h.site, m.site.c_str(), sizeof h.site - 1);
+    try {
+      auto header = context_->createUnboundBuffer(&h, sizeof h);
+      std::unique_ptr<gloo::transport::UnboundBuffer> payload;
+      header->send(peer, kTorchHeaderSlot);
+      if (h.nbytes) {
+        payload = context_->createUnboundBuffer(m.bytes.data_ptr(), static_cast<std::size_t>(h.nbytes));
+        payload->send(peer, kTorchPayloadSlot);
+      }
+      header->waitSend(timeout_);
+      if (payload) payload->waitSend(timeout_);
+    } catch (const std::exception& e) {
+      throw CollectiveError("rank " + std::to_string(ranks_[me_]) + "'s send to rank " + std::to_string(dst) +
+                            " (tag " + std::to_string(tag) + ", " + m.dtype + " x " + std::to_string(m.numel) +
+                            ") did not leave within " + std::to_string(timeout_.count()) + " ms: " + e.what());
+    }
+  }
+
+ private:
+  // Every message from any peer, into the mailbox, until the group ends.
+  void take() {
+    std::vector<int> peers;
+    for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
+      if (q != me_) peers.push_back(q);
+    while (!stopping_) {
+      WireHeader h;
+      int src = -1;
+      try {
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (stopping_) return;
+          header_ = context_->createUnboundBuffer(&h, sizeof h);
+          header_->recv(peers, kTorchHeaderSlot);
+        }
+        if (!header_->waitRecv(&src, std::chrono::hours(24 * 365)) || stopping_) return;
+        at::Tensor bytes = at::empty({h.nbytes}, at::kByte);
+        if (h.nbytes) {
+          auto payload = context_->createUnboundBuffer(bytes.data_ptr(), static_cast<std::size_t>(h.nbytes));
+          payload->recv(src, kTorchPayloadSlot);
+          payload->waitRecv(timeout_);
+        }
+        h.dtype[sizeof h.dtype - 1] = h.site[sizeof h.site - 1] = 0;
+        mailbox_->arrive("", ranks_[src], ranks_[me_], static_cast<int>(h.tag),
+                         Mailbox::Message{bytes, h.dtype, h.numel, static_cast<int>(h.seq), h.site});
+      } catch (const std::exception&) {
+        return;  // the group's connections closed (a peer ended or failed): its calls report that
+      }
+    }
+  }
+
+  std::shared_ptr<gloo::Context> context_;
+  std::vector<int> ranks_;
+  int me_;
+  std::shared_ptr<Mailbox> mailbox_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mutex_;
+  std::unique_ptr<gloo::transport::UnboundBuffer> header_;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
 };
 
 // ---------------------------------------------------------------------------
@@ -1041,11 +1173,20 @@ class JobSession {
  public:
   // ranks: the job ranks of the group's ranks, in group rank order.
   JobSession(std::unique_ptr<sim::ProcessJob::Session> session, std::shared_ptr<Ledger> ledger,
-             std::vector<int> ranks)
+             std::vector<int> ranks, int job_size, std::chrono::milliseconds timeout)
       : session_(std::move(session)) {
+    const int me = session_->gloo()->rank();
+    auto board = std::make_shared<Board>(job_size);
+    mailbox_ = std::make_shared<Mailbox>(job_size, timeout, board);
+    wire_ = std::make_unique<ProcessWire>(session_->gloo()->context_ptr(), ranks, me, mailbox_, timeout);
+    mailbox_->set_remote(ranks.at(me), [wire = wire_.get()](int, int dst, int tag, const Mailbox::Message& m) {
+      wire->send(dst, tag, m);
+    });
     backend_ = c10::make_intrusive<BackendCpsim>(
-        RankContext{session_->communicator(), nullptr, nullptr, std::move(ledger), "", std::move(ranks)});
+        RankContext{session_->communicator(), mailbox_, board, std::move(ledger), "", std::move(ranks)});
   }
+  // The messages that came and no receive took (at the end of the program).
+  std::string unreceived() { return mailbox_->unreceived(); }
   c10::intrusive_ptr<BackendCpsim> backend() { return backend_; }
   // The program returned: a peer still in a call learns it; a peer's call that
   // this rank did not join is reported here.
@@ -1069,6 +1210,8 @@ class JobSession {
 
  private:
   std::unique_ptr<sim::ProcessJob::Session> session_;
+  std::shared_ptr<Mailbox> mailbox_;
+  std::unique_ptr<ProcessWire> wire_;  // after session_: its thread ends before the connections close
   c10::intrusive_ptr<BackendCpsim> backend_;
   bool ended_ = false, collective_failed_ = false;
 };
@@ -1097,7 +1240,7 @@ class JobGroup {
     if (ranks.empty())
       for (int q = 0; q < size(); ++q) ranks.push_back(q);
     return std::make_shared<JobSession>(
-        job_->open_session(name, timeout_, find_backend("gloo").job_transport, ranks), ledger_, ranks);
+        job_->open_session(name, timeout_, find_backend("gloo").job_transport, ranks), ledger_, ranks, size(), timeout_);
   }
   std::shared_ptr<Ledger> ledger() { return ledger_; }
   // The job's last barrier.
@@ -1141,7 +1284,8 @@ PYBIND11_MODULE(_C, m) {
       .def("backend", &JobSession::backend)
       .def("finish", &JobSession::finish, py::call_guard<py::gil_scoped_release>())
       .def("fail", &JobSession::fail, py::call_guard<py::gil_scoped_release>())
-      .def("collective_failed", &JobSession::collective_failed);
+      .def("collective_failed", &JobSession::collective_failed)
+      .def("unreceived", &JobSession::unreceived);
   py::class_<JobGroup, std::shared_ptr<JobGroup>>(m, "JobGroup")
       .def(py::init<double>(), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
       .def("rank", &JobGroup::rank)

@@ -373,6 +373,9 @@ def _job_verdict(folder, step, case_number, dp=1):
         ct._unwaited(job.ledger(), rank)
         for s in groups + [session]:
             s.finish()  # a peer still in a call learns that this rank returned
+        unreceived = "\n".join(u for u in (s.unreceived() for s in groups + [session]) if u)
+        if unreceived:
+            why = "the ranks' calls did not match: " + unreceived
     except BaseException as e:  # noqa: B902 - every failure is this case's verdict
         if any(s.collective_failed() for s in groups + [session]) or isinstance(e, ct.CollectiveError):
             why = "the ranks' calls did not match: %s" % e

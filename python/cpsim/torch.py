@@ -366,8 +366,8 @@ def init_process_group(timeout=20.0):
     the default torch.distributed group a cpsim group over the job's Gloo
     transport: every call is checked across the processes, so a rank that skips a
     collective, calls another one or another size, raises, or never arrives ends
-    every rank within `timeout` with cpsim's one-line error. Returns the group.
-    (send and recv between processes are not supported yet: spawn() has them.)"""
+    every rank within `timeout` with cpsim's one-line error. Sends and receives
+    between the processes match in any order, as in spawn(). Returns the group."""
     global _job, _session
     if _job is not None:
         raise RuntimeError("cpsim.torch.init_process_group: this process already joined its job")
@@ -413,7 +413,10 @@ def _finish_job():
         for group_session in _job_sessions:
             group_session.finish()
         session.finish()
+        unreceived = "\n".join(u for u in (s.unreceived() for s in [session] + _job_sessions) if u)
         job.leave()
+        if unreceived:
+            raise CollectiveError(unreceived)
     except Exception as e:  # noqa: BLE001 - atexit cannot raise: say it and fail the exit status
         sys.stderr.write("rank %d: %s\n" % (job.rank(), e))
         sys.stderr.flush()

@@ -80,6 +80,8 @@ class ProcessJob final : public Job {
     void finish();
     // The program raised: peers fail with "rank R threw: what". Never throws.
     void fail(const std::string& what) noexcept;
+    // The group's Gloo rank (its context carries the torch backend's point to point).
+    const std::shared_ptr<GlooRank>& gloo() const { return rank_; }
 
    private:
     std::shared_ptr<GlooRank> rank_;

@@ -13,9 +13,9 @@ variant = sys.argv[1]
 cases = int(sys.argv[2])
 ct.init_process_group(timeout=10)
 dp = 1
-if variant.startswith("dp_cp"):  # the DP x CP step of test_dp_cp_step.py at dp=2, its halo chain left out
+if variant.startswith("dp_cp"):  # the DP x CP step of test_dp_cp_step.py at dp=2
     import test_dp_cp_step
-    step, dp = test_dp_cp_step.make_step(variant.partition(":")[2] or None, halo=False), 2
+    step, dp = test_dp_cp_step.make_step(variant.partition(":")[2] or None), 2
 else:
     step = cp_step.step if variant == "faithful" else cp_step.VARIANTS[variant]
 try:

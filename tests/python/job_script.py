@@ -44,8 +44,41 @@ elif mode == "stall":
         import time
         time.sleep(1000)
     dist.all_reduce(x)
-elif mode == "send":
-    dist.send(x, dst=(rank + 1) % world)
+elif mode == "ring":  # every rank posts its irecv first, then sends; then a batch, then a subgroup's pair
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    got = torch.empty(3, dtype=torch.float64)
+    req = dist.irecv(got, src=prev)
+    dist.send(x, dst=nxt)
+    req.wait()
+    assert torch.equal(got, torch.arange(3, dtype=torch.float64) + 10 * prev), got
+    back = torch.empty(2, dtype=torch.float16)
+    ops = [dist.P2POp(dist.irecv, back, nxt), dist.P2POp(dist.isend, torch.full((2,), float(rank), dtype=torch.float16), prev)]
+    for r in dist.batch_isend_irecv(ops):
+        r.wait()
+    assert torch.equal(back, torch.full((2,), float(nxt), dtype=torch.float16)), back
+    pair = dist.new_group([0, world - 1])
+    if rank in (0, world - 1):
+        peer = world - 1 if rank == 0 else 0
+        big = torch.full((1 << 16,), float(rank))
+        req = dist.isend(big, dst=peer, group=pair)
+        into = torch.empty(1 << 16)
+        dist.recv(into, src=peer, group=pair)
+        req.wait()
+        assert torch.equal(into, torch.full((1 << 16,), float(peer))), into[:4]
+    dist.barrier()
+    print("rank %d: point to point agrees" % rank)
+elif mode == "recv_nothing":  # rank 0 waits for a message rank 1 never sends
+    if rank == 0:
+        dist.recv(torch.empty(2), src=1)
+elif mode == "send_size":  # rank 1 sends 3 elements where rank 0 receives 2
+    if rank == 1:
+        dist.send(torch.ones(3), dst=0)
+    elif rank == 0:
+        dist.recv(torch.empty(2), src=1)
+elif mode == "unreceived":  # rank 1 sends what rank 0 never receives
+    if rank == 1:
+        dist.send(torch.ones(3), dst=0)
+    dist.barrier()
 elif mode == "subgroups":  # 4 processes: a group of some, a (dp, cp) mesh, a group made twice
     from torch.distributed.device_mesh import init_device_mesh
     evens = dist.new_group([0, 2])

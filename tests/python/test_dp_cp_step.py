@@ -69,9 +69,7 @@ class RingHalo(torch.autograd.Function):
         return grad[:, halo:], None, None, None
 
 
-def make_step(bug=None, halo=True):
-    """halo=False leaves the halo chain out (send and recv between the processes
-    of a job are not supported yet)."""
+def make_step(bug=None):
     def step(case):
         mesh = init_device_mesh("cpu", (case.dp, case.cp), mesh_dim_names=("dp", "cp"))
         cp_group, dp_group = mesh["cp"].get_group(), mesh["dp"].get_group()
@@ -94,10 +92,8 @@ def make_step(bug=None, halo=True):
             targets = next_token_targets(tokens, doc, pad)[:, lo:hi]
 
         gathered = torch.cat(dist_nn.all_gather(case.x.contiguous(), group=cp_group), dim=1)
-        out = {"gathered": gathered}
-        if halo:
-            out["halo"] = RingHalo.apply(case.x, case.conv_width - 1, cp_group, bug == "unwaited_send") \
-                if case.conv_width > 1 else case.x
+        halo = RingHalo.apply(case.x, case.conv_width - 1, cp_group, bug == "unwaited_send") \
+            if case.conv_width > 1 else case.x
 
         valid = targets != -100
         V = case.logits.shape[-1]
@@ -124,8 +120,7 @@ def make_step(bug=None, halo=True):
         averaged = loss.detach().clone()
         dist.all_reduce(averaged, op=dist.ReduceOp.AVG, group=dp_group)
         loss = loss + (averaged - loss).detach()
-        out.update(targets=targets, loss=loss)
-        return out
+        return {"gathered": gathered, "halo": halo, "targets": targets, "loss": loss}
     return step
 
 
@@ -153,8 +148,12 @@ def test_each_planted_bug_is_named_with_its_rank_and_call(bug, words):
 
 # Ranks as processes: cpsim launch -n 4 -- python3 job_harness.py dp_cp[:BUG] CASES (dp=2, cp=2),
 # each process one rank of a (dp, cp) mesh of the job's processes.
-@pytest.mark.parametrize("bug,words", [(None, []), ("per_rank_mean", ["rank 1 (dp 0, cp 1) loss:"]),
-                                       ("skipped_collective", ["all_reduce", "test_dp_cp_step.py:"])])
+@pytest.mark.parametrize("bug,words", [
+    (None, []),
+    ("per_rank_mean", ["rank 1 (dp 0, cp 1) loss:"]),
+    ("shifted_targets", ["targets:", "-100"]),
+    ("skipped_collective", ["all_reduce", "test_dp_cp_step.py:"]),
+    ("unwaited_send", ["never waited", "send to rank", "test_dp_cp_step.py:"])])
 def test_the_step_as_processes_of_a_launch(bug, words):
     import subprocess
     binary = os.environ.get("CPSIM_BINARY")

@@ -477,6 +477,12 @@ def test_processes_of_a_launch_run_torch_collectives_on_cpsim():
     assert all("rank %d: collectives agree" % r in out for r in range(3)), out
 
 
+def test_processes_send_and_receive_in_any_order():
+    rc, out, _ = _launch("ring", n=3)
+    assert rc == 0, out
+    assert all("rank %d: point to point agrees" % r in out for r in range(3)), out
+
+
 def test_processes_make_groups_of_some_of_them_and_a_device_mesh():
     rc, out, _ = _launch("subgroups", n=4)
     assert rc == 0, out
@@ -491,7 +497,10 @@ def test_a_rank_that_skips_its_subgroup_s_collective_is_named():
 
 
 @pytest.mark.parametrize("mode,words", [("skip", ["rank 1", "all_reduce"]), ("raise", ["rank 2", "ValueError"]),
-                                        ("sizes", ["all_gather"]), ("send", ["does not support send"])])
+                                        ("sizes", ["all_gather"]),
+                                        ("recv_nothing", ["rank 0", "recv from rank 1", "nothing came"]),
+                                        ("send_size", ["recv from rank 1", "float32 x 3"]),
+                                        ("unreceived", ["send no recv took", "rank 1's send #1 to rank 0"])])
 def test_processes_that_disagree_end_in_a_named_error_not_a_hang(mode, words):
     rc, out, took = _launch(mode, timeout=10)
     assert rc != 0, out
