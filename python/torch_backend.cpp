@@ -239,6 +239,7 @@ class Mailbox {
     std::int64_t numel = 0;
     int seq = 0;
     std::string site;
+    std::uint64_t arrival = 0;  // the order messages came to this mailbox in
   };
   // How a message leaves this process for rank dst of another (a job's
   // processes: ProcessWire); it returns once the message is on its way.
@@ -269,6 +270,7 @@ class Mailbox {
   }
 
   void arrive_locked(const std::string& group, int src, int dst, int tag, Message m) {
+    m.arrival = ++arrivals_;
     for (auto& p : posted_) {
       if (p->done || p->group != group || p->dst != dst || p->tag != tag || (p->src >= 0 && p->src != src)) continue;
       deliver(*p, src, m);
@@ -284,23 +286,31 @@ class Mailbox {
     if (src >= 0) check_peer(dst, src, "recv from");
     auto p = std::make_shared<PostedRecv>();
     p->tensor = std::move(t), p->group = group, p->dst = dst, p->src = src, p->tag = tag, p->site = site;
+    // The earliest message that matches (from any source: whichever came first).
+    std::deque<Message>* earliest = nullptr;
+    int from = -1;
     for (auto& [key, queue] : queues_) {
       const auto& [g, s, d, tg] = key;
       if (queue.empty() || g != group || d != dst || tg != tag || (src >= 0 && s != src)) continue;
-      Message m = std::move(queue.front());
-      queue.pop_front();
-      deliver(*p, s, m);
+      if (earliest == nullptr || queue.front().arrival < earliest->front().arrival) earliest = &queue, from = s;
+    }
+    if (earliest != nullptr) {
+      Message m = std::move(earliest->front());
+      earliest->pop_front();
+      deliver(*p, from, m);
       return p;
     }
     posted_.push_back(p);
     return p;
   }
 
-  // Waits for a posted receive; throws what went wrong.
-  void wait(PostedRecv& p) {
+  // Waits for a posted receive, at most `limit` when it is set and shorter than
+  // the group's timeout (Work.wait(timeout)); throws what went wrong.
+  void wait(PostedRecv& p, std::chrono::milliseconds limit = std::chrono::milliseconds(0)) {
     std::unique_lock<std::mutex> lock(mutex_);
     const auto start = Clock::now();
-    const auto deadline = start + timeout_;
+    const std::chrono::milliseconds timeout = limit.count() > 0 ? std::min(limit, timeout_) : timeout_;
+    const auto deadline = start + timeout;
     if (!p.done) board_->set(p.dst, "waits for its " + p.what());
     while (!p.done) {
       if (!failure_.empty()) {
@@ -315,7 +325,7 @@ class Mailbox {
                               pending_locked());
       }
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !p.done) {
-        const std::string report = "timeout: rank " + std::to_string(p.dst) + " " + waited_since(start, timeout_) +
+        const std::string report = "timeout: rank " + std::to_string(p.dst) + " " + waited_since(start, timeout) +
                                    " for its " + p.what() + " and nothing came" + pending_locked() +
                                    "\n what the ranks are doing:" + board_->lines();
         board_->set(p.dst, "timed out waiting for its " + p.what());
@@ -399,6 +409,7 @@ class Mailbox {
   std::shared_ptr<Board> board_;
   int local_ = -1;
   Remote remote_;
+  std::uint64_t arrivals_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -596,11 +607,11 @@ CpsimWork::CpsimWork(int rank, c10d::OpType type, std::string what, std::vector<
       recv_(std::move(recv)) {}
 
 // (torch's binding of wait releases the GIL.)
-bool CpsimWork::wait(std::chrono::milliseconds) {
+bool CpsimWork::wait(std::chrono::milliseconds timeout) {
   if (!waited_) {
     waited_ = true;
     if (ledger_) ledger_->close(request_);
-    if (recv_) mailbox_->wait(*recv_);
+    if (recv_) mailbox_->wait(*recv_, timeout);
   }
   return true;
 }
@@ -981,6 +992,11 @@ class BackendCpsim : public c10d::Backend {
     if (op.op_ == c10d::ReduceOp::AVG && !at::isFloatingType(like.scalar_type()) &&
         !at::isComplexType(like.scalar_type()))
       throw InvalidInput(name + " with AVG of " + dtype_text(like) + " (torch: floating types only)");
+    const bool bitwise =
+        op.op_ == c10d::ReduceOp::BAND || op.op_ == c10d::ReduceOp::BOR || op.op_ == c10d::ReduceOp::BXOR;
+    if (bitwise && (at::isFloatingType(like.scalar_type()) || at::isComplexType(like.scalar_type())))
+      throw InvalidInput(name + " with " + reduce_name(op) + " of " + dtype_text(like) +
+                         " (torch: integer and bool types only)");
   }
 
   // rows [ranks, bytes] of `like`'s dtype reduced by `op` (one expect_reduction

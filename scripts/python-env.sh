@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The project's Python environment: .venv/ (or $CPSIM_VENV) with the pinned
 # packages of python/requirements.txt, from PyPI. Debian's python3 makes it; no
-# system site-packages are touched. pip keeps what it downloads in its cache
-# (~/.cache/pip), so a second machine run of this script downloads nothing.
+# system site-packages are touched. The wheels are kept in a folder of their own
+# ($CPSIM_WHEELS, default ~/.cache/cpsim/wheels; pip's own cache keeps nothing
+# when the index forbids caching), so a second run on the machine, a fresh clone
+# included, installs from there and downloads nothing.
 # Idempotent: does nothing when the environment already has the pinned set.
 # Prints the environment's python.
 set -euo pipefail
@@ -14,8 +16,16 @@ if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && cmp -s "$requirements" "$stam
   echo "$venv/bin/python"
   exit 0
 fi
-echo "python-env: installing python/requirements.txt into $venv (torch wheel: about 3 GB with its CUDA libraries, once)" >&2
+wheels=${CPSIM_WHEELS:-$HOME/.cache/cpsim/wheels}
+mkdir -p "$wheels"
 /usr/bin/python3 -m venv "$venv" >&2
-"$venv/bin/python" -m pip install -q --upgrade-strategy only-if-needed -r "$requirements" >&2
+local_install() {
+  "$venv/bin/python" -m pip install -q --no-index --find-links "$wheels" -r "$requirements" >&2
+}
+if ! local_install 2>/dev/null; then
+  echo "python-env: downloading python/requirements.txt into $wheels (the torch wheel with its CUDA libraries: about 3 GB, once)" >&2
+  "$venv/bin/python" -m pip download -q -d "$wheels" -r "$requirements" >&2
+  local_install
+fi
 cp "$requirements" "$stamp"
 echo "$venv/bin/python"

@@ -52,6 +52,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -346,6 +347,9 @@ def _exchange(text, group):
     return [bytes(p[:int(n)].tolist()).decode() for p, n in zip(parts, lengths)]
 
 
+_job_checks = [0, 0]  # check() calls and cases of this process of a job so far
+
+
 def _job_verdict(folder, step, case_number, dp=1):
     """One case in a job: this process runs its rank of the step on a fresh group
     of every process (the default group of a torch world of the case's own); the
@@ -356,13 +360,16 @@ def _job_verdict(folder, step, case_number, dp=1):
     job, main = ct._job, dist.group.WORLD
     rank = job.rank()
     golden = _Golden(folder)
-    session = job.session("case%d" % case_number)
+    # Named apart from every earlier check() of this job (each counts its cases from 1).
+    session = job.session("check%d-case%d" % (_job_checks[0], case_number))
+    hook = sys.excepthook  # init_process_group wraps it (a "[rank N]:" prefix): once per case, undone
     saved = (getattr(ct._local, "world", None), getattr(ct._local, "source", None))
     ct._install()
     # The case's groups are named after the case (the program's own, on this
     # thread too, keep their names).
     world = ct._RankWorld()
-    world.group_count = 1000 * (case_number + 1)
+    _job_checks[1] += 1  # torch registers group names process-wide: every case of every check apart
+    world.group_count = 1000 * _job_checks[1]
     groups = []  # the case's other groups (a DeviceMesh's)
     ct._local.world, ct._local.source = world, ct._job_source([session], groups)
     own, why = False, ""
@@ -386,6 +393,7 @@ def _job_verdict(folder, step, case_number, dp=1):
     finally:
         ct._local.world, ct._local.source = saved
         ct._uninstall()
+        sys.excepthook = hook
     # Each process's verdict: "1" and its own exception, or "0" and a report of
     # cpsim's, or "0", the phase of its first difference (0 value, 1 gradient) and it.
     verdicts = _exchange(("1" if own else "0") + why, main)
@@ -471,6 +479,7 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
             raise ValueError("check(dp=%d) in a job of %d processes: dp must divide the job's size"
                              % (int(dp), ct._job.size()))
         seed, sizes = int(chosen), [ct._job.size() // int(dp)]
+        _job_checks[0] += 1
         if replay and int(cp) != sizes[0]:
             raise ValueError("check(batch=..., cp=%d) in a job of %d processes at dp=%d: the CP size is %d"
                              % (int(cp), ct._job.size(), int(dp), sizes[0]))

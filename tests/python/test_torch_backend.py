@@ -120,9 +120,10 @@ def test_a_reduction_torch_does_not_define_for_a_dtype_is_named(op, dtype):
     def step(rank, world):
         dist.all_reduce(torch.ones(2, dtype=dtype), op=getattr(dist.ReduceOp, op))
 
-    with pytest.raises(ct.RankFailed) as e:
-        ct.spawn(step, 2, timeout=5)
-    assert ("all_reduce with %s of %s" % (op, str(dtype).split(".")[1])) in str(e.value), str(e.value)
+    for world in (1, 2):  # refused before any byte moves, in a group of one too
+        with pytest.raises(ct.RankFailed) as e:
+            ct.spawn(step, world, timeout=5)
+        assert ("all_reduce with %s of %s" % (op, str(dtype).split(".")[1])) in str(e.value), str(e.value)
 
 
 def test_fp8_moves_bit_for_bit():
@@ -402,6 +403,38 @@ def test_a_ring_that_posts_its_irecv_first_completes():
         assert torch.equal(got, torch.full((3,), float((rank - 1) % world)))
         assert torch.equal(halo, torch.full((2,), 10.0 + (rank - 1) % world))
         assert blocking.item() == float((rank + 1) % world)
+
+
+def test_a_recv_from_any_source_takes_the_message_that_came_first():
+    def step(rank, world):
+        if rank == 2:
+            dist.send(torch.full((2,), 2.0), dst=0)
+        dist.barrier()  # rank 2's message is in before rank 1 sends
+        if rank == 1:
+            dist.send(torch.full((2,), 1.0), dst=0)
+        dist.barrier()
+        if rank == 0:
+            first, second = torch.empty(2), torch.empty(2)
+            return dist.recv(first), first[0].item(), dist.recv(second), second[0].item()
+
+    assert ct.spawn(step, 3)[0] == (2, 2.0, 1, 1.0)
+
+
+def test_a_wait_with_a_timeout_ends_by_it():
+    def step(rank, world):
+        if rank == 0:
+            request = dist.irecv(torch.empty(2), src=1)
+            start = time.monotonic()
+            try:
+                request.wait(timeout=timedelta(seconds=1))
+            finally:
+                assert time.monotonic() - start < 5
+        else:
+            time.sleep(3)  # busy, not returned: rank 0's wait ends by its own timeout
+
+    with pytest.raises((ct.CollectiveError, ct.RankFailed)) as e:
+        ct.spawn(step, 2, timeout=20)
+    assert "limit 1000 ms" in str(e.value) and "recv from rank 1" in str(e.value), str(e.value)
 
 
 def test_a_request_never_waited_on_is_named():
