@@ -254,8 +254,11 @@ class Mailbox {
   void send(const std::string& group, int src, int dst, int tag, const at::Tensor& t, const std::string& site) {
     std::unique_lock<std::mutex> lock(mutex_);
     check_peer(src, dst, "send to");
-    Message m{as_bytes(t).clone(), dtype_text(t), t.numel(), ++sent_[src], site};
-    if (remote_ && dst != local_) {
+    const bool remote = remote_ && dst != local_;
+    // A message kept here is a copy (the send completes at once); one for
+    // another process leaves before the send returns.
+    Message m{remote ? as_bytes(t) : as_bytes(t).clone(), dtype_text(t), t.numel(), ++sent_[src], site};
+    if (remote) {
       lock.unlock();
       remote_(src, dst, tag, m);
       return;
@@ -267,17 +270,6 @@ class Mailbox {
   void arrive(const std::string& group, int src, int dst, int tag, Message m) {
     std::lock_guard<std::mutex> lock(mutex_);
     arrive_locked(group, src, dst, tag, std::move(m));
-  }
-
-  void arrive_locked(const std::string& group, int src, int dst, int tag, Message m) {
-    m.arrival = ++arrivals_;
-    for (auto& p : posted_) {
-      if (p->done || p->group != group || p->dst != dst || p->tag != tag || (p->src >= 0 && p->src != src)) continue;
-      deliver(*p, src, m);
-      cv_.notify_all();
-      return;
-    }
-    queues_[{group, src, dst, tag}].push_back(std::move(m));
   }
 
   std::shared_ptr<PostedRecv> post(const std::string& group, int dst, int src, int tag, at::Tensor t,
@@ -368,6 +360,17 @@ class Mailbox {
   }
 
  private:
+  // The message to the first posted receive it matches, else to its queue.
+  void arrive_locked(const std::string& group, int src, int dst, int tag, Message m) {
+    m.arrival = ++arrivals_;
+    for (auto& p : posted_) {
+      if (p->done || p->group != group || p->dst != dst || p->tag != tag || (p->src >= 0 && p->src != src)) continue;
+      deliver(*p, src, m);
+      cv_.notify_all();
+      return;
+    }
+    queues_[{group, src, dst, tag}].push_back(std::move(m));
+  }
   void deliver(PostedRecv& p, int src, const Message& m) {
     p.done = true;
     p.source = src;
@@ -621,8 +624,8 @@ bool CpsimWork::wait(std::chrono::milliseconds timeout) {
 
 struct RankContext {
   std::shared_ptr<Communicator> comm;
-  std::shared_ptr<Mailbox> mailbox;  // null: no point to point (between processes)
-  std::shared_ptr<Board> board;      // null: no board (one process per rank)
+  std::shared_ptr<Mailbox> mailbox;  // the ranks' point to point (a spawn's, or one process's of a job)
+  std::shared_ptr<Board> board;      // what each rank does (the spawn's ranks, or this process's)
   std::shared_ptr<Ledger> ledger;
   std::string group;                 // torch's group name
   std::vector<int> global_ranks;     // group rank -> rank of the spawn or job
@@ -855,7 +858,6 @@ class BackendCpsim : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
-    expect_mailbox("send");
     expect_one(tensors.size(), "send");
     const at::Tensor& t = tensors[0];
     expect_cpu(t, "send");
@@ -876,7 +878,6 @@ class BackendCpsim : public c10d::Backend {
 
  private:
   c10::intrusive_ptr<c10d::Work> post_recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-    expect_mailbox("recv");
     expect_one(tensors.size(), "recv");
     at::Tensor& t = tensors[0];
     expect_cpu(t, "recv");
@@ -907,7 +908,7 @@ class BackendCpsim : public c10d::Backend {
     last_site_ = python_call_site();
     CallOptions o;
     o.label = CallLabel::of(name, args, last_site_);
-    if (ctx_.board) ctx_.board->set(global(getRank()), "in " + name + (last_site_.empty() ? "" : " at " + last_site_), true);
+    ctx_.board->set(global(getRank()), "in " + name + (last_site_.empty() ? "" : " at " + last_site_), true);
     try {
       f(*ctx_.comm, o);
     } catch (const CollectiveError& e) {
@@ -915,19 +916,17 @@ class BackendCpsim : public c10d::Backend {
     } catch (const Aborted& e) {
       throw Aborted(told(e));
     }
-    if (ctx_.board) ctx_.board->set(global(getRank()), "");
+    ctx_.board->set(global(getRank()), "");
   }
   // A report of the communicator's, with what the peers wait for in point to
   // point (the communicator sees only collectives).
   std::string told(const Error& e) {
     collective_failed_ = true;
     std::string out = e.what();
-    if (ctx_.board) {
-      ctx_.board->set(global(getRank()), "");
-      const std::string doing = ctx_.board->lines(/*outside_collectives=*/true);
-      if (!doing.empty()) out += "\n outside collectives:" + doing;
-    }
-    const std::string p2p = ctx_.mailbox ? ctx_.mailbox->pending() : "";
+    ctx_.board->set(global(getRank()), "");
+    const std::string doing = ctx_.board->lines(/*outside_collectives=*/true);
+    if (!doing.empty()) out += "\n outside collectives:" + doing;
+    const std::string p2p = ctx_.mailbox->pending();
     if (!p2p.empty()) out += "\n" + p2p.substr(2);
     return out;
   }
@@ -1086,12 +1085,6 @@ class BackendCpsim : public c10d::Backend {
       out.push_back(all[q].narrow(0, start, bytes).clone().view(type));
     }
     return out;
-  }
-
-  void expect_mailbox(const char* op) const {
-    if (!ctx_.mailbox)
-      throw Unsupported(std::string("cpsim does not support ") + op +
-                        " between processes yet (ranks as threads of one process have it: cpsim.torch.spawn)");
   }
 
   RankContext ctx_;

@@ -378,9 +378,7 @@ def _job_verdict(folder, step, case_number, dp=1):
         mine = _run_rank(golden, step, rank % golden.cp, dp, rank // golden.cp)
         why = "%d%s" % mine if mine else ""
         ct._unwaited(job.ledger(), rank)
-        for s in groups + [session]:
-            s.finish()  # a peer still in a call learns that this rank returned
-        unreceived = "\n".join(u for u in (s.unreceived() for s in groups + [session]) if u)
+        unreceived = ct._end_sessions(groups + [session])
         if unreceived:
             why = "the ranks' calls did not match: " + unreceived
     except BaseException as e:  # noqa: B902 - every failure is this case's verdict
@@ -388,8 +386,7 @@ def _job_verdict(folder, step, case_number, dp=1):
             why = "the ranks' calls did not match: %s" % e
         else:
             own, why = True, "rank %d raised %s: %s" % (rank, type(e).__name__, e)
-        for s in groups + [session]:
-            s.fail("%s: %s" % (type(e).__name__, e))
+        ct._fail_sessions(groups + [session], e)
     finally:
         ct._local.world, ct._local.source = saved
         ct._uninstall()

@@ -360,6 +360,21 @@ _job_sessions = []
 _program_mode = []
 
 
+def _end_sessions(sessions):
+    """The program returned: every session finished in turn (a peer still in a
+    call of any of them learns it). Returns the messages that came and no
+    receive took, as one report ('' when none)."""
+    for session in sessions:
+        session.finish()
+    return "\n".join(u for u in (session.unreceived() for session in sessions) if u)
+
+
+def _fail_sessions(sessions, error):
+    """The program raised `error`: every session's peers learn it."""
+    for session in sessions:
+        session.fail("%s: %s" % (type(error).__name__, error))
+
+
 def init_process_group(timeout=20.0):
     """Makes this process one rank of the job `cpsim launch -n N -- python3 SCRIPT`
     started (or torchrun, Slurm, Open MPI, with CPSIM_STORE naming the store) and
@@ -387,12 +402,11 @@ def init_process_group(timeout=20.0):
     def excepthook(kind, value, traceback):
         # The program raised: every peer learns it (a rank that only relays
         # cpsim's report of what the ranks did prints that one line).
-        session = _session
-        if session is not None:
+        if _session is not None:
+            sessions = _job_sessions + [_session]
             reported = isinstance(value, (CollectiveError, _C.Aborted)) or (
-                isinstance(value, RuntimeError) and any(s.collective_failed() for s in [session] + _job_sessions))
-            for s in _job_sessions + [session]:
-                s.fail("%s: %s" % (kind.__name__, value))
+                isinstance(value, RuntimeError) and any(s.collective_failed() for s in sessions))
+            _fail_sessions(sessions, value)
             if reported:
                 sys.stderr.write("rank %d: %s\n" % (_job.rank(), value))
                 return
@@ -409,11 +423,7 @@ def _finish_job():
         return
     try:
         _unwaited(job.ledger(), job.rank())
-        # A peer still in a call (of any group) learns that this rank returned.
-        for group_session in _job_sessions:
-            group_session.finish()
-        session.finish()
-        unreceived = "\n".join(u for u in (s.unreceived() for s in [session] + _job_sessions) if u)
+        unreceived = _end_sessions(_job_sessions + [session])
         job.leave()
         if unreceived:
             raise CollectiveError(unreceived)

@@ -68,19 +68,26 @@ def test_positions_restarted_per_rank_are_caught():
     assert torch.tensor(json.loads(e.value.batch)["input_ids"]).numel() <= 4, e.value
 
 
-def test_a_wrong_gradient_alone_is_caught():
-    # Forward right, backward wrong: the gather's gradient summed over ranks but not scattered.
-    class Wrong(torch.autograd.Function):
+def _gather_with_backward(backward):
+    """The example's sequence gather (dim 1), with a backward of the test's own."""
+    class Gather(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
             return cp_step._AllGatherSequence.forward(ctx, x, 1)
 
-        @staticmethod
-        def backward(ctx, grad):
-            full = grad.contiguous().clone()
-            torch.distributed.all_reduce(full)
-            L = full.shape[1] // torch.distributed.get_world_size()
-            return full[:, :L]  # rank 0's part on every rank
+    Gather.backward = staticmethod(backward)
+    return Gather
+
+
+def test_a_wrong_gradient_alone_is_caught():
+    # Forward right, backward wrong: the gather's gradient summed over ranks but not scattered.
+    def backward(ctx, grad):
+        full = grad.contiguous().clone()
+        torch.distributed.all_reduce(full)
+        L = full.shape[1] // torch.distributed.get_world_size()
+        return full[:, :L]  # rank 0's part on every rank
+
+    Wrong = _gather_with_backward(backward)
 
     def step(case):
         return {"gathered": Wrong.apply(case.x)}
@@ -185,15 +192,11 @@ def test_targets_and_the_loss_across_ranks_are_checked(variant, words):
 
 def test_every_rank_s_first_difference_is_reported_values_before_gradients():
     # Rank 0's gradient is wrong; rank 1's value is wrong (and so is its gradient).
-    class Doubled(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return cp_step._AllGatherSequence.forward(ctx, x, 1)
+    def backward(ctx, grad):
+        g, _ = cp_step._AllGatherSequence.backward(ctx, grad)
+        return 2 * g if torch.distributed.get_rank() == 0 else g
 
-        @staticmethod
-        def backward(ctx, grad):
-            g, _ = cp_step._AllGatherSequence.backward(ctx, grad)
-            return 2 * g if torch.distributed.get_rank() == 0 else g
+    Doubled = _gather_with_backward(backward)
 
     def step(case):
         gathered = Doubled.apply(case.x) if case.cp > 1 else case.x
