@@ -163,57 +163,65 @@ TEST(CudaKernels, MovementAndSumsAreBitwiseTheHostKernels) {
 
 TEST(CudaKernels, LayoutKernelsAreBitwiseTheHostKernels) {
   CPSIM_NEEDS_GPU();
-  const std::int64_t B = 4, S = 1000;
-  Tensor ids({B, S}, DType::i64);
-  for (std::int64_t i = 0; i < B * S; ++i) ids.data<std::int64_t>()[i] = (i % S) / 37 % 3 == 2 ? 0 : 1 + (i % S) / 37;
-  auto [h, g] = both_sides({ids}, Tensor({B, S}, DType::i64), [&](const auto& k, auto& in, Tensor& out) {
-    k.run_starts(static_cast<const std::int64_t*>(in[0].raw()), static_cast<std::int64_t*>(out.raw()), B, S, stream());
-  });
-  EXPECT_TRUE(h.bitwise_equal(g)) << "run_starts";
-  auto [h2, g2] = both_sides({ids, Tensor({B}, DType::i64)}, Tensor({B, S}, DType::i64),
-                             [&](const auto& k, auto& in, Tensor& out) {
-                               k.derived_positions(static_cast<const std::int64_t*>(in[0].raw()),
-                                                   static_cast<std::int64_t*>(in[1].raw()),
-                                                   static_cast<std::int64_t*>(out.raw()), B, S, stream());
-                             });
-  EXPECT_TRUE(h2.bitwise_equal(g2)) << "derived_positions";
-  std::int64_t counts[2];
-  auto [h3, g3] = both_sides({ids}, Tensor({S}, DType::i64), [&](const auto& k, auto& in, Tensor& out) {
-    counts[out.is_cpu() ? 0 : 1] = k.segment_starts(static_cast<const std::int64_t*>(in[0].raw()), S,
-                                                    static_cast<std::int64_t*>(out.raw()), stream());
-  });
-  EXPECT_EQ(counts[0], counts[1]);
-  EXPECT_TRUE(h3.bitwise_equal(g3)) << "segment_starts";
-
-  // doc_ids_from_starts: ids and padding, each compared on its own.
-  const std::int64_t R = 3, D = 4, len = 50;
-  Tensor starts({R, D + 1}, DType::i64), real({R, D}, DType::i64);
-  for (std::int64_t b = 0; b < R; ++b) {
-    const std::int64_t occupied[4] = {7 + b, 5, 9, 3}, used[4] = {5 + b, 5, 2, 0};
-    std::int64_t at = 0;
-    for (std::int64_t d = 0; d < D; ++d) {
-      starts.set(b * (D + 1) + d, at);
-      real.set(b * D + d, used[d]);
-      at += occupied[d];
-    }
-    starts.set(b * (D + 1) + D, at);
+  // Small rows, and rows long enough that the scans cross hundreds of tiles.
+  for (const auto& [B, S] : {std::pair<std::int64_t, std::int64_t>{4, 1000}, {3, 250007}}) {
+    SCOPED_TRACE("rows " + std::to_string(B) + " of " + std::to_string(S));
+    Tensor ids({B, S}, DType::i64);
+    for (std::int64_t i = 0; i < B * S; ++i) ids.data<std::int64_t>()[i] = (i % S) / 37 % 3 == 2 ? 0 : 1 + (i % S) / 37;
+    auto [h, g] = both_sides({ids}, Tensor({B, S}, DType::i64), [&](const auto& k, auto& in, Tensor& out) {
+      k.run_starts(static_cast<const std::int64_t*>(in[0].raw()), static_cast<std::int64_t*>(out.raw()), B, S, stream());
+    });
+    EXPECT_TRUE(h.bitwise_equal(g)) << "run_starts";
+    auto [h2, g2] = both_sides({ids, Tensor({B}, DType::i64)}, Tensor({B, S}, DType::i64),
+                               [&](const auto& k, auto& in, Tensor& out) {
+                                 k.derived_positions(static_cast<const std::int64_t*>(in[0].raw()),
+                                                     static_cast<std::int64_t*>(in[1].raw()),
+                                                     static_cast<std::int64_t*>(out.raw()), B, S, stream());
+                               });
+    EXPECT_TRUE(h2.bitwise_equal(g2)) << "derived_positions";
+    std::int64_t counts[2];
+    auto [h3, g3] = both_sides({ids}, Tensor({S}, DType::i64), [&](const auto& k, auto& in, Tensor& out) {
+      counts[out.is_cpu() ? 0 : 1] = k.segment_starts(static_cast<const std::int64_t*>(in[0].raw()), S,
+                                                      static_cast<std::int64_t*>(out.raw()), stream());
+    });
+    EXPECT_EQ(counts[0], counts[1]);
+    EXPECT_TRUE(h3.bitwise_equal(g3)) << "segment_starts";
   }
-  const auto doc_ids = [&](bool want_padding, const Tensor& like) {
-    return both_sides({starts, real, Tensor({R, len}, DType::i64), Tensor({R, len}, DType::b8)}, like,
-                      [&](const auto& k, auto& in, Tensor& out) {
-                        kernels::DocIds a;
-                        a.starts = static_cast<const std::int64_t*>(in[0].raw());
-                        a.real = static_cast<const std::int64_t*>(in[1].raw());
-                        a.ids = want_padding ? static_cast<std::int64_t*>(in[2].raw()) : static_cast<std::int64_t*>(out.raw());
-                        a.padding = want_padding ? static_cast<bool*>(out.raw()) : static_cast<bool*>(in[3].raw());
-                        a.rows = R, a.seq_len = len, a.docs = D;
-                        k.doc_ids_from_starts(a, stream());
-                      });
-  };
-  auto [h4, g4] = doc_ids(false, Tensor({R, len}, DType::i64));
-  EXPECT_TRUE(h4.bitwise_equal(g4)) << "doc_ids_from_starts ids";
-  auto [h5, g5] = doc_ids(true, Tensor({R, len}, DType::b8));
-  EXPECT_TRUE(h5.bitwise_equal(g5)) << "doc_ids_from_starts padding";
+
+  // doc_ids_from_starts: ids and padding, each compared on its own; rows shorter
+  // than a thread's group of positions, and rows of many groups.
+  for (const std::int64_t scale : {1, 200}) {
+    const std::int64_t R = 3, D = 4, len = 50 * scale;
+    SCOPED_TRACE("doc ids, rows of " + std::to_string(len));
+    Tensor starts({R, D + 1}, DType::i64), real({R, D}, DType::i64);
+    for (std::int64_t b = 0; b < R; ++b) {
+      const std::int64_t occupied[4] = {7 + b, 5, 9, 3}, used[4] = {5 + b, 5, 2, 0};
+      std::int64_t at = 0;
+      for (std::int64_t d = 0; d < D; ++d) {
+        starts.set(b * (D + 1) + d, at);
+        real.set(b * D + d, used[d] * scale);
+        at += occupied[d] * scale;
+      }
+      starts.set(b * (D + 1) + D, at);
+    }
+    const auto doc_ids = [&](bool want_padding, const Tensor& like) {
+      return both_sides({starts, real, Tensor({R, len}, DType::i64), Tensor({R, len}, DType::b8)}, like,
+                        [&](const auto& k, auto& in, Tensor& out) {
+                          kernels::DocIds a;
+                          a.starts = static_cast<const std::int64_t*>(in[0].raw());
+                          a.real = static_cast<const std::int64_t*>(in[1].raw());
+                          a.ids = want_padding ? static_cast<std::int64_t*>(in[2].raw())
+                                               : static_cast<std::int64_t*>(out.raw());
+                          a.padding = want_padding ? static_cast<bool*>(out.raw()) : static_cast<bool*>(in[3].raw());
+                          a.rows = R, a.seq_len = len, a.docs = D;
+                          k.doc_ids_from_starts(a, stream());
+                        });
+    };
+    auto [h4, g4] = doc_ids(false, Tensor({R, len}, DType::i64));
+    EXPECT_TRUE(h4.bitwise_equal(g4)) << "doc_ids_from_starts ids";
+    auto [h5, g5] = doc_ids(true, Tensor({R, len}, DType::b8));
+    EXPECT_TRUE(h5.bitwise_equal(g5)) << "doc_ids_from_starts padding";
+  }
 }
 
 TEST(CudaKernels, ConvMatchesTheHostKernels) {

@@ -129,13 +129,15 @@ TEST(HostKernels, TheConvAlongChannelsIsTheFunctorsBitwise) {
 TEST(HostKernels, DocIdRunsAreTheFunctorBitwise) {
   std::mt19937_64 rng(15);
   for (int trial = 0; trial < 300; ++trial) {
-    const std::int64_t rows = 1 + rng() % 3, S = 1 + rng() % 60, D = rng() % 12;
-    // Each row: documents of 0-9 positions (empty ones too) packed from 0, then padding.
+    // Rows shorter and longer than a thread's group of positions (512).
+    const std::int64_t rows = 1 + rng() % 3, S = 1 + rng() % (trial % 3 ? 60 : 1800), D = rng() % 12;
+    const std::int64_t longest = trial % 3 ? 10 : 300;
+    // Each row: documents of 0 to longest-1 positions (empty ones too) packed from 0, then padding.
     std::vector<std::int64_t> starts(rows * (D + 1)), real(rows * std::max<std::int64_t>(D, 1));
     for (std::int64_t b = 0; b < rows; ++b) {
       std::int64_t* s = starts.data() + b * (D + 1);
       for (std::int64_t d = 0; d < D; ++d) {
-        s[d + 1] = std::min(S, s[d] + static_cast<std::int64_t>(rng() % 10));
+        s[d + 1] = std::min(S, s[d] + static_cast<std::int64_t>(rng() % longest));
         real[b * D + d] = static_cast<std::int64_t>(rng() % (s[d + 1] - s[d] + 1));
       }
     }
@@ -147,6 +149,60 @@ TEST(HostKernels, DocIdRunsAreTheFunctorBitwise) {
     doc_ids_from_starts(thrust::host, a);
     ASSERT_EQ(ids_runs, ids_functor) << "rows " << rows << " S " << S << " D " << D;
     for (std::int64_t i = 0; i < rows * S; ++i) ASSERT_EQ(pad_runs[i], pad_functor[i]) << i;
+  }
+}
+
+// Run starts and derived positions are scans (a maximum, a segmented count over
+// one 64-bit word): against the loop that says what they mean, over random rows
+// with runs of every length, padding runs inside and at the end of a row.
+TEST(HostKernels, RunStartsAndDerivedPositionsAreTheirLoops) {
+  std::mt19937_64 rng(17);
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::int64_t rows = 1 + rng() % 4, len = 1 + rng() % 80;
+    std::vector<std::int64_t> ids(rows * len);
+    for (std::int64_t b = 0; b < rows; ++b) {
+      std::int64_t id = 1 + rng() % 3;
+      const std::int64_t real_end = len - static_cast<std::int64_t>(rng() % 3 == 0 ? rng() % (len + 1) : 0);
+      for (std::int64_t t = 0; t < len; ++t) {
+        if (rng() % 6 == 0) id = rng() % 4 == 0 ? 0 : id + 1;  // a new run, some of padding
+        ids[b * len + t] = t < real_end ? id : 0;
+      }
+    }
+    // The loops: a run starts at a row's first position or where the id changes;
+    // for positions, a row's trailing padding continues the run before it.
+    std::vector<std::int64_t> want_starts(rows * len), want_positions(rows * len), want_tails(rows);
+    for (std::int64_t b = 0; b < rows; ++b) {
+      const std::int64_t* r = ids.data() + b * len;
+      std::int64_t tail = len;
+      while (tail > 0 && r[tail - 1] == 0) --tail;
+      want_tails[b] = tail;
+      std::int64_t start = 0, pos_start = 0;
+      for (std::int64_t t = 0; t < len; ++t) {
+        if (t > 0 && r[t] != r[t - 1]) start = t;
+        if (t > 0 && r[t] != r[t - 1] && t != tail) pos_start = t;
+        want_starts[b * len + t] = start;
+        want_positions[b * len + t] = t - pos_start;
+      }
+    }
+    std::vector<std::int64_t> starts(rows * len, -1), positions(rows * len, -1), tails(rows, -1);
+    host().run_starts(ids.data(), starts.data(), rows, len, nullptr);
+    host().derived_positions(ids.data(), tails.data(), positions.data(), rows, len, nullptr);
+    ASSERT_EQ(starts, want_starts) << "rows " << rows << " len " << len;
+    ASSERT_EQ(tails, want_tails) << "rows " << rows << " len " << len;
+    ASSERT_EQ(positions, want_positions) << "rows " << rows << " len " << len;
+  }
+}
+
+// The index split the kernels use is i / len and i % len on both sides of 2^32.
+TEST(HostKernels, IndexSplitIsDivisionOnBothSidesOfThe32BitPath) {
+  std::mt19937_64 rng(18);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int bits = 1 + static_cast<int>(rng() % 62);
+    const index_t len = 1 + static_cast<index_t>(rng() % (std::uint64_t{1} << (1 + rng() % 40)));
+    const index_t i = static_cast<index_t>(rng() >> (64 - bits));
+    const RowOffset r = split_index(i, len);
+    ASSERT_EQ(r.row, i / len) << i << " / " << len;
+    ASSERT_EQ(r.offset, i % len) << i << " % " << len;
   }
 }
 

@@ -33,6 +33,22 @@ void for_each_index(Policy&& policy, index_t n, F f) {
   if (n > 0) thrust::for_each_n(policy, thrust::counting_iterator<index_t>(0), n, f);
 }
 
+// Row and offset of flat index i in rows of `len`: i / len and i % len. A GPU
+// divides 64-bit integers in software, several times slower than 32-bit ones, so
+// indices and lengths that fit in 32 bits (every row a benchmark or a test has)
+// take the 32-bit division; the result is the same either way.
+struct RowOffset {
+  index_t row, offset;
+};
+CPSIM_HD inline RowOffset split_index(index_t i, index_t len) {
+  if (((static_cast<std::uint64_t>(i) | static_cast<std::uint64_t>(len)) >> 32) == 0) {
+    const auto a = static_cast<std::uint32_t>(i), l = static_cast<std::uint32_t>(len), q = a / l;
+    return {static_cast<index_t>(q), static_cast<index_t>(a - q * l)};
+  }
+  const index_t q = i / len;
+  return {q, i - q * len};
+}
+
 // Data movement copies words, the widest that divide the bytes moved per
 // contiguous run and the buffers' alignment (16 bytes on a GPU is one vector load).
 struct alignas(16) Word16 {
