@@ -6,13 +6,14 @@
 // the Python side, which runs the user's step on simulated ranks, gives the
 // verdict. The protocol, one line each way per case:
 //   cpsim -> python   case FOLDER
-//   python -> cpsim   ok | fail WHY | stop
+//   python -> cpsim   ok | fail WHY | outside WHY | stop
 // (with --batch, one case: the given layout at --cp, nothing drawn or shrunk)
 // and at the end cpsim writes WORKDIR/result.json and prints "done".
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -21,6 +22,8 @@
 #include "cli/job.hpp"
 #include "cli/options.hpp"
 #include "core/error.hpp"
+#include "core/layout.hpp"
+#include "core/shard.hpp"
 #include "core/shard_plan.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/family.hpp"
@@ -34,17 +37,25 @@ using namespace cpsim::verify;
 
 namespace {
 
-// One case's verdict from the Python side: "" (ok), the failure, or nullopt when
-// it went away or asked to stop.
-std::optional<std::string> ask_verdict(const LayoutCase& c, const CheckOptions& o, const GoldenOptions& g,
-                                       const std::filesystem::path& folder) {
+// One case's verdict from the Python side: passed, failed (why), outside the
+// step's contract (why: the step declared the layout is not one its library
+// takes; RapidCheck discards it and draws another), or nullopt when the Python
+// side went away or asked to stop.
+struct Verdict {
+  enum Kind { ok, fail, outside } kind = ok;
+  std::string why;
+};
+
+std::optional<Verdict> ask_verdict(const LayoutCase& c, const CheckOptions& o, const GoldenOptions& g,
+                                   const std::filesystem::path& folder) {
   std::filesystem::remove_all(folder);
   write_golden(c, o, folder.string(), "drawn", g);
   std::cout << "case " << folder.string() << std::endl;
-  std::string verdict;
-  if (!std::getline(std::cin, verdict) || verdict == "stop") return std::nullopt;
-  if (verdict == "ok") return std::string();
-  return verdict.rfind("fail ", 0) == 0 ? verdict.substr(5) : verdict;
+  std::string line;
+  if (!std::getline(std::cin, line) || line == "stop") return std::nullopt;
+  if (line == "ok") return Verdict{};
+  if (line.rfind("outside ", 0) == 0) return Verdict{Verdict::outside, line.substr(8)};
+  return Verdict{Verdict::fail, line.rfind("fail ", 0) == 0 ? line.substr(5) : line};
 }
 
 nlohmann::json case_json(const LayoutCase& c) {
@@ -75,12 +86,19 @@ int replay_batch(const HarnessArgs& a, const CheckOptions& o, const GoldenOption
     throw UsageError("cpsim harness --batch: the plan file cuts for " + std::to_string(c.plan.cuts.size() - 1) +
                      " ranks, --cp is " + std::to_string(a.cp));
   expect_plan_fits(c.plan, sequence_length(c.batch), a.cp, a.batch);
-  const std::optional<std::string> verdict = ask_verdict(c, o, g, folder);
-  nlohmann::json result{{"ok", verdict && verdict->empty()}, {"stopped", !verdict}, {"ran", verdict ? 1 : 0},
-                        {"failure", verdict.value_or("")}, {"report", ""}};
-  if (verdict && !verdict->empty()) result.update(case_json(c));
+  const std::optional<Verdict> verdict = ask_verdict(c, o, g, folder);
+  const bool failed = verdict && verdict->kind == Verdict::fail;
+  nlohmann::json result{{"ok", verdict && !failed},
+                        {"stopped", !verdict},
+                        {"ran", verdict && verdict->kind != Verdict::outside ? 1 : 0},
+                        {"outside", verdict && verdict->kind == Verdict::outside ? 1 : 0},
+                        {"outside_why", verdict && verdict->kind == Verdict::outside
+                                            ? nlohmann::json{{verdict->why, 1}} : nlohmann::json::object()},
+                        {"failure", failed ? verdict->why : ""},
+                        {"report", ""}};
+  if (failed) result.update(case_json(c));
   finish(a, result);
-  return !verdict ? kExitAborted : verdict->empty() ? kExitOk : kExitFailed;
+  return !verdict ? kExitAborted : failed ? kExitFailed : kExitOk;
 }
 
 }  // namespace
@@ -93,6 +111,10 @@ int run_harness(const HarnessArgs& a) {
   g.shard_primary = a.shard_primary;
   g.dtype = a.dtype == "f32" ? DType::f32 : a.dtype == "bf16" ? DType::bf16 : DType::f64;
   const std::filesystem::path folder = std::filesystem::path(a.workdir) / "case";
+  g.pad_multiple = a.pad_multiple;
+  if (a.pad_multiple > 1 && a.plan == "random")
+    throw UsageError("cpsim harness: --pad-multiple takes the equal or the balanced plan (drawn cuts fit the "
+                     "sequence padded to a multiple of cp)");
   if (!a.batch.empty()) return replay_batch(a, o, g, folder);
 
   std::optional<LayoutFamily> family;
@@ -107,23 +129,47 @@ int run_harness(const HarnessArgs& a) {
   std::sort(sizes.begin(), sizes.end());  // a failure shrinks towards the smallest
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
   // (a family none of whose sizes is asked for: InvalidInput, exit 2)
-  const auto gen = family ? gen_family_case(*family, sizes, plan) : gen_layout_case(sizes, plan);
+  DrawLimits limits;
+  limits.min_shard = a.min_shard;
+  for (const std::string& name : a.forms) {
+    const auto form = layout_forms().find(name);
+    if (form == layout_forms().end()) throw UsageError("cpsim harness --forms: no form " + name);
+    limits.forms.push_back(form->second);
+  }
+  if (family && !limits.forms.empty())
+    throw UsageError("cpsim harness: --forms draws random layouts; a family has its form");
+  const auto gen = family ? gen_family_case(*family, sizes, plan) : gen_layout_case(sizes, plan, limits);
+  // A family's members are drawn by its own lengths: one whose shards are shorter
+  // than --min-shard is discarded here, never shown to the step.
+  const auto too_short = [&](const LayoutCase& c) {
+    if (a.min_shard <= 1) return false;
+    Batch rows = c.batch;  // one row may be given as [S] tensors
+    normalize_batch_axis(rows);
+    return shard_geometry(sequence_length(rows), c.cp, a.pad_multiple).padded_len / c.cp < a.min_shard;
+  };
 
   std::optional<LayoutCase> smallest;
   std::string failure;
   bool stopped = false;  // the Python side went away or asked to stop: no verdict
-  int ran = 0;
+  int ran = 0, outside = 0;
+  std::map<std::string, int> outside_why;  // each reason given, how often
   auto property = [&](const LayoutCase& c) {
     if (stopped) RC_FAIL("stopped");
-    const std::optional<std::string> verdict = ask_verdict(c, o, g, folder);
+    if (too_short(c)) RC_DISCARD("shards shorter than --min-shard");
+    const std::optional<Verdict> verdict = ask_verdict(c, o, g, folder);
     if (!verdict) {
       stopped = true;
       RC_FAIL("stopped");
     }
+    if (verdict->kind == Verdict::outside) {
+      ++outside;
+      ++outside_why[verdict->why];
+      RC_DISCARD(verdict->why);
+    }
     ++ran;
-    if (!verdict->empty()) {
+    if (verdict->kind == Verdict::fail) {
       smallest = c;  // the last failure seen is the most shrunk one
-      failure = *verdict;
+      failure = verdict->why;
       RC_FAIL(failure);
     }
   };
@@ -141,20 +187,26 @@ int run_harness(const HarnessArgs& a) {
     for (int cp : sizes) {
       if (cp >= smallest->cp) break;
       const LayoutCase smaller = at_cp(*smallest, cp);
-      if (family && !family_violation(*family, smaller).empty()) continue;
-      const std::optional<std::string> verdict = ask_verdict(smaller, o, g, folder);
+      if ((family && !family_violation(*family, smaller).empty()) || too_short(smaller)) continue;
+      const std::optional<Verdict> verdict = ask_verdict(smaller, o, g, folder);
       if (!verdict) {
         stopped = true;
         break;
       }
+      if (verdict->kind == Verdict::outside) {
+        ++outside;
+        ++outside_why[verdict->why];
+        continue;
+      }
       ++ran;
-      if (!verdict->empty()) {
-        smallest = smaller, failure = *verdict;
+      if (verdict->kind == Verdict::fail) {
+        smallest = smaller, failure = verdict->why;
         break;
       }
     }
   nlohmann::json result{{"ok", outcome.ok && !stopped}, {"stopped", stopped}, {"ran", ran},
-                        {"failure", failure}, {"report", outcome.report}};
+                        {"outside", outside}, {"outside_why", nlohmann::json(outside_why)}, {"failure", failure},
+                        {"report", outcome.report}};
   if (smallest && !stopped) result.update(case_json(*smallest));
   finish(a, result);
   return stopped ? kExitAborted : outcome.ok ? kExitOk : kExitFailed;

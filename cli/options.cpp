@@ -149,6 +149,15 @@ Parsed parse_options(int argc, char** argv) {
   h->add_flag("--shard-primary", harness.shard_primary, "input_ids sharded like the other keys");
   h->add_option("--dtype", harness.dtype, "dtype of every floating input and expected value (tolerances in the manifest)")
       ->check(CLI::IsMember({"f64", "f32", "bf16"}));
+  h->add_option("--pad-multiple", harness.pad_multiple, "pad the sequence to a multiple of cp * M (equal or balanced plan)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+  h->add_option("--min-shard", harness.min_shard,
+                "draw only layouts whose equal shards hold at least N positions (a library's contract)")
+      ->check(CLI::Range(1, 1 << 20));
+  h->add_option("--forms", harness.forms,
+                "draw random layouts only in these forms (seq_lens_padded, seq_lens, cu_seqlens, cu_seqlens_only, "
+                "cu_seqlens_padded_only, unpacked, position_ids)")
+      ->delimiter(',');
   h->add_option("--workdir", harness.workdir, "where each case's golden folder is written")->required();
   h->footer("Speaks a line protocol on stdin/stdout (cli/harness.cpp); run it through cpsim.torch.check.");
   ShowArgs& show = o.show;

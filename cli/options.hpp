@@ -86,6 +86,9 @@ struct HarnessArgs {
   int conv_width = 4;
   bool shard_primary = false;
   std::string dtype = "f64";  // of every floating input and expected value: f64, f32 or bf16
+  std::int64_t pad_multiple = 1;  // the sequence padded to a multiple of cp * this
+  int min_shard = 1;  // drawn layouts give every rank (equal plan) at least this many positions
+  std::vector<std::string> forms;  // random layouts only in these forms (family form names); empty: all
   std::string workdir;
 };
 

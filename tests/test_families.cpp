@@ -108,7 +108,11 @@ TEST(Families, AMalformedFamilyIsOneLineNamingTheField) {
       {R"({"form": "cu_seqlens", "rows": [1, 4], "documents": [1, 2], "document_length": [1, 3]})", "\"rows\""},
       {R"({"form": "seq_lens", "documents": [1, 2], "document_length": [1, 3], "colour": 1})", "\"colour\""},
       {R"({"form": "seq_lens", "documents": [1, 2], "document_length": [1, 3], "pad_documents_to": "3*cp"})",
-       "\"pad_documents_to\""}};
+       "\"pad_documents_to\""},
+      {R"({"form": "seq_lens", "documents": [1, 2], "document_length": [1, 3], "tail_in_last_document": true})",
+       "\"tail_in_last_document\""},
+      {R"({"form": "unpacked", "documents": [1, 1], "document_length": [1, 3], "position_ids": true})",
+       "\"position_ids\""}};
   for (const auto& [text, field] : bad) {
     const auto path = dir / "family.json";
     std::ofstream(path) << text;
@@ -145,4 +149,35 @@ TEST(Families, PaddingAssumedAtTheTailIsFoundOnlyByInteriorPaddingLayouts) {
       "padding at the tail, tail-only family", [&] { RC_ASSERT(check_layout(*tail_gen, padding_at_the_tail).ok); },
       200);
   EXPECT_EQ(none, "") << "a family without interior padding should not expose the bug";
+}
+
+// A packer that counts a row's tail in its last document (Automodel's pack_dataset):
+// every member's rows are filled by their documents and carry position_ids, and a
+// batch whose tail lies after its last document, or without position_ids, is not one.
+TEST(Families, ATailInTheLastDocumentFillsEveryRow) {
+  const LayoutFamily family = read_family(kFamilies + "nemo_automodel_pack_dataset.json");
+  ASSERT_TRUE(family.tail_in_last_document && family.position_ids);
+  const auto gen = gen_family_case(family);
+  for (int k = 0; k < 60; ++k) {
+    const LayoutCase c = gen(rc::Random(k + 7), k % 101).value();
+    const Tensor &padded = c.batch.at("seq_lens_padded"), &ids = c.batch.at("input_ids");
+    const std::int64_t S = ids.dim(1);
+    for (std::int64_t r = 0; r < padded.dim(0); ++r) {
+      std::int64_t used = 0;
+      for (std::int64_t d = 0; d < padded.dim(1); ++d) used += std::max<std::int64_t>(0, padded.get_int(r * padded.dim(1) + d));
+      EXPECT_EQ(used, S) << c;
+    }
+    ASSERT_TRUE(c.batch.count("position_ids")) << c;
+    LayoutCase without = c;
+    without.batch.erase("position_ids");
+    EXPECT_THAT(family_violation(family, without), HasSubstr("position_ids"));
+  }
+  LayoutFamily tail_after = family;
+  tail_after.tail_in_last_document = false;
+  tail_after.tail_padding = {1, 8};
+  const auto outside = gen_family_case(tail_after);
+  for (int k = 0; k < 20; ++k) {
+    const LayoutCase c = outside(rc::Random(k + 3), 50).value();
+    EXPECT_THAT(family_violation(family, c), HasSubstr("the tail in the last document")) << c;
+  }
 }

@@ -58,6 +58,30 @@ CPSIM_BACKEND_PROP(Distributed, AnchorCompletesBackwardAndItsAbsenceIsReportedNo
   assert_holds(check_anchor(c, on(backend)));
 }
 
+// A library's contract limits the random draw: only the listed forms, each as
+// often as any other at every generator size (small sizes included, where
+// RapidCheck starts), and every row long enough for min_shard positions a rank.
+TEST(Generators, DrawLimitsKeepToTheFormsAndTheShortestShard) {
+  DrawLimits limits;
+  limits.forms = {LayoutForm::unpacked, LayoutForm::position_resets};
+  limits.min_shard = 3;
+  const auto gen = gen_layout_case(std::vector<int>{1, 2, 4, 8}, std::nullopt, limits);
+  std::map<std::string, int> seen;
+  for (int i = 0; i < 400; ++i) {
+    const LayoutCase c = gen(rc::Random(99 + i), i % 20).value();
+    Batch b = c.batch;
+    normalize_batch_axis(b);
+    const std::int64_t S = sequence_length(b);
+    EXPECT_GE((S + c.cp - 1) / c.cp, 3) << c;
+    EXPECT_FALSE(b.count("seq_lens") || b.count("cu_seqlens") || b.count("cu_seqlens_padded")) << c;
+    seen[b.count("position_ids") && !b.count("attention_mask") && !b.count("padding_mask") ? "resets, no mask"
+                                                                                           : "other"]++;
+    seen["cp " + std::to_string(c.cp)]++;
+  }
+  for (const char* cp : {"cp 1", "cp 2", "cp 4", "cp 8"}) EXPECT_GE(seen[cp], 60) << cp;
+  EXPECT_GE(seen["other"], 100);
+}
+
 // The generator must draw every layout class SPEC §5 lists; counted over a fixed sample.
 TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
   std::map<std::string, int> seen;

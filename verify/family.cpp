@@ -15,9 +15,7 @@ namespace cpsim::verify {
 
 using nlohmann::json;
 
-namespace {
-
-const std::map<std::string, LayoutForm>& forms() {
+const std::map<std::string, LayoutForm>& layout_forms() {
   static const std::map<std::string, LayoutForm> f = {
       {"seq_lens_padded", LayoutForm::seq_lens_padded}, {"seq_lens", LayoutForm::seq_lens},
       {"cu_seqlens", LayoutForm::cu_seqlens},           {"cu_seqlens_only", LayoutForm::cu_seqlens_only},
@@ -25,6 +23,8 @@ const std::map<std::string, LayoutForm>& forms() {
       {"unpacked", LayoutForm::unpacked},               {"position_ids", LayoutForm::position_resets}};
   return f;
 }
+
+namespace {
 
 bool thd(LayoutForm f) {
   return f == LayoutForm::cu_seqlens || f == LayoutForm::cu_seqlens_only || f == LayoutForm::cu_seqlens_padded_only;
@@ -80,7 +80,7 @@ LayoutFamily parse_family(const std::string& text, const std::string& source) {
       "name",           "description",      "form",         "cp",          "rows",
       "documents",      "document_length",  "length_distribution",         "pad_documents_to",
       "interior_padding", "zero_length_placeholders", "tail_padding", "left_padding", "eos_is_pad",
-      "pad_token_id",   "one_dimensional",  "image_spans"};
+      "pad_token_id",   "one_dimensional",  "image_spans", "tail_in_last_document", "position_ids"};
   for (auto it = doc.begin(); it != doc.end(); ++it)
     if (!known.count(it.key()))
       CPSIM_INVALID(source, ": family field \"", it.key().substr(0, 64), "\": unknown (docs/files.md lists the fields)");
@@ -91,11 +91,11 @@ LayoutFamily parse_family(const std::string& text, const std::string& source) {
   if (!doc.contains("form")) in.fail("form", "missing (seq_lens_padded, seq_lens, cu_seqlens, cu_seqlens_only, "
                                              "cu_seqlens_padded_only, unpacked or position_ids)");
   f.form_name = in.text("form", "");
-  if (!forms().count(f.form_name))
+  if (!layout_forms().count(f.form_name))
     in.fail("form", "unknown form '" + f.form_name.substr(0, 32) +
                         "' (seq_lens_padded, seq_lens, cu_seqlens, cu_seqlens_only, cu_seqlens_padded_only, unpacked "
                         "or position_ids)");
-  f.form = forms().at(f.form_name);
+  f.form = layout_forms().at(f.form_name);
   f.cp = in.range("cp", {1, 16}, 1, 1024);
   f.rows = in.range("rows", {1, 1}, 1, 64);
   if (thd(f.form) && f.rows.max > 1) in.fail("rows", "a THD form (cu_seqlens) holds one packed row: [1, 1]");
@@ -125,6 +125,12 @@ LayoutFamily parse_family(const std::string& text, const std::string& source) {
     in.fail("tail_padding", "cu_seqlens_padded alone covers the row: pad the last document instead");
   f.left_padding = in.range("left_padding", {0, 0}, 0, 1 << 16);
   if (f.left_padding.max > 0 && f.form != LayoutForm::unpacked) in.fail("left_padding", "needs form unpacked");
+  f.tail_in_last_document = in.flag("tail_in_last_document", false);
+  if (f.tail_in_last_document && !two_keys(f.form))
+    in.fail("tail_in_last_document", "needs real and occupied lengths: form seq_lens_padded or cu_seqlens");
+  f.position_ids = in.flag("position_ids", false);
+  if (f.position_ids && !packed(f.form))
+    in.fail("position_ids", "a packed form's option (form position_ids always gives them)");
   f.eos_is_pad = in.flag("eos_is_pad", false);
   f.pad_token_id = in.integer("pad_token_id", 0, 0, 1 << 30);
   f.one_dimensional = in.flag("one_dimensional", false);
@@ -173,6 +179,8 @@ LayoutCase member(const LayoutFamily& f, const Draw& d) {
   spec.pad_token_id = f.pad_token_id;
   spec.eos_is_pad = f.eos_is_pad;
   spec.one_dimensional = f.one_dimensional;
+  spec.absorb_tail = f.tail_in_last_document;
+  spec.give_positions = f.position_ids;
   spec.seed = d.seed;
   const int m = f.document_multiple(d.cp);
   const std::size_t B = d.docs.size();
@@ -313,6 +321,8 @@ std::string family_violation(const LayoutFamily& f, const LayoutCase& c) {
       has("cu_seqlens") != want_cu || has("cu_seqlens_padded") != want_cu_padded ||
       (f.form == LayoutForm::position_resets && !has("position_ids")))
     return "its keys are not those of form " + f.form_name;
+  if (packed(f.form) && has("position_ids") != f.position_ids)
+    return f.position_ids ? "no position_ids (the family's packer gives them)" : "position_ids the family does not give";
   const Tensor& ids = b.at("input_ids");
   const std::int64_t B = ids.ndim() == 1 ? 1 : ids.dim(0), S = ids.dim(ids.ndim() - 1);
   if (!within(B, thd(f.form) ? Range{1, 1} : f.rows)) return std::to_string(B) + " rows, outside " + range_text(f.rows);
@@ -354,11 +364,15 @@ std::string family_violation(const LayoutFamily& f, const LayoutCase& c) {
       std::int64_t used = 0;
       for (std::size_t i = 0; i < docs; ++i) {
         const std::string where = "row " + std::to_string(r) + " document " + std::to_string(i);
+        // The last document of a row that holds the row's tail: any more padding (the
+        // row must then fill S, checked below; a shorter row's tail is longer).
+        const bool holds_tail = f.tail_in_last_document && i + 1 == docs;
+        const Range interior = holds_tail ? Range{f.interior_padding.min, S} : f.interior_padding;
         if (two_keys(f.form)) {
           if (!within(real[i], f.document_length)) return where + ": length outside " + range_text(f.document_length);
-          if (!within(occupied[i] - round_up(static_cast<int>(real[i]), m), f.interior_padding))
+          if (!within(occupied[i] - round_up(static_cast<int>(real[i]), m), interior))
             return where + ": occupied " + std::to_string(occupied[i]) + " is not its length rounded up to " +
-                   std::to_string(m) + " plus padding in " + range_text(f.interior_padding);
+                   std::to_string(m) + " plus padding in " + range_text(interior);
         } else if (real[i] % m != 0 || real[i] < f.document_length.min ||
                    real[i] > round_up(f.document_length.max, m)) {
           return where + ": length " + std::to_string(real[i]) + " is not a multiple of " + std::to_string(m) +
@@ -366,6 +380,9 @@ std::string family_violation(const LayoutFamily& f, const LayoutCase& c) {
         }
         used += occupied[i];
       }
+      if (f.tail_in_last_document && docs > 0 && used != S)
+        return "row " + std::to_string(r) + ": its documents occupy " + std::to_string(used) + " of " +
+               std::to_string(S) + " (the family's packer puts the tail in the last document)";
       longest = std::max(longest, used);
     }
     if (!within(static_cast<std::int64_t>(real.size()), f.documents))
@@ -377,7 +394,7 @@ std::string family_violation(const LayoutFamily& f, const LayoutCase& c) {
           return "row " + std::to_string(r) + " document " + std::to_string(i) + ": length outside " +
                  range_text(f.document_length);
   }
-  if (!within(S - longest, f.tail_padding))
+  if (!f.tail_in_last_document && !within(S - longest, f.tail_padding))
     return "tail padding " + std::to_string(S - longest) + " outside " + range_text(f.tail_padding);
   return "";
 }

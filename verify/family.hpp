@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <map>
 #include <string>
 
 #include <rapidcheck.h>
@@ -41,6 +42,8 @@ struct LayoutFamily {
   Range zero_length_placeholders{0, 0};  // zero-length entries after a row's documents
   Range tail_padding{0, 0};              // after the longest row's documents
   Range left_padding{0, 0};              // unpacked rows only
+  bool tail_in_last_document = false;    // a row's tail counted in its last document's occupied length
+  bool position_ids = false;             // the packer gives position_ids (packed forms)
   bool eos_is_pad = false;
   int pad_token_id = 0;
   bool one_dimensional = false;
@@ -53,6 +56,9 @@ struct LayoutFamily {
   // The multiple a document's occupied length is rounded up to at CP size cp.
   int document_multiple(int cp_size) const { return pad_to_cp ? pad_to_cp * cp_size : pad_documents_to; }
 };
+
+// The forms by the names family files (and cpsim harness --forms) give them.
+const std::map<std::string, LayoutForm>& layout_forms();
 
 // Reads a family file; InvalidInput with one line naming the file and the field.
 LayoutFamily read_family(const std::string& path);

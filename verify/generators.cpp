@@ -25,13 +25,32 @@ PlanSpec plan_spec_of(const PlanChoice& c) {
 
 namespace {
 
-rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& draw) {
+// One of `values`, each as often as any other whatever the generator size
+// (gen::inRange scales with it), shrinking towards the first (gen::elementOf
+// does not shrink).
+rc::Gen<int> uniform_element(const std::vector<int>& values) {
+  const std::size_t n = values.size();
+  const rc::Gen<std::size_t> index = [n](const rc::Random& random, int /*size*/) {
+    const auto i = static_cast<std::size_t>(rc::Random(random).next() % n);
+    return rc::shrinkable::shrinkRecur(i, [](std::size_t x) { return rc::shrink::towards<std::size_t>(x, 0); });
+  };
+  return rc::gen::map(index, [values](std::size_t i) { return values[i]; });
+}
+
+rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& draw, const DrawLimits& limits = {}) {
   using namespace rc;
-  return gen::mapcat(gen::pair(cp_size, gen::inRange(0, kLayoutForms)), [draw](std::pair<int, int> cp_form) {
+  const int min_shard = limits.min_shard;
+  // A form index, or one of the allowed forms (each as often as any other).
+  std::vector<int> allowed;
+  for (LayoutForm f : limits.forms) allowed.push_back(static_cast<int>(f));
+  const Gen<int> form_index = allowed.empty() ? gen::inRange(0, kLayoutForms) : uniform_element(allowed);
+  return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
-    return gen::mapcat(gen::inRange(1, cp * 6 + 10), [cp, form, draw](int S) {
+    // (At least min_shard tokens a rank: S > cp * (min_shard - 1), the same spread above.)
+    const int shortest = cp * (min_shard - 1) + 1;
+    return gen::mapcat(gen::inRange(shortest, shortest + cp * 6 + 9), [cp, form, draw](int S) {
       const int L = (S + cp - 1) / cp;
       // Lengths biased to the shard length (edges hit exactly), to 1, and to long spans.
       auto len = gen::weightedOneOf<int>({{5, gen::inRange(0, 2 * L + 2)},
@@ -73,30 +92,24 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
 
 rc::Gen<int> gen_cp_size(const std::vector<int>& sizes) {
   CPSIM_ENFORCE(!sizes.empty(), "a list of CP sizes to draw from is empty");
-  // An index drawn uniformly whatever the size (gen::inRange scales with it),
-  // shrinking towards 0 (gen::elementOf does not shrink).
-  const std::size_t n = sizes.size();
-  const rc::Gen<std::size_t> index = [n](const rc::Random& random, int /*size*/) {
-    const auto i = static_cast<std::size_t>(rc::Random(random).next() % n);
-    return rc::shrinkable::shrinkRecur(i, [](std::size_t x) { return rc::shrink::towards<std::size_t>(x, 0); });
-  };
-  return rc::gen::map(index, [sizes](std::size_t i) { return sizes[i]; });
+  return uniform_element(sizes);
 }
 
 rc::Gen<LayoutSpec> gen_layout_spec(int max_cp, const PlanDraw& draw) {
   return layout_spec_at(rc::gen::inRange(1, max_cp + 1), draw);
 }
 
-rc::Gen<LayoutSpec> gen_layout_spec(const std::vector<int>& cp_sizes, const PlanDraw& draw) {
-  return layout_spec_at(gen_cp_size(cp_sizes), draw);
+rc::Gen<LayoutSpec> gen_layout_spec(const std::vector<int>& cp_sizes, const PlanDraw& draw, const DrawLimits& limits) {
+  CPSIM_ENFORCE(limits.min_shard >= 1, "the shortest shard a generator draws is at least 1 token");
+  return layout_spec_at(gen_cp_size(cp_sizes), draw, limits);
 }
 
 rc::Gen<LayoutCase> gen_layout_case(int max_cp, const PlanDraw& plan) {
   return rc::gen::map(gen_layout_spec(max_cp, plan), build_case);
 }
 
-rc::Gen<LayoutCase> gen_layout_case(const std::vector<int>& cp_sizes, const PlanDraw& plan) {
-  return rc::gen::map(gen_layout_spec(cp_sizes, plan), build_case);
+rc::Gen<LayoutCase> gen_layout_case(const std::vector<int>& cp_sizes, const PlanDraw& plan, const DrawLimits& limits) {
+  return rc::gen::map(gen_layout_spec(cp_sizes, plan, limits), build_case);
 }
 
 }  // namespace cpsim::verify

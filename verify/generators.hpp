@@ -27,8 +27,18 @@ rc::Gen<LayoutCase> gen_layout_case(int max_cp = 16, const PlanDraw& plan = std:
 // max_cp forms draw 1..max_cp as RapidCheck's inRange does: small sizes first);
 // a failure shrinks towards the list's first size.
 rc::Gen<int> gen_cp_size(const std::vector<int>& sizes);
-rc::Gen<LayoutSpec> gen_layout_spec(const std::vector<int>& cp_sizes, const PlanDraw& plan = std::nullopt);
-rc::Gen<LayoutCase> gen_layout_case(const std::vector<int>& cp_sizes, const PlanDraw& plan = std::nullopt);
+// What a library's contract limits a random draw to: the forms its batches come
+// in (empty: every form), and the shortest shard (every row at least
+// cp * (min_shard - 1) + 1 tokens long, so every rank of the equal plan holds at
+// least min_shard positions: FLA's CP convolution takes ranks of W - 1 tokens).
+struct DrawLimits {
+  std::vector<LayoutForm> forms;
+  int min_shard = 1;
+};
+rc::Gen<LayoutSpec> gen_layout_spec(const std::vector<int>& cp_sizes, const PlanDraw& plan = std::nullopt,
+                                    const DrawLimits& limits = {});
+rc::Gen<LayoutCase> gen_layout_case(const std::vector<int>& cp_sizes, const PlanDraw& plan = std::nullopt,
+                                    const DrawLimits& limits = {});
 
 }  // namespace cpsim::verify
 

@@ -20,6 +20,10 @@ What the step may return (any subset; each is compared when present):
                    shard_batch gives: the batch's keys padded to P and cut,
                    input_ids global unless shard_primary, padding_mask and
                    position_ids)
+  "padding"        [B, S] bool: the raw batch's padding (true where padding),
+                   decided from the lengths (or the mask of an unpacked row)
+  "position_ids"   [B, S] the position of every token in its document (given,
+                   or derived: tail padding continues the last position)
   "doc_ids"        [B, P] global document ids (i + 1 on document i's span, 0 on
                    padding beyond the documents)
   "local_doc_ids"  [B, L] this rank's slice of them
@@ -33,6 +37,16 @@ What the step may return (any subset; each is compared when present):
                    the gathered case.k, case.v after RoPE by position (scale
                    case.softmax_scale, base case.rope_base; 0 for a query that
                    sees no key); gradients to case.q, case.k, case.v checked
+  "cp_context"     one entry per row: this rank's flash-linear-attention CP
+                   context of the row (FLA's FLACPContext, or a dict), its
+                   pre_num_conv_tokens, pre_num_ranks, post_num_ranks,
+                   is_first_rank and is_last_rank compared
+  "conv"           [B, L, C] the packed causal depthwise convolution of case.x
+                   (weights case.conv_weight [C, W], w[:, W-1] on the token
+                   itself; bias case.conv_bias; a tap before the token's segment
+                   dropped; no activation); gradients to case.x (halo returns
+                   included), case.conv_weight and case.conv_bias (this rank's
+                   part, before any sum over ranks) checked
   "targets"        [B, L] this rank's next-token targets, aligned on whole rows
                    before sharding from case.tokens: tokens[t + 1] when t and
                    t + 1 are real tokens of one document, else -100
@@ -41,6 +55,11 @@ What the step may return (any subset; each is compared when present):
                    the count of targets all-reduced, sum / count (0 when no
                    target); the same value on every rank. Its gradient to
                    case.logits (upstream 1) is checked: d(local sum) / count
+
+A step whose library does not take a drawn layout (FLA: every rank at least W-1
+tokens) raises OutsideContract(why) on every rank, before any collective: the
+case is set aside, not counted, and another drawn in its place (check() says
+how many were set aside, and why).
 
 Gradients are taken in that order on every rank, one autograd.grad per output,
 as a training step's backward would: a rank whose output has no path to a
@@ -60,7 +79,19 @@ import torch
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I32": torch.int32,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
-OUTPUTS = ("batch", "doc_ids", "local_doc_ids", "cu_seqlens", "gathered", "halo", "attention_o", "targets", "loss")
+OUTPUTS = ("batch", "padding", "position_ids", "doc_ids", "local_doc_ids", "cu_seqlens", "cp_context", "gathered",
+           "halo", "conv", "attention_o", "targets", "loss")
+CP_CONTEXT_FIELDS = ("pre_num_conv_tokens", "pre_num_ranks", "post_num_ranks", "is_first_rank", "is_last_rank")
+
+
+class OutsideContract(Exception):
+    """Raised by a step, on every rank and before any collective, for a drawn
+    layout its library does not take (the library's documented contract): the
+    case is set aside and another drawn."""
+
+
+class _Outside(str):
+    """A case's verdict: set aside (the text says why)."""
 
 
 class CheckFailed(AssertionError):
@@ -73,6 +104,17 @@ class CheckFailed(AssertionError):
     def __init__(self, message, failure, batch, path, cp, plan, seed=None):
         super().__init__(message)
         self.failure, self.batch, self.path, self.cp, self.plan, self.seed = failure, batch, path, cp, plan, seed
+
+
+class Checked(int):
+    """What check() returns: the number of cases run (an int), and `outside`, how
+    many drawn cases were set aside as outside the step's contract, with
+    `outside_why`, each reason given and how often ({why: count})."""
+
+    def __new__(cls, ran, outside=0, outside_why=None):
+        value = super().__new__(cls, ran)
+        value.outside, value.outside_why = outside, dict(outside_why or {})
+        return value
 
 
 def load_safetensors(path):
@@ -121,6 +163,10 @@ class RankCase:
             return golden.inputs[key][:, lo:hi].clone().requires_grad_(True)
 
         self.x = leaf("x")
+        # The convolution's parameters: every rank's own copy (its gradient is this
+        # rank's part, before a data-parallel sum would add them).
+        self.conv_weight = golden.inputs["conv_weight"].clone().requires_grad_(True)
+        self.conv_bias = golden.inputs["conv_bias"].clone().requires_grad_(True)
         self.q, self.k, self.v = leaf("attention_q"), leaf("attention_k"), leaf("attention_v")
         # The loss's inputs: the token ids folded into the vocabulary, global [B, S]
         # like the batch (the targets are aligned from them), and this rank's logits.
@@ -244,6 +290,9 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0):
                     who, name, sorted(k[6:] for k in mine if k.startswith("batch."))))
             else:
                 against("batch " + name, local[name], key)
+    for name in ("padding", "position_ids"):
+        if name in out:
+            against(name, out[name], name, "reference.safetensors", golden.reference[name])
     if "doc_ids" in out:
         against("doc_ids", out["doc_ids"], "doc_ids", "reference.safetensors", golden.reference["doc_ids"])
     if "local_doc_ids" in out:
@@ -256,6 +305,17 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0):
             for b, cu in enumerate(out["cu_seqlens"]):
                 key = "row_cu_seqlens.%d" % b
                 against("cu_seqlens[%d]" % b, torch.as_tensor(cu).to(mine[key].dtype), key)
+    if "cp_context" in out:
+        contexts = list(out["cp_context"])
+        rows = mine["cp_context.pre_num_ranks"].shape[0]
+        if len(contexts) != rows:
+            found.append("%s cp_context: %d rows, expected %d" % (who, len(contexts), rows))
+        else:
+            for field in CP_CONTEXT_FIELDS:
+                key = "cp_context." + field
+                values = [c[field] if isinstance(c, dict) else getattr(c, field) for c in contexts]
+                against("cp_context %s (a value per row)" % field,
+                        torch.tensor([int(v) for v in values], dtype=mine[key].dtype), key)
 
     lo, hi = golden.cuts[rank], golden.cuts[rank + 1]
 
@@ -273,10 +333,20 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0):
         from cpsim import _C
         # A collective of this backward has no frame of the step's own on the stack.
         _C.set_site_context("the backward of the step's %s" % name)
+        # Each rank gets its own copy of the upstream gradient (data-parallel
+        # replicas share the expected values), kept to see whether the backward
+        # wrote into it: autograd hands one gradient tensor to every input of an
+        # add, so a backward that changes its grad_output in place changes a
+        # sibling's gradient too.
+        given = upstream.clone() if isinstance(upstream, torch.Tensor) else upstream
         try:
-            grads = torch.autograd.grad(output, leaves, grad_outputs=upstream, retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(output, leaves, grad_outputs=given, retain_graph=True, allow_unused=True)
         finally:
             _C.set_site_context("")
+        if isinstance(upstream, torch.Tensor) and not torch.equal(given, upstream):
+            found_backward.append("%s %s: the backward wrote into the upstream gradient it was given (a backward "
+                                  "that modifies grad_output in place changes the gradient autograd gives the "
+                                  "output's other consumers)" % (who, name))
         before = len(found)
         for leaf, grad, key in zip(leaves, grads, expected):
             against("%s gradient (%s)" % (name, key), torch.zeros_like(leaf) if grad is None else grad, key)
@@ -289,6 +359,10 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0):
     if "halo" in out:
         against("halo", out["halo"], "halo")
         backward("halo", out["halo"], [case.x], mine["halo_grad"], ["conv_dx"])
+    if "conv" in out:
+        against("conv", out["conv"], "conv_y")
+        backward("conv", out["conv"], [case.x, case.conv_weight, case.conv_bias],
+                 golden.inputs["conv_grad_y"][:, lo:hi], ["conv_dx", "conv_dw_partial", "conv_dbias_partial"])
     if "attention_o" in out:
         against("attention_o", out["attention_o"], "attention_o")
         backward("attention_o", out["attention_o"], [case.q, case.k, case.v],
@@ -324,6 +398,8 @@ def _verdict(folder, step, backend, timeout, dp=1):
         found = ct.spawn(lambda rank, world: _run_rank(golden, step, rank % cp, dp, rank // cp), dp * cp,
                          backend=backend, timeout=timeout)
     except ct.RankFailed as e:
+        if isinstance(e.__cause__, OutsideContract):
+            return _Outside(str(e.__cause__))
         return "rank %d raised %s" % (e.rank, str(e).split(": ", 1)[1])
     except ct.RankStuck as e:
         return str(e)
@@ -372,7 +448,7 @@ def _job_verdict(folder, step, case_number, dp=1):
     world.group_count = 1000 * _job_checks[1]
     groups = []  # the case's other groups (a DeviceMesh's)
     ct._local.world, ct._local.source = world, ct._job_source([session], groups)
-    own, why = False, ""
+    own, outside, why = False, False, ""
     try:
         dist.init_process_group("cpsim", store=dist.HashStore(), rank=rank, world_size=job.size())
         mine = _run_rank(golden, step, rank % golden.cp, dp, rank // golden.cp)
@@ -382,7 +458,9 @@ def _job_verdict(folder, step, case_number, dp=1):
         if unreceived:
             why = "the ranks' calls did not match: " + unreceived
     except BaseException as e:  # noqa: B902 - every failure is this case's verdict
-        if any(s.collective_failed() for s in groups + [session]) or isinstance(e, ct.CollectiveError):
+        if isinstance(e, OutsideContract):
+            outside, why = True, str(e)
+        elif any(s.collective_failed() for s in groups + [session]) or isinstance(e, ct.CollectiveError):
             why = "the ranks' calls did not match: %s" % e
         else:
             own, why = True, "rank %d raised %s: %s" % (rank, type(e).__name__, e)
@@ -391,14 +469,18 @@ def _job_verdict(folder, step, case_number, dp=1):
         ct._local.world, ct._local.source = saved
         ct._uninstall()
         sys.excepthook = hook
-    # Each process's verdict: "1" and its own exception, or "0" and a report of
-    # cpsim's, or "0", the phase of its first difference (0 value, 1 gradient) and it.
-    verdicts = _exchange(("1" if own else "0") + why, main)
+    # Each process's verdict: "1" and its own exception, "2" and why the case is
+    # outside the step's contract, or "0" and a report of cpsim's, or "0", the
+    # phase of its first difference (0 value, 1 gradient) and it.
+    verdicts = _exchange(("1" if own else "2" if outside else "0") + why, main)
     del session, groups
     # A rank's own exception first (its peers' reports are its consequence).
     for v in verdicts:
         if v[:1] == "1":
             return v[1:]
+    for v in verdicts:
+        if v[:1] == "2":
+            return _Outside(v[1:])
     for v in verdicts:
         if v[1:] and v[1] not in "01":
             return v[1:]
@@ -417,7 +499,8 @@ def _cpsim_binary():
 
 
 def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backend="threads", timeout=20.0,
-          conv_width=4, shard_primary=False, out=None, cps=None, batch=None, cp=None, dp=1, dtype="f64"):
+          conv_width=4, shard_primary=False, out=None, cps=None, batch=None, cp=None, dp=1, dtype="f64",
+          pad_multiple=1, min_shard=1, forms=None):
     """Property-tests `step(case) -> dict` (see the module's text) on `cases`
     layouts drawn by cpsim at the CP sizes `cps` (default 1..max_cp), each size
     as often as any other (a family file's members when `family` names one),
@@ -437,7 +520,18 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
     (the step builds its mesh or groups; each replica holds the same case and is
     compared with the same expected values). `dtype` (f64, f32 or bf16): the
     dtype of every floating input the step gets and of the expected values,
-    compared within the manifest's tolerance of that dtype.
+    compared within the manifest's tolerance of that dtype. `pad_multiple=M`
+    pads every sequence to a multiple of cp * M (case.P), as a library that
+    pads to 2 * cp does (equal or balanced plan). `min_shard=N` draws only
+    layouts whose equal shards hold at least N positions (a library's contract,
+    as FLA's CP convolution's W - 1; a family's shorter members are discarded).
+    `forms=[...]` draws random layouts only in these forms (a family file's
+    form names: seq_lens_padded, seq_lens, cu_seqlens, cu_seqlens_only,
+    cu_seqlens_padded_only, unpacked, position_ids): the batches a library
+    takes.
+
+    Returns the number of cases run (a Checked: an int with `outside`, the
+    number of drawn cases the step set aside as outside its contract).
 
     In a process of a job (after cpsim.torch.init_process_group(), under
     `cpsim launch -n N`), every case runs at CP size N / dp, this process being
@@ -482,7 +576,8 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
                              % (int(cp), ct._job.size(), int(dp), sizes[0]))
     workdir = tempfile.mkdtemp(prefix="cpsim-check-")
     command = [_cpsim_binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--plan", plan,
-               "--conv-width", str(int(conv_width)), "--dtype", dtype]
+               "--conv-width", str(int(conv_width)), "--dtype", dtype, "--pad-multiple", str(int(pad_multiple)),
+               "--min-shard", str(int(min_shard))]
     if replay:
         command += ["--batch", os.fspath(batch), "--cp", str(int(cp))]
     else:
@@ -491,6 +586,8 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
         command += ["--cp", str(sizes[0])]
     if family:
         command += ["--family", family]
+    if forms:
+        command += ["--forms", ",".join(forms)]
     if seed is not None:
         command += ["--seed", str(int(seed))]
     if shard_primary:
@@ -510,10 +607,14 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
                 number += 1
                 why = (_job_verdict(line[len("case "):], step, number, int(dp)) if in_job
                        else _verdict(line[len("case "):], step, backend, timeout, int(dp)))
-                if why:
+                if isinstance(why, _Outside):
+                    answer = "outside " + " | ".join(why.splitlines())
+                elif why:
                     last_failure = why
-                # One line back: the verdict's first line leads, the rest joined.
-                generator.stdin.write(("fail " + " | ".join(why.splitlines())) + "\n" if why else "ok\n")
+                    answer = "fail " + " | ".join(why.splitlines())  # its first line leads, the rest joined
+                else:
+                    answer = "ok"
+                generator.stdin.write(answer + "\n")
                 generator.stdin.flush()
         except BaseException:
             generator.kill()
@@ -527,7 +628,7 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
         with open(os.path.join(workdir, "result.json")) as f:
             result = json.load(f)
         if result["ok"]:
-            return result["ran"]
+            return Checked(result["ran"], result.get("outside", 0), result.get("outside_why"))
         if last_failure is not None:
             result["failure"] = last_failure
         if "batch" not in result:

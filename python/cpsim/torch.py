@@ -434,4 +434,4 @@ def _finish_job():
 
 
 # The property harness (cpsim/harness.py): cpsim.torch.check(step, ...).
-from cpsim.harness import CheckFailed, RankCase, check  # noqa: E402,F401
+from cpsim.harness import CheckFailed, Checked, OutsideContract, RankCase, check  # noqa: E402,F401

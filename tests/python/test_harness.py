@@ -130,6 +130,52 @@ def test_drawn_plans_reach_a_step_that_follows_the_cuts():
     assert ct.check(step, cases=CASES, max_cp=4, plan="random", seed=2) == CASES
 
 
+def test_a_step_sets_aside_the_layouts_outside_its_contract():
+    # Raised on every rank before any collective: the case is set aside, counted
+    # with its reason, and another drawn in its place.
+    def step(case):
+        if case.S % 2:
+            raise ct.OutsideContract("an odd sequence length")
+        return cp_step.step(case)
+
+    ran = ct.check(step, cases=20, max_cp=4, seed=7)
+    assert ran == 20 and ran.outside > 0, (int(ran), ran.outside)
+    assert ran.outside_why == {"an odd sequence length": ran.outside}
+
+
+def test_the_draws_keep_to_the_forms_the_shortest_shard_and_the_pad_multiple():
+    seen = set()
+
+    def step(case):
+        lengths = [case.cuts[r + 1] - case.cuts[r] for r in range(case.cp)]
+        assert min(lengths) >= 3, case.cuts
+        assert case.P % (2 * case.cp) == 0 and case.P >= case.S, (case.P, case.S, case.cp)
+        packed = {"seq_lens", "seq_lens_padded", "cu_seqlens", "cu_seqlens_padded"} & set(case.batch)
+        assert not packed, sorted(case.batch)
+        seen.add("position_ids" if "position_ids" in case.batch else "unpacked")
+        return {}
+
+    assert ct.check(step, cases=40, max_cp=4, seed=7, forms=["unpacked", "position_ids"], min_shard=3,
+                    pad_multiple=2) == 40
+    assert seen == {"unpacked", "position_ids"}
+
+
+def test_a_backward_that_writes_into_its_upstream_gradient_is_reported():
+    # Right values, but the all-reduce runs on the gradient autograd handed in,
+    # which the output's other consumers are given too.
+    def backward(ctx, grad):
+        g = grad.contiguous()
+        torch.distributed.all_reduce(g)
+        L = g.shape[1] // torch.distributed.get_world_size()
+        r = torch.distributed.get_rank()
+        return g[:, r * L:(r + 1) * L]
+
+    InPlace = _gather_with_backward(backward)
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(lambda case: {"gathered": InPlace.apply(case.x)}, cases=CASES, max_cp=4, seed=3)
+    assert "wrote into the upstream gradient" in e.value.failure, e.value.failure
+
+
 # Ranks as processes: cpsim launch -n N -- python3 job_harness.py VARIANTS CASES, each
 # process calling cpsim.torch.init_process_group() and then cpsim.torch.check for
 # each variant in turn (one launch serves several tests: each process imports
