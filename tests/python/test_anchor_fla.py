@@ -1,0 +1,62 @@
+"""flash-linear-attention's CP code (fla-core 0.6.0, unmodified) on cpsim's ranks:
+its context builder, its gather helpers and its CP convolution against cpsim's
+references (examples/anchors/fla_step.py)."""
+import pytest
+
+import torch
+
+from anchors_common import FAMILIES, FAMILY, SEED, expect_reported
+
+import cpsim.torch
+import fla_step
+
+
+def test_random_layouts_hold_at_every_cp_size():
+    before = fla_step.CONV_CASES[0]
+    ran = cpsim.torch.check(fla_step.step, cases=200, max_cp=8, seed=SEED, min_shard=fla_step.MIN_SHARD)
+    assert ran >= 200 and ran.outside == 0
+    # min_shard = W - 1: every drawn rank ran FLA's convolution (at least one rank a case)
+    assert fla_step.CONV_CASES[0] - before >= 200
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.rsplit("/", 1)[-1][:-5])
+def test_every_shipped_family_holds(family):
+    # A family's members shorter than W - 1 a rank return no convolution (FLA's contract).
+    assert cpsim.torch.check(fla_step.step, cases=25, seed=SEED, family=family) >= 25
+
+
+def test_the_tail_padding_joined_to_the_last_document_is_reported():
+    expect_reported(lambda: cpsim.torch.check(fla_step.VARIANTS["padding_joins_last_document"], cases=200,
+                                              seed=SEED, min_shard=fla_step.MIN_SHARD),
+                    "cu_seqlens[0]: shape", "smallest failing layout")
+
+
+def test_a_gather_backward_without_the_sum_over_ranks_is_reported():
+    expect_reported(lambda: cpsim.torch.check(fla_step.VARIANTS["backward_local"], cases=200, seed=SEED,
+                                              min_shard=fla_step.MIN_SHARD),
+                    "gathered gradient (gather_grad_x)")
+
+
+def test_finding_f1_ranks_shorter_than_the_window_break_the_convolution():
+    # FLA's CP convolution takes W - 1 tokens from the previous rank only, and its
+    # Triton path does not check that a rank holds them: a shape error, not a message.
+    expect_reported(lambda: cpsim.torch.check(fla_step.VARIANTS["conv_always"], cases=50, seed=SEED,
+                                              family=FAMILY["fewer_tokens_than_ranks"]),
+                    "raised RuntimeError")
+
+
+def test_finding_f2_a_context_built_from_a_buffer_updated_in_place_is_stale():
+    from fla.ops.cp.context import get_cp_cu_seqlens
+    import fla.utils
+    saved, fla.utils.FLA_DISABLE_TENSOR_CACHE = fla.utils.FLA_DISABLE_TENSOR_CACHE, False
+    try:
+        cu = torch.tensor([0, 5, 12])  # a persistent boundaries buffer (static shapes, CUDA graphs)
+        first = get_cp_cu_seqlens(cu, world_size=3, rank=1)
+        cu.copy_(torch.tensor([0, 2, 12]))  # the next step's layout, written in place
+        second = get_cp_cu_seqlens(cu, world_size=3, rank=1)
+        fresh = get_cp_cu_seqlens(torch.tensor([0, 2, 12]), world_size=3, rank=1)
+    finally:
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = saved
+    assert (first.cu_seqlens_cpu.tolist(), first.pre_num_conv_tokens) == ([0, 1, 4], 4)
+    assert second is first  # the cache compares its arguments by identity, not by value
+    assert (fresh.cu_seqlens_cpu.tolist(), fresh.pre_num_conv_tokens) == ([0, 4], 2)
