@@ -1,6 +1,7 @@
 #include "verify/family.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <fstream>
 #include <map>
 #include <set>
@@ -367,7 +368,9 @@ std::string family_violation(const LayoutFamily& f, const LayoutCase& c) {
         // The last document of a row that holds the row's tail: any more padding (the
         // row must then fill S, checked below; a shorter row's tail is longer).
         const bool holds_tail = f.tail_in_last_document && i + 1 == docs;
-        const Range interior = holds_tail ? Range{f.interior_padding.min, S} : f.interior_padding;
+        const Range interior =
+            holds_tail ? Range{f.interior_padding.min, static_cast<int>(std::min<std::int64_t>(S, INT_MAX))}
+                       : f.interior_padding;
         if (two_keys(f.form)) {
           if (!within(real[i], f.document_length)) return where + ": length outside " + range_text(f.document_length);
           if (!within(occupied[i] - round_up(static_cast<int>(real[i]), m), interior))
