@@ -386,20 +386,16 @@ def init_process_group(timeout=20.0):
     global _job, _session
     if _job is not None:
         raise RuntimeError("cpsim.torch.init_process_group: this process already joined its job")
-    _job = _C.JobGroup(float(timeout))
-    _session = _job.session("")
-    _local.source = _job_source([_session], _job_sessions)
-    # torch's own store stays in this process: the processes met in cpsim's store
-    # when the job was joined.
-    dist.init_process_group("cpsim", store=dist.HashStore(), rank=_job.rank(), world_size=_job.size(),
-                            timeout=timedelta(seconds=timeout))
-    # Outputs of open requests are watched on this thread from now on.
-    _program_mode.append(_UseBeforeWait(_job.ledger(), _job.rank()))
-    _program_mode[0].__enter__()
-    atexit.register(_finish_job)
+    # The exit status, as cpsim's own commands give it: 3 when the job could not
+    # complete (a peer lost, a timeout, the store gone: _C.Aborted uncaught), so
+    # a launcher tells "no verdict" from a failed check (1). Registered first, so
+    # that it runs after every other exit handler, joining the job included.
+    atexit.register(_exit_with_status)
     previous = sys.excepthook
 
     def excepthook(kind, value, traceback):
+        if isinstance(value, _C.Aborted):
+            _exit_status[0] = 3
         # The program raised: every peer learns it (a rank that only relays
         # cpsim's report of what the ranks did prints that one line).
         if _session is not None:
@@ -413,7 +409,28 @@ def init_process_group(timeout=20.0):
         previous(kind, value, traceback)
 
     sys.excepthook = excepthook
+    _job = _C.JobGroup(float(timeout))
+    _session = _job.session("")
+    _local.source = _job_source([_session], _job_sessions)
+    # torch's own store stays in this process: the processes met in cpsim's store
+    # when the job was joined.
+    dist.init_process_group("cpsim", store=dist.HashStore(), rank=_job.rank(), world_size=_job.size(),
+                            timeout=timedelta(seconds=timeout))
+    # Outputs of open requests are watched on this thread from now on.
+    _program_mode.append(_UseBeforeWait(_job.ledger(), _job.rank()))
+    _program_mode[0].__enter__()
+    atexit.register(_finish_job)
     return dist.group.WORLD
+
+
+_exit_status = [None]
+
+
+def _exit_with_status():
+    if _exit_status[0] is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[0])
 
 
 def _finish_job():
@@ -430,7 +447,7 @@ def _finish_job():
     except Exception as e:  # noqa: BLE001 - atexit cannot raise: say it and fail the exit status
         sys.stderr.write("rank %d: %s\n" % (job.rank(), e))
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(_exit_status[0] or 1)
 
 
 # The property harness (cpsim/harness.py): cpsim.torch.check(step, ...).

@@ -146,11 +146,12 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
     std::string died, lost;  // records cpsim launch wrote for dead processes come first
     bool timed_out = false;  // a suspect's own record is a timeout: it saw the cause itself
     std::vector<int> silent;
+    bool unreachable = false;  // the store itself did not answer: no record will come
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
       const bool suspect = std::find(suspects.begin(), suspects.end(), q) != suspects.end();
       if (!suspect && !processes_) continue;  // in-process ranks are never killed alone
-      const auto record = failure_record(*records_, job_rank(q));
+      const auto record = failure_record(*records_, job_rank(q), &unreachable);
       if (!record) {
         if (suspect) silent.push_back(q);
         continue;
@@ -169,6 +170,8 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
     // root cause; a peer's timeout is one (it names whom it waited for).
     if (!died.empty() || (!lost.empty() && (!processes_ || timed_out || Clock::now() >= deadline)))
       return died + lost + quiet;
+    if (processes_ && unreachable)
+      return died + lost + quiet + "\n  (the store did not answer: no failure record can be read)";
     if (Clock::now() >= deadline) return quiet;
     std::this_thread::sleep_for(20ms);
   }
@@ -177,6 +180,9 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
 void GlooRank::break_group(const std::string& why, const std::vector<int>& suspects,
                            std::chrono::milliseconds timeout) {
   // Record first, so peers that lose their connection to this rank can name it.
+  // A store behind the link that failed would hold each command for the whole
+  // timeout: the records get a moment (records_of's) each, no more.
+  if (processes_) shorten_store_commands(1000ms);
   if (records_) {
     try {
       const std::string line = why.substr(0, why.find('\n'));

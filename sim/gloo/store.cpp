@@ -7,6 +7,7 @@
 #include <gloo/rendezvous/redis_store.h>
 #include <hiredis/hiredis.h>
 
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
@@ -26,23 +27,80 @@ using Clock = std::chrono::steady_clock;
 // Stores and devices.
 
 namespace {
-// Gloo's FileStore waits in whole seconds: a wait of 1 ms for a key that is not
+// Gloo's FileStore and RedisStore wait in whole seconds (they compare the time
+// waited, cut to seconds, with the limit): a wait of 1 ms for a key that is not
 // there took a second, so every probe of a missing key (a peer not yet present,
-// a failure record not written) overran its deadline. Waits under a second look
-// at the files themselves, every millisecond, until their own deadline.
-class FileStore final : public gloo::rendezvous::FileStore {
+// a failure record not written) overran its deadline, by seconds where a rank
+// probes several. Waits under a second look at the keys themselves, every
+// millisecond, until their own deadline.
+std::atomic<long long> command_limit_ms{0};  // limit_store_commands (0: none)
+
+// A short wait's key is not there (the store answered); any other exception from
+// a store is the store failing.
+struct KeyMissing : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A wait is also held to the process's limit: Gloo's get waits 60 s for its key,
+// whatever the job's timeout.
+template <class Base>
+class ShortWaits : public Base {
  public:
-  using gloo::rendezvous::FileStore::FileStore;
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    if (timeout >= 1s) return gloo::rendezvous::FileStore::wait(keys, timeout);
+  using Base::Base;
+  using Base::wait;
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& asked) override {
+    const long long limit = command_limit_ms.load();
+    const auto timeout = limit > 0 ? std::min(asked, std::chrono::milliseconds(limit)) : asked;
+    if (timeout >= 1s) return Base::wait(keys, timeout);
     const auto deadline = Clock::now() + timeout;
-    while (!check(keys)) {
-      if (Clock::now() >= deadline) throw std::runtime_error("Wait timeout for key(s) in the file store");
+    while (!this->check(keys)) {
+      if (Clock::now() >= deadline) throw KeyMissing("Wait timeout for key(s) in the store");
       std::this_thread::sleep_for(1ms);
     }
   }
 };
+using FileStore = ShortWaits<gloo::rendezvous::FileStore>;
+
+// Gloo's RedisStore sends its commands with no time limit: over a cut link one
+// blocks until TCP gives up, minutes later. Each command here is bounded by the
+// process's limit (a socket timeout; after one expires, the connection's later
+// commands fail at once).
+class RedisStore final : public ShortWaits<gloo::rendezvous::RedisStore> {
+ public:
+  using ShortWaits::ShortWaits;
+  using ShortWaits::wait;
+  void set(const std::string& key, const std::vector<char>& data) override {
+    bound();
+    ShortWaits::set(key, data);
+  }
+  std::vector<char> get(const std::string& key) override {
+    bound();
+    return ShortWaits::get(key);
+  }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    bound();
+    ShortWaits::wait(keys, timeout);
+  }
+
+ private:
+  void bound() {
+    const long long ms = command_limit_ms.load();
+    if (ms <= 0 || ms == applied_ms_) return;
+    const timeval limit{static_cast<time_t>(ms / 1000), static_cast<suseconds_t>(ms % 1000 * 1000)};
+    redisSetTimeout(redis_, limit);
+    applied_ms_ = ms;
+  }
+  long long applied_ms_ = 0;
+};
 }  // namespace
+
+void limit_store_commands(std::chrono::milliseconds limit) { command_limit_ms = limit.count(); }
+
+void shorten_store_commands(std::chrono::milliseconds limit) {
+  long long now = command_limit_ms.load();
+  while ((now <= 0 || now > limit.count()) && !command_limit_ms.compare_exchange_weak(now, limit.count())) {
+  }
+}
 
 std::shared_ptr<Store> open_store(const std::string& spec) {
   if (spec == "memory") return std::make_shared<gloo::rendezvous::HashStore>();
@@ -71,17 +129,26 @@ std::shared_ptr<Store> open_store(const std::string& spec) {
       }
     }
     if (host.empty()) CPSIM_INVALID("store '", spec, "': redis:// needs a host, as in redis://10.0.0.1:6379");
-    // Gloo's RedisStore leaks its connection when it cannot connect: see first.
-    const timeval connect_timeout{5, 0};
-    redisContext* probe = redisConnectWithTimeout(host.c_str(), port, connect_timeout);
-    const std::string why = !probe ? "out of memory" : probe->err ? probe->errstr : "";
-    if (probe) redisFree(probe);
-    if (!why.empty())
-      throw Aborted("cannot reach the Redis store at " + host + ":" + std::to_string(port) + ": " + why);
-    try {
-      return std::make_shared<gloo::rendezvous::RedisStore>(host, port);
-    } catch (const std::exception& e) {
-      throw Aborted("cannot reach the Redis store at " + host + ":" + std::to_string(port) + ": " + e.what());
+    // Gloo's RedisStore leaks its connection when it cannot connect: see first. It
+    // gives a connection 2 s; on a lossy link (a SYN lost twice) that is not
+    // enough: tried again until the process's limit (a job's timeout), if any.
+    const long long limit = command_limit_ms.load();
+    const auto deadline = Clock::now() + std::chrono::milliseconds(limit);
+    for (;;) {
+      const timeval connect_timeout{5, 0};
+      redisContext* probe = redisConnectWithTimeout(host.c_str(), port, connect_timeout);
+      std::string why = !probe ? "out of memory" : probe->err ? probe->errstr : "";
+      if (probe) redisFree(probe);
+      if (why.empty()) {
+        try {
+          return std::make_shared<RedisStore>(host, port);
+        } catch (const std::exception& e) {
+          why = e.what();
+        }
+      }
+      if (limit <= 0 || Clock::now() >= deadline)
+        throw Aborted("cannot reach the Redis store at " + host + ":" + std::to_string(port) + ": " + why);
+      std::this_thread::sleep_for(100ms);
     }
   }
   CPSIM_INVALID("store '", spec, "': expected file:DIR or redis://HOST:PORT");
@@ -126,22 +193,26 @@ std::optional<std::string> claim_key(const std::string& spec, Store& store, cons
   }
 }
 
-bool store_has(Store& store, const std::string& key) {
+bool store_has(Store& store, const std::string& key, bool* failed) {
   try {
     store.wait({key}, 1ms);
     return true;
+  } catch (const KeyMissing&) {
+    return false;
   } catch (const std::exception&) {
+    if (failed) *failed = true;
     return false;
   }
 }
 
-std::optional<std::string> failure_record(Store& records, int rank) {
+std::optional<std::string> failure_record(Store& records, int rank, bool* failed) {
   const std::string key = "failed/" + std::to_string(rank);
-  if (!store_has(records, key)) return std::nullopt;
+  if (!store_has(records, key, failed)) return std::nullopt;
   try {
     const auto v = records.get(key);
     return std::string(v.begin(), v.end());
   } catch (const std::exception&) {
+    if (failed) *failed = true;
     return std::nullopt;
   }
 }

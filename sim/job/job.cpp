@@ -38,6 +38,7 @@ ProcessJob::ProcessJob(const JobConfig& config) : config_(config) {
   if (config.store.empty())
     CPSIM_INVALID("rank ", config.rank, " of ", config.size, " (from ", config.source,
                   ") needs a store to meet in: --store file:DIR or --store redis://HOST:PORT, or CPSIM_STORE");
+  limit_store_commands(config.timeout);
   base_ = open_store(config.store);
   job_ = std::make_shared<gloo::rendezvous::PrefixStore>(config.id, *base_);
   // A job id is used once per store: each rank claims its key atomically before
