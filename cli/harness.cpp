@@ -153,6 +153,10 @@ int run_harness(const HarnessArgs& a) {
   bool stopped = false;  // the Python side went away or asked to stop: no verdict
   int ran = 0, outside = 0;
   std::map<std::string, int> outside_why;  // each reason given, how often
+  const auto set_aside = [&](const std::string& why) {
+    ++outside;
+    ++outside_why[why];
+  };
   auto property = [&](const LayoutCase& c) {
     if (stopped) RC_FAIL("stopped");
     if (too_short(c)) RC_DISCARD("shards shorter than --min-shard");
@@ -162,8 +166,7 @@ int run_harness(const HarnessArgs& a) {
       RC_FAIL("stopped");
     }
     if (verdict->kind == Verdict::outside) {
-      ++outside;
-      ++outside_why[verdict->why];
+      set_aside(verdict->why);
       RC_DISCARD(verdict->why);
     }
     ++ran;
@@ -194,8 +197,7 @@ int run_harness(const HarnessArgs& a) {
         break;
       }
       if (verdict->kind == Verdict::outside) {
-        ++outside;
-        ++outside_why[verdict->why];
+        set_aside(verdict->why);
         continue;
       }
       ++ran;

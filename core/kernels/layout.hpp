@@ -137,9 +137,10 @@ struct TrailingPadding {
   }
 };
 
+// A segment boundary of one row: where a run starts (no tail rule).
 struct IsBoundary {
   const std::int64_t* ids;
-  CPSIM_HD bool operator()(index_t t) const { return t == 0 || ids[t] != ids[t - 1]; }
+  CPSIM_HD bool operator()(index_t t) const { return starts_run(ids, nullptr, t, RowOffset{0, t}); }
 };
 
 template <class Policy>
