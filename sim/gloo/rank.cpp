@@ -10,6 +10,9 @@
 #include <sstream>
 #include <utility>
 #include <thread>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
 
 #include "sim/gloo/gloo.hpp"
 #include "sim/gloo/protocol.hpp"
@@ -94,6 +97,80 @@ std::string liveness(Store& records, int rank) {
 std::chrono::milliseconds remaining(Clock::time_point deadline) {
   return std::max(1ms, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
 }
+
+// A rank that sits a group's run out waits for the group with the long limit
+// (the run may take long), and nothing comes over a link that was cut: no
+// record, no closed connection. While it waits, this looks at the job's failure
+// records four times a second: a record of any other rank (the group failed, or a
+// rank lost its peers) ends the wait, and so does a store that has not answered
+// for the run's timeout (this rank cannot tell whether the group is alive; the
+// ranks that can reach it are ending too). Ends the wait through abortWaitRecv:
+// waitRecv then returns false, and `why()` says why.
+class SitOutWatch {
+ public:
+  SitOutWatch(Store& records, std::vector<int> peers, std::chrono::milliseconds patience,
+              gloo::transport::UnboundBuffer& recv)
+      : records_(records), peers_(std::move(peers)), patience_(patience), recv_(recv) {
+    thread_ = std::thread([this] { watch(); });
+  }
+  ~SitOutWatch() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  std::string why() {
+    std::lock_guard<std::mutex> lock(m_);
+    return why_;
+  }
+
+ private:
+  void watch() {
+    Clock::time_point answered = Clock::now();  // the store's last answer (it answered before this wait)
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        if (cv_.wait_for(lock, std::min<std::chrono::milliseconds>(patience_, 250ms), [this] { return done_; }))
+          return;
+      }
+      bool unreachable = false;
+      std::string found;
+      for (int q : peers_) {
+        if (const auto record = failure_record(records_, q, &unreachable)) {
+          found = "the failure record of rank " + std::to_string(q) + ": " + *record;
+          break;
+        }
+        if (unreachable) break;
+      }
+      const auto now = Clock::now();
+      if (!unreachable) answered = now;
+      else if (found.empty() && now - answered >= patience_)
+        found = "the job's store, silent for " +
+                std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now - answered).count()) +
+                " ms: this rank cannot tell whether the group is alive";
+      if (!found.empty()) {
+        {
+          std::lock_guard<std::mutex> lock(m_);
+          why_ = found;
+        }
+        recv_.abortWaitRecv();
+        return;
+      }
+    }
+  }
+
+  Store& records_;
+  std::vector<int> peers_;  // job ranks
+  std::chrono::milliseconds patience_;
+  gloo::transport::UnboundBuffer& recv_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string why_;
+  std::thread thread_;
+};
 
 // A rank's part of the report (core/comm/call_check.hpp). A rank that returned or
 // threw sends the last call it completed as its record.
@@ -237,19 +314,32 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
         if (arrived[q]) return true;
       return false;
     };
+    std::optional<SitOutWatch> watch;  // only while this rank sits a run out, in a job of processes
+    std::string sat_out;               // why the watch ended the wait
     try {
       for (int q = 0; q < size_; ++q)
         if (q != rank_) recv->recv(q, kCallSlot, q * sizeof(Wire), sizeof(Wire));
       for (int q = 0; q < size_; ++q)
         if (q != rank_) send->send(q, kCallSlot);
+      if (first > 0 && processes_ && records_) {
+        std::vector<int> peers;
+        for (int q = 0; q < size_; ++q)
+          if (q != rank_) peers.push_back(job_rank(q));
+        watch.emplace(*records_, std::move(peers), then, *recv);
+      }
       for (int i = 1; i < size_; ++i) {
         if (first > 0 && group_done()) deadline = std::min(deadline, Clock::now() + then);
         int src = -1;
-        recv->waitRecv(&src, remaining(deadline));
+        if (!recv->waitRecv(&src, remaining(deadline))) {
+          sat_out = watch ? watch->why() : "";
+          throw std::runtime_error("the wait was ended: " + sat_out);
+        }
         if (src >= 0 && src < size_) arrived[src] = true;
       }
+      watch.reset();
       for (int i = 1; i < size_; ++i) send->waitSend(remaining(deadline));
     } catch (const std::exception& e) {
+      watch.reset();
       std::vector<int> missing;
       std::vector<RankActivity> activities(size_);
       for (int q = 0; q < size_; ++q) {
@@ -274,7 +364,14 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
         for (int q = 0; q < size_; ++q)
           if (q != rank_) suspects.push_back(q);
       std::string why;
-      if (timed_out && !sending)
+      if (!sat_out.empty())
+      {
+        std::vector<int> group(first);
+        for (int q = 0; q < first; ++q) group[q] = q;
+        why = "rank " + std::to_string(rank_) + " sat out the run of " + name_ranks(group) +
+              " and stopped waiting for " + name_ranks(missing) + " at " + sat_out;
+      }
+      else if (timed_out && !sending)
         why = call_timeout(rank_, me, start, timeout) + " for " + name_ranks(missing) + ", which never arrived";
       else if (timed_out)
         why = call_timeout(rank_, me, start, timeout) + " to deliver its call to " + name_ranks(suspects) +

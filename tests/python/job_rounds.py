@@ -1,5 +1,5 @@
 """One rank of a job that all-reduces `--mb` MiB `--rounds` times, pausing
-`--pause` seconds after each round: a step that sits between collectives, for
+`--pause` seconds after each round (joining the job at `--start-at`): a step that sits between collectives, for
 the host-fault suite. Prints "rank R: round K" after each round."""
 import argparse
 import os
@@ -15,7 +15,11 @@ ap.add_argument("--mb", type=float, default=0.001)
 ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--pause", type=float, default=0.0)
 ap.add_argument("--timeout", type=float, default=10.0)
+ap.add_argument("--start-at", type=float, default=0.0,
+                help="time.time() at which to join the job: ranks that start apart join together")
 args = ap.parse_args()
+
+time.sleep(max(0.0, args.start_at - time.time()))
 
 ct.init_process_group(timeout=args.timeout)
 rank, world = dist.get_rank(), dist.get_world_size()

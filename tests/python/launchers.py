@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -15,6 +16,7 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXAMPLES = os.path.join(ROOT, "examples")
 JOB_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "job_harness.py")
+DELAY_LINK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay_link.py")
 
 
 def binary():
@@ -250,6 +252,34 @@ class Hosts:
         for ns, dev in ((self.names[i], "eth0"), (self.switch, "port%d" % i)):
             subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kb",
                             "latency", "10s"], check=True)
+
+    def delay(self, i, ms):
+        """Host i's packets held `ms` ms before they leave (as netem's delay on its
+        interface): what it sends to the subnet goes through a TUN device whose
+        reader (delay_link.py) writes each packet back `ms` later, and the kernel
+        forwards it out of eth0. Returns the reader; undelay(i, reader) ends it."""
+        ns = self.names[i]
+        reader = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, DELAY_LINK, "delay0", str(ms)],
+                                  stdout=subprocess.PIPE, start_new_session=True)
+        assert reader.stdout.readline().strip() == b"ready", "delay_link.py did not start"
+        for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0"),
+                           ("net.ipv4.conf.delay0.rp_filter", "0"), ("net.ipv4.conf.delay0.accept_local", "1")):
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "%s=%s" % (key, value)], check=True)
+        _ip("-n", ns, "link", "set", "delay0", "up")
+        # What comes back out of the device leaves by eth0; what the host sends enters it.
+        _ip("-n", ns, "route", "add", "10.0.0.0/24", "dev", "eth0", "table", "100")
+        _ip("-n", ns, "rule", "add", "iif", "delay0", "lookup", "100")
+        _ip("-n", ns, "route", "replace", "10.0.0.0/24", "dev", "delay0", "src", self.addresses[i])
+        return reader
+
+    def undelay(self, i, reader):
+        ns = self.names[i]
+        _ip("-n", ns, "route", "replace", "10.0.0.0/24", "dev", "eth0", "src", self.addresses[i], check=False)
+        _ip("-n", ns, "rule", "del", "iif", "delay0", "lookup", "100", check=False)
+        _ip("-n", ns, "route", "flush", "table", "100", check=False)
+        if reader.poll() is None:
+            os.killpg(reader.pid, signal.SIGKILL)
+        reader.wait()
 
     def stop(self):
         self.daemons.stop()

@@ -223,6 +223,23 @@ def test_a_link_cut_before_rendezvous_ends_every_rank(hosts, job):
         hosts.cut(2, down=False)
 
 
+def test_a_link_cut_while_the_ranks_connect_and_sit_runs_out_ends_every_rank(hosts, job):
+    # cpsim fuzz runs groups of 1 to 6 ranks: the ranks outside a run wait for it
+    # with a long limit. A cut 0.5 s in meets ranks connecting, running and
+    # sitting a run out; none may wait past the timeout.
+    j = job(fuzz(5))
+    time.sleep(0.5)
+    since = time.monotonic()
+    hosts.cut(2)
+    try:
+        expect_ended(j, SURVIVORS, since, 5, "link cut while connecting")
+        for r in SURVIVORS:
+            assert names_rank(j.output(r), 4) or names_rank(j.output(r), 5), j.report()
+        expect_ended(j, [4, 5], since, 5, "link cut while connecting (the cut host)")
+    finally:
+        hosts.cut(2, down=False)
+
+
 @pytest.mark.parametrize("pause", [0, 3], ids=["during collectives", "between collectives"])
 def test_a_link_cut_mid_run_ends_every_rank(hosts, job, pause):
     # pause 0: the ranks are inside all_reduces back to back; pause 3: they sit 3 s
@@ -252,13 +269,42 @@ def test_a_lossy_slow_link_passes_with_a_sufficient_timeout_and_fails_cleanly_wi
         assert all(j.procs[r].returncode == 0 for r in range(j.world)), j.report()
         TIMES["lossy slow link, 3 rounds of 256 KiB"] = max(j.ends.values()) - j.started
         # The same rounds with a 1 s timeout: every rank ends cleanly (exit 3).
-        j = job(rounds(1, rounds=3, mb=0.25), env=python_env())
+        # The ranks join together (torch's import takes seconds, unevenly), so
+        # that the short timeout meets the all-reduce, not the rendezvous.
+        j = job(rounds(1, rounds=3, mb=0.25, **{"start-at": time.time() + 8}), env=python_env())
         j.wait(range(j.world), 120)
         assert all(j.procs[r].returncode == 3 for r in range(j.world)), j.report()
     finally:
         subprocess.run(["ip", "netns", "exec", hosts.names[2], "nft", "delete", "table", "inet", "cpsim"])
         for ns, dev in ((hosts.names[2], "eth0"), (hosts.switch, "port2")):
             subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"])
+
+
+def test_a_200_ms_delay_passes_with_a_sufficient_timeout_and_fails_cleanly_with_a_short_one(hosts, job):
+    reader = hosts.delay(2, 200)
+    try:
+        # Every packet host 2 sends waits 200 ms: each call's record exchange and
+        # each step of an all-reduce that needs host 2's data wait for it.
+        j = job(rounds(30, rounds=3, mb=0.25), env=python_env())
+        j.wait(range(j.world), 120)
+        assert all(j.procs[r].returncode == 0 for r in range(j.world)), j.report()
+        TIMES["200 ms delay, 3 rounds of 256 KiB"] = max(j.ends.values()) - j.started
+        # A 1 s timeout: the ranks cannot even connect (each store command and
+        # each connection of host 2 waits 200 ms, and Gloo connects peer by peer):
+        # every rank ends cleanly (exit 3) with a timeout report, within the
+        # connection's limit (5 x the timeout) + 2 s of joining. The ranks join
+        # together (torch's import takes seconds, unevenly) so that this is timed.
+        join = time.time() + 8
+        joined = time.monotonic() + 8
+        j = job(rounds(1, rounds=3, mb=0.25, **{"start-at": join}), env=python_env())
+        j.wait(range(j.world), 120)
+        assert all(j.procs[r].returncode == 3 for r in range(j.world)), j.report()
+        assert all("limit 1000 ms" in j.output(r) for r in range(j.world)), j.report()
+        took = max(j.ends.values()) - joined
+        TIMES["200 ms delay, timeout 1 s (from joining)"] = took
+        assert took <= 5 + SLACK, "the last rank ended %.2f s after joining\n%s" % (took, j.report())
+    finally:
+        hosts.undelay(2, reader)
 
 
 def test_the_store_killed_mid_rendezvous_ends_the_ranks_waiting(hosts, job):
@@ -283,6 +329,28 @@ def test_the_store_killed_mid_run_does_not_stop_a_connected_job(hosts, job):
     try:
         j.wait(range(j.world), 60)
         assert all(j.procs[r].returncode == 0 for r in range(j.world)), j.report()
+    finally:
+        start_redis(hosts)
+
+
+def test_the_store_killed_while_ranks_sit_short_runs_out_does_not_stop_the_job(hosts, job):
+    # cpsim fuzz runs groups of 1 to 6 ranks; a rank outside a run reads the
+    # failure records while it waits, and gives up only when the store has been
+    # silent for the timeout within one wait. Runs shorter than that go on.
+    j = job(fuzz(5))
+
+    def connected():  # every group size has met in the store (groups connect on first use)
+        keys = subprocess.run(hosts.argv(0, ["redis-cli", "-h", hosts.addresses[0], "--scan", "--pattern",
+                                             j.job_id + "/group*"]), stdout=subprocess.PIPE).stdout.decode()
+        return all("/group%d/" % n in keys for n in range(2, j.world))
+
+    wait_for(connected, 60, "every group of the fuzz job connected")
+    time.sleep(1)
+    hosts.redis.kill()
+    hosts.redis.wait()
+    try:
+        time.sleep(3 * 5)
+        assert j.running() == list(range(j.world)), j.report()
     finally:
         start_redis(hosts)
 
