@@ -15,6 +15,7 @@
 #include "verify/random.hpp"
 #include "verify/reference.hpp"
 #include "verify/reference_layers.hpp"
+#include "verify/rows/inputs.hpp"
 #include "verify/safetensors.hpp"
 
 using namespace cpsim;
@@ -49,7 +50,7 @@ TEST(Golden, FolderReadsBackAndHoldsTheReferences) {
   const ReferenceShape shape = reference_shape(c.batch);
   const ReferenceGeometry g = reference_geometry(shape.seq_len, 3);
   const LayoutTruth truth = reference_layout(c.batch);
-  const Tensor x = masked_activation(truth, g.padded_len, o.channels, mix_seed(c.seed, 41));
+  const Tensor x = inputs::conv(truth, shape.rows, g.padded_len, o, c.seed).x;
   EXPECT_TRUE(inputs.tensors.at("x").bitwise_equal(x));
   EXPECT_TRUE(ref.tensors.at("doc_ids").bitwise_equal(reference_padded_doc_ids(truth, g.padded_len)));
   const ConvReference conv = reference_conv(x, reference_padded_doc_ids(truth, g.padded_len),
@@ -58,8 +59,7 @@ TEST(Golden, FolderReadsBackAndHoldsTheReferences) {
   EXPECT_TRUE(ref.tensors.at("conv_y").bitwise_equal(conv.y));
   EXPECT_TRUE(ref.tensors.at("conv_dw").bitwise_equal(conv.dw));
   // The layers: the inputs the rows draw, and their references.
-  const AttentionInputs at = random_attention_inputs(2, g.padded_len, o.heads, o.rope_dim(), o.value_dim, o.index_dim,
-                                                     mix_seed(c.seed, 70));
+  const AttentionInputs at = inputs::attention(shape.rows, g.padded_len, o, c.seed);
   EXPECT_TRUE(inputs.tensors.at("attention_q").bitwise_equal(at.q));
   EXPECT_TRUE(inputs.tensors.at("index_k").bitwise_equal(at.index_k));
   const Batch padded = reference_padded_global(c, g.padded_len);
@@ -101,6 +101,46 @@ TEST(Golden, FolderReadsBackAndHoldsTheReferences) {
 
 // examples/golden_check.py, an implementation of sharding, halo and gather in numpy
 // written apart from cpsim, agrees with the vectors of every example batch.
+// Golden writes the inputs the rows draw: every drawn input of the folder is what
+// verify/rows/inputs.hpp gives for the case's seed (a second seed too, so that a
+// seed changed there moves both), and no row nor golden draws an input itself.
+TEST(Golden, TheFolderHoldsTheInputsTheRowsDraw) {
+  const BatchFile f = read_batch_file(kExamples + "packed_two_rows.json");
+  for (std::uint64_t seed : {5ull, 77ull}) {
+    const LayoutCase c{f.batch, f.pad_token_id, 3, seed, std::nullopt, PlanChoice{}};
+    CheckOptions o;
+    const auto dir = fresh_dir("cpsim-golden-inputs");
+    write_golden(c, o, dir.string(), "packed_two_rows.json");
+    const SafetensorsFile in = read(dir / "inputs.safetensors");
+    const ReferenceShape shape = reference_shape(c.batch);
+    const std::int64_t B = shape.rows, P = reference_geometry(shape.seq_len, 3).padded_len;
+    const inputs::Conv conv = inputs::conv(reference_layout(c.batch), B, P, o, seed);
+    const inputs::Recurrence rec = inputs::recurrence(B, P, o, seed);
+    const AttentionInputs at = inputs::attention(B, P, o, seed);
+    const LossInputs loss = inputs::loss(reference_padded_global(c, P).at("input_ids"), o, seed);
+    const std::vector<std::pair<std::string, Tensor>> drawn = {
+        {"x", conv.x}, {"conv_weight", conv.weight}, {"conv_bias", conv.bias}, {"conv_grad_y", conv.grad_y},
+        {"q", rec.in.q}, {"k", rec.in.k}, {"v", rec.in.v}, {"beta", rec.in.beta}, {"g", rec.in.g},
+        {"recurrence_grad_o", rec.grad_o}, {"attention_q", at.q}, {"attention_k", at.k}, {"attention_v", at.v},
+        {"attention_grad_o", at.grad_o}, {"index_q", at.index_q}, {"index_k", at.index_k},
+        {"loss_tokens", loss.tokens}, {"logits", loss.logits},
+        {"gather_grad.0", inputs::gather_upstream({B, P, o.channels}, DType::f64, 0, seed)},
+        {"gather_grad.2", inputs::gather_upstream({B, P, o.channels}, DType::f64, 2, seed)}};
+    for (const auto& [name, t] : drawn) EXPECT_TRUE(in.tensors.at(name).bitwise_equal(t)) << name << " seed " << seed;
+    std::filesystem::remove_all(dir);
+  }
+  // The seeds are written once: only verify/rows/inputs.cpp draws.
+  for (const char* file : {"verify/golden.cpp", "verify/rows/conv.cpp", "verify/rows/gather.cpp",
+                           "verify/rows/recurrence.cpp", "verify/rows/layers.cpp", "verify/rows/steps.cpp"}) {
+    std::ifstream src(std::string(CPSIM_SOURCE_DIR) + "/" + file);
+    const std::string text((std::istreambuf_iterator<char>(src)), std::istreambuf_iterator<char>());
+    ASSERT_FALSE(text.empty()) << file;
+    for (const char* draw : {"random_tensor(", "masked_activation(", "random_recurrence_inputs(",
+                             "random_attention_inputs(", "random_loss_inputs("})
+      EXPECT_EQ(text.find(draw), std::string::npos) << file << " draws an input itself: " << draw;
+  }
+}
+
 TEST(Golden, AnIndependentNumpyImplementationAgrees) {
   if (std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "needs numpy for /usr/bin/python3 (Debian's python3-numpy; make deps installs it)";

@@ -10,6 +10,7 @@
 #include "verify/random.hpp"
 #include "verify/reference.hpp"
 #include "verify/reference_layers.hpp"
+#include "verify/rows/inputs.hpp"
 #include "verify/safetensors.hpp"
 
 namespace cpsim::verify {
@@ -98,13 +99,13 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
   const DType dt = given.dtype;
   const auto low = [&](const Tensor& t) { return dt == DType::f64 ? t : t.to(dt).to(DType::f64); };
   inputs.floating = dt;
-  const Tensor x = low(masked_activation(truth, P, C, mix_seed(c.seed, 41)));
-  const Tensor w = low(random_tensor({C, W}, DType::f64, mix_seed(c.seed, 42)));
-  const Tensor bias = low(random_tensor({C}, DType::f64, mix_seed(c.seed, 43)));
-  const Tensor gy = low(random_tensor({B, P, C}, DType::f64, mix_seed(c.seed, 44)));
-  RecurrenceInputs in = random_recurrence_inputs(B, P, o.heads, o.key_dim, o.value_dim, mix_seed(c.seed, 51));
+  // The rows' own inputs (verify/rows/inputs.hpp), drawn as `cpsim check` draws them.
+  const inputs::Conv conv_in = inputs::conv(truth, B, P, o, c.seed);
+  const Tensor x = low(conv_in.x), w = low(conv_in.weight), bias = low(conv_in.bias), gy = low(conv_in.grad_y);
+  inputs::Recurrence rec_in = inputs::recurrence(B, P, o, c.seed);
+  RecurrenceInputs& in = rec_in.in;
   for (Tensor* t : {&in.q, &in.k, &in.v, &in.beta, &in.g}) *t = low(*t);
-  const Tensor d_o = low(random_tensor({B, P, o.heads, o.value_dim}, DType::f64, mix_seed(c.seed, 52)));
+  const Tensor d_o = low(rec_in.grad_o);
   inputs.add("x", x, "activation [B, P, C], zero at padding: the conv and halo input, and what gather_sequence gathers",
              "§3");
   inputs.add("conv_weight", w, "depthwise conv weight [C, W]", "§3");
@@ -118,7 +119,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
   inputs.add("recurrence_grad_o", d_o, "upstream gradient of o [B, P, H, V]", "§3");
   std::vector<Tensor> upstream;
   for (int q = 0; q < c.cp; ++q) {
-    upstream.push_back(low(random_tensor({B, P, C}, DType::f64, mix_seed(c.seed, 100 + q))));
+    upstream.push_back(low(inputs::gather_upstream({B, P, C}, DType::f64, q, c.seed)));
     inputs.add("gather_grad." + std::to_string(q), upstream.back(),
                "upstream gradient of rank " + std::to_string(q) + "'s gathered tensor [B, P, C]", "§3");
   }
@@ -147,7 +148,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
   const std::int64_t D = o.rope_dim();
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const Tensor &pos = padded.at("position_ids"), &pad = padded.at("padding_mask");
-  AttentionInputs at = random_attention_inputs(B, P, o.heads, D, o.value_dim, o.index_dim, mix_seed(c.seed, 70));
+  AttentionInputs at = inputs::attention(B, P, o, c.seed);
   for (Tensor* t : {&at.q, &at.k, &at.v, &at.grad_o, &at.index_q, &at.index_k}) *t = low(*t);
   inputs.add("attention_q", at.q, "attention queries [B, P, H, D] before RoPE (D: key_dim rounded up to even)", "§3b");
   inputs.add("attention_k", at.k, "attention keys [B, P, H, D] before RoPE", "§3b");
@@ -155,7 +156,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
   inputs.add("attention_grad_o", at.grad_o, "upstream gradient of the attention output [B, P, H, Dv]", "§3b");
   inputs.add("index_q", at.index_q, "sparse indexer query [B, P, Di], integer-valued", "§3b");
   inputs.add("index_k", at.index_k, "sparse indexer key [B, P, Di], integer-valued", "§3b");
-  LossInputs li = random_loss_inputs(padded.at("input_ids"), o.vocab, mix_seed(c.seed, 91));
+  LossInputs li = inputs::loss(padded.at("input_ids"), o, c.seed);
   li.logits = low(li.logits);
   inputs.add("loss_tokens", li.tokens, "padded input_ids mod vocab [B, P]: the ids the targets are aligned from", "§3b");
   inputs.add("logits", li.logits, "logits [B, P, vocab]", "§3b");

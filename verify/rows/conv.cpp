@@ -4,6 +4,7 @@
 #include "core/plan.hpp"
 
 #include "verify/rows/common.hpp"
+#include "verify/rows/inputs.hpp"
 
 namespace cpsim::verify {
 
@@ -47,7 +48,7 @@ std::string exchange_tag(HaloExchange e) { return std::string(" (") + halo_excha
 PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
   const LayoutCase& c = s.c;
   Tally t;
-  const Tensor x = masked_activation(s.truth, s.g.padded_len, o.channels, mix_seed(c.seed, 31));
+  const Tensor x = inputs::halo_forward_x(s.truth, s.g.padded_len, o, c.seed);
   std::vector<std::vector<Tensor>> got(std::size(kExchanges), std::vector<Tensor>(c.cp));
   run_reading({{"x", &x}}, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
@@ -67,10 +68,10 @@ PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const 
   const LayoutCase& c = s.c;
   ErrorTally t;
   const std::int64_t H = o.conv_width - 1, P = s.g.padded_len, C = o.channels;
-  const Tensor x = masked_activation(s.truth, P, C, mix_seed(c.seed, 32));
+  const Tensor x = inputs::halo_backward_x(s.truth, P, o, c.seed);
   std::vector<Tensor> upstream;
   for (int q = 0; q < c.cp; ++q)
-    upstream.push_back(random_tensor({s.shape.rows, s.g.size(q) + H, C}, DType::f64, mix_seed(c.seed, 300 + q)));
+    upstream.push_back(inputs::halo_upstream({s.shape.rows, s.g.size(q) + H, C}, q, c.seed));
   // Reference: every window slot's gradient lands on the global position it came from.
   Tensor owner_grad({s.shape.rows, P, C}, DType::f64);
   for (int q = 0; q < c.cp; ++q)
@@ -112,11 +113,9 @@ namespace {
 // otherwise the same composition with the given halo and/or conv.
 ConvRun run_conv(const Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
   const LayoutCase& c = s.c;
-  const std::int64_t P = s.g.padded_len, C = o.channels, W = o.conv_width;
-  const Tensor x = masked_activation(s.truth, P, C, mix_seed(c.seed, 41));
-  const Tensor w = random_tensor({C, W}, DType::f64, mix_seed(c.seed, 42));
-  const Tensor bias = random_tensor({C}, DType::f64, mix_seed(c.seed, 43));
-  const Tensor gy = random_tensor({s.shape.rows, P, C}, DType::f64, mix_seed(c.seed, 44));
+  const std::int64_t P = s.g.padded_len, W = o.conv_width;
+  const inputs::Conv in = inputs::conv(s.truth, s.shape.rows, P, o, c.seed);
+  const Tensor &x = in.x, &w = in.weight, &bias = in.bias, &gy = in.grad_y;
   const bool layer = !halo && !conv;
   const HaloFn& halo_fn = halo ? halo : default_halo();
   const ConvFn& conv_fn = conv ? conv : default_conv();

@@ -2,6 +2,7 @@
 #include "core/gather.hpp"
 
 #include "verify/rows/common.hpp"
+#include "verify/rows/inputs.hpp"
 
 namespace cpsim::verify {
 
@@ -25,7 +26,7 @@ PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const
       {DType::i64, {s.shape.rows, s.g.padded_len}},              {DType::b8, {s.shape.rows, s.g.padded_len, 2, 2}}};
   // One run for every dtype (a run per dtype would cost more than the gathers).
   std::vector<Tensor> globals;
-  for (const auto& [dt, shape] : cases) globals.push_back(random_tensor(shape, dt, mix_seed(c.seed, static_cast<int>(dt))));
+  for (const auto& [dt, shape] : cases) globals.push_back(inputs::gather_forward_global(shape, dt, c.seed));
   std::vector<std::vector<Tensor>> got(cases.size(), std::vector<Tensor>(c.cp));
   RankOutputs outputs;
   for (auto& g : got) outputs.push_back(&g);
@@ -56,9 +57,9 @@ PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, cons
   const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
   const std::vector<bool> all(c.cp, true);
   for (const DType dt : {DType::f64, DType::f32}) {
-    const Tensor global = random_tensor(shape, dt, mix_seed(c.seed, 11));
+    const Tensor global = inputs::gather_backward_global(shape, dt, c.seed);
     std::vector<Tensor> upstream, grads(c.cp);
-    for (int q = 0; q < c.cp; ++q) upstream.push_back(random_tensor(shape, dt, mix_seed(c.seed, 100 + q)));
+    for (int q = 0; q < c.cp; ++q) upstream.push_back(inputs::gather_upstream(shape, dt, q, c.seed));
     run_reading({{"global", &global}}, c.cp, [&](Communicator& comm) {
       const int r = comm.rank();
       Var x(on(comm, local(global, s.context(r))), true);
@@ -81,16 +82,12 @@ PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherF
   const LayoutCase& c = s.c;
   Tally t;
   const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
-  const Tensor global = random_tensor(shape, DType::f64, mix_seed(c.seed, 21));
-  std::vector<Tensor> upstream;
-  std::vector<bool> uses(c.cp);  // whether rank q's loss depends on the gathered tensor
-  SplitMix64 rng(mix_seed(c.seed, 22));
+  const inputs::Anchor drawn = inputs::anchor(shape, c.cp, c.seed);
+  const Tensor& global = drawn.global;
+  const std::vector<Tensor>& upstream = drawn.upstream;
+  const std::vector<bool>& uses = drawn.uses;  // whether rank q's loss depends on the gathered tensor
   int users = 0;
-  for (int q = 0; q < c.cp; ++q) {
-    upstream.push_back(random_tensor(shape, DType::f64, mix_seed(c.seed, 200 + q)));
-    uses[q] = rng.below(2) == 1;
-    users += uses[q];
-  }
+  for (int q = 0; q < c.cp; ++q) users += uses[q];
   auto step = [&](bool with_anchor, std::vector<Tensor>& grads) {
     run_reading({{"global", &global}}, c.cp, [&](Communicator& comm) {
       const int r = comm.rank();

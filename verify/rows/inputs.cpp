@@ -1,90 +1,71 @@
-// run_reading: the inputs a run's ranks read in place, and the check that they
-// did not write into them.
-#include <algorithm>
-#include <cstring>
-#include <mutex>
+#include "verify/rows/inputs.hpp"
 
-#include "verify/rows/common.hpp"
+#include "verify/random.hpp"
 
-namespace cpsim::verify::rows {
+namespace cpsim::verify::inputs {
 
-namespace {
-
-// The storages being read in place now: (first byte, bytes), one entry per
-// input of each run in progress (rows may run side by side).
-std::mutex reading_mutex;
-std::vector<std::pair<const void*, std::size_t>> reading;
-
-// A run's inputs that live on the host: read in place while it lasts (the
-// registry holds them), and compared with their fingerprints after it.
-struct Reading {
-  std::vector<std::pair<const Input*, std::uint64_t>> guarded;  // an input, its fingerprint before the run
-  std::vector<std::pair<const void*, std::size_t>> keys;
-  explicit Reading(const std::vector<Input>& inputs) {
-    for (const Input& in : inputs)
-      if (in.tensor->defined() && in.tensor->is_cpu()) {
-        guarded.emplace_back(&in, fingerprint(*in.tensor));
-        keys.emplace_back(in.tensor->raw(), in.tensor->nbytes());
-      }
-    std::lock_guard<std::mutex> lock(reading_mutex);
-    reading.insert(reading.end(), keys.begin(), keys.end());
-  }
-  ~Reading() {
-    std::lock_guard<std::mutex> lock(reading_mutex);
-    for (const auto& k : keys) reading.erase(std::find(reading.begin(), reading.end(), k));
-  }
-};
-
-}  // namespace
-
-std::uint64_t fingerprint(const Tensor& t) {
-  // Eight independent lanes of xor-multiply over 8-byte words (a bijection of the
-  // lane for each word, so a changed word changes its lane for good), mixed at the
-  // end with the tail: memory speed.
-  const auto* p = static_cast<const unsigned char*>(t.raw());
-  const std::size_t n = t.nbytes(), words = n / 8;
-  constexpr std::uint64_t k = 0x9E3779B97F4A7C15ull;
-  std::uint64_t lane[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-  std::size_t i = 0;
-  for (; i + 8 <= words; i += 8)
-    for (int l = 0; l < 8; ++l) {
-      std::uint64_t w;
-      std::memcpy(&w, p + 8 * (i + l), 8);
-      lane[l] = (lane[l] ^ w) * k;
-    }
-  auto mix = [](std::uint64_t h, std::uint64_t w) {
-    h = (h ^ w) * k;
-    return h ^ (h >> 29);
-  };
-  std::uint64_t h = n;
-  for (; i < words; ++i) {
-    std::uint64_t w;
-    std::memcpy(&w, p + 8 * i, 8);
-    h = mix(h, w);
-  }
-  for (std::size_t b = 8 * words; b < n; ++b) h = mix(h, p[b]);
-  for (std::uint64_t l : lane) h = mix(h, l);
-  return h;
+Conv conv(const LayoutTruth& truth, std::int64_t rows, std::int64_t padded_len, const CheckOptions& o,
+          std::uint64_t seed) {
+  const std::int64_t P = padded_len, C = o.channels, W = o.conv_width;
+  return {masked_activation(truth, P, C, mix_seed(seed, 41)), random_tensor({C, W}, DType::f64, mix_seed(seed, 42)),
+          random_tensor({C}, DType::f64, mix_seed(seed, 43)), random_tensor({rows, P, C}, DType::f64, mix_seed(seed, 44))};
 }
 
-bool read_in_place(const Tensor& global) {
-  if (!global.defined() || !global.is_cpu()) return false;
-  const std::pair<const void*, std::size_t> key{global.raw(), global.nbytes()};
-  std::lock_guard<std::mutex> lock(reading_mutex);
-  return std::find(reading.begin(), reading.end(), key) != reading.end();
+Tensor halo_forward_x(const LayoutTruth& truth, std::int64_t padded_len, const CheckOptions& o, std::uint64_t seed) {
+  return masked_activation(truth, padded_len, o.channels, mix_seed(seed, 31));
 }
 
-void run_reading(const std::vector<Input>& inputs, int n, const RankFn& fn, const RunOptions& options,
-                 const RankOutputs& outputs) {
-  // A process of a multi-process job runs one rank: it copies its slices (nothing
-  // to share), and every process reaches the same verdict.
-  if (options.job) return run_ranks(n, fn, options, outputs);
-  const Reading inputs_read(inputs);
-  run_ranks(n, fn, options, outputs);
-  for (const auto& [in, before] : inputs_read.guarded)
-    if (fingerprint(*in->tensor) != before)
-      throw Error(std::string("a rank wrote into its input ") + in->name +
-                  " (the slice it was given of the global tensor, which the row compares against)");
+Tensor halo_backward_x(const LayoutTruth& truth, std::int64_t padded_len, const CheckOptions& o, std::uint64_t seed) {
+  return masked_activation(truth, padded_len, o.channels, mix_seed(seed, 32));
 }
 
-}  // namespace cpsim::verify::rows
+Tensor halo_upstream(const Shape& window, int rank, std::uint64_t seed) {
+  return random_tensor(window, DType::f64, mix_seed(seed, 300 + rank));
+}
+
+Tensor gather_forward_global(const Shape& shape, DType dtype, std::uint64_t seed) {
+  return random_tensor(shape, dtype, mix_seed(seed, static_cast<int>(dtype)));
+}
+
+Tensor gather_backward_global(const Shape& shape, DType dtype, std::uint64_t seed) {
+  return random_tensor(shape, dtype, mix_seed(seed, 11));
+}
+
+Tensor gather_upstream(const Shape& shape, DType dtype, int rank, std::uint64_t seed) {
+  return random_tensor(shape, dtype, mix_seed(seed, 100 + rank));
+}
+
+Anchor anchor(const Shape& shape, int cp, std::uint64_t seed) {
+  Anchor a{random_tensor(shape, DType::f64, mix_seed(seed, 21)), {}, std::vector<bool>(cp)};
+  SplitMix64 rng(mix_seed(seed, 22));
+  for (int q = 0; q < cp; ++q) {
+    a.upstream.push_back(random_tensor(shape, DType::f64, mix_seed(seed, 200 + q)));
+    a.uses[q] = rng.below(2) == 1;
+  }
+  return a;
+}
+
+RecurrenceInputs step_recurrence(std::int64_t rows, std::int64_t padded_len, const CheckOptions& o, int step,
+                                 std::uint64_t seed) {
+  return random_recurrence_inputs(rows, padded_len, o.heads, o.key_dim, o.value_dim, mix_seed(seed, 101 + step));
+}
+
+Recurrence recurrence(std::int64_t rows, std::int64_t padded_len, const CheckOptions& o, std::uint64_t seed) {
+  return {random_recurrence_inputs(rows, padded_len, o.heads, o.key_dim, o.value_dim, mix_seed(seed, 51)),
+          random_tensor({rows, padded_len, o.heads, o.value_dim}, DType::f64, mix_seed(seed, 52))};
+}
+
+Rope rope(std::int64_t rows, std::int64_t padded_len, const CheckOptions& o, std::uint64_t seed) {
+  const Shape shape{rows, padded_len, o.heads, o.rope_dim()};
+  return {random_tensor(shape, DType::f64, mix_seed(seed, 61)), random_tensor(shape, DType::f64, mix_seed(seed, 62))};
+}
+
+AttentionInputs attention(std::int64_t rows, std::int64_t padded_len, const CheckOptions& o, std::uint64_t seed) {
+  return random_attention_inputs(rows, padded_len, o.heads, o.rope_dim(), o.value_dim, o.index_dim, mix_seed(seed, 70));
+}
+
+LossInputs loss(const Tensor& padded_input_ids, const CheckOptions& o, std::uint64_t seed) {
+  return random_loss_inputs(padded_input_ids, o.vocab, mix_seed(seed, 91));
+}
+
+}  // namespace cpsim::verify::inputs

@@ -6,6 +6,7 @@
 #include "core/loss.hpp"
 #include "verify/reference_layers.hpp"
 #include "verify/rows/common.hpp"
+#include "verify/rows/inputs.hpp"
 
 namespace cpsim::verify {
 
@@ -73,8 +74,8 @@ PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& f
   ErrorTally t;
   const std::int64_t B = s.shape.rows, P = s.g.padded_len;
   const LayerRows rows = layer_rows(s);
-  const Tensor x = random_tensor({B, P, o.heads, o.rope_dim()}, DType::f64, mix_seed(c.seed, 61));
-  const Tensor up = random_tensor(x.shape(), DType::f64, mix_seed(c.seed, 62));
+  const inputs::Rope in = inputs::rope(B, P, o, c.seed);
+  const Tensor &x = in.x, &up = in.grad_y;
   std::vector<Tensor> y(c.cp), dx(c.cp);
   run_reading({{"x", &x}, {"up", &up}, {"positions", &rows.positions}}, c.cp, [&](Communicator& comm) {
     const int r = comm.rank();
@@ -208,10 +209,10 @@ Tensor only_rows(const Tensor& t, const Tensor& mask, double fill = 0) {
 AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const AttentionFn& fn, const RopeFn& rope_fn,
                            std::int64_t topk) {
   const LayoutCase& c = s.c;
-  const std::int64_t B = s.shape.rows, P = s.g.padded_len, H = opt.heads, D = opt.rope_dim(), Dv = opt.value_dim;
+  const std::int64_t B = s.shape.rows, P = s.g.padded_len, D = opt.rope_dim();
   const LayerRows rows = layer_rows(s);
   // One set of inputs for the dense and the sparse form (and `cpsim golden`).
-  const AttentionInputs in = random_attention_inputs(B, P, H, D, Dv, opt.index_dim, mix_seed(c.seed, 70));
+  const AttentionInputs in = inputs::attention(B, P, opt, c.seed);
   // The loss is sum(o * up) over the evaluated queries: up is 0 at the others.
   std::int64_t pairs = 0;
   const QueryChoice chosen = choose_queries(rows.doc_ids, rows.padding, s.g, c.seed, &pairs);
@@ -320,10 +321,9 @@ namespace {
 
 LossRun run_loss(const Prepared& s, const CheckOptions& opt, const TargetsFn& targets_fn, const LossFn& loss_fn) {
   const LayoutCase& c = s.c;
-  const std::int64_t V = opt.vocab;
   const LayerRows rows = layer_rows(s);
   // Token ids folded into the vocabulary: targets come from the batch's own ids.
-  const LossInputs in = random_loss_inputs(rows.input_ids, V, mix_seed(c.seed, 91));
+  const LossInputs in = inputs::loss(rows.input_ids, opt, c.seed);
   const Tensor &tokens = in.tokens, &logits = in.logits;
   LossRun run;
   run.ref = reference_loss(logits, tokens, rows.doc_ids, rows.padding);

@@ -2,6 +2,7 @@
 #include "core/recurrence.hpp"
 
 #include "verify/rows/common.hpp"
+#include "verify/rows/inputs.hpp"
 
 namespace cpsim::verify {
 
@@ -36,8 +37,9 @@ RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const R
   const ReferenceGeometry g = reference_geometry(S, c.cp, sharding == Sharding::zigzag ? 2 : 1);
   const std::int64_t P = g.padded_len;
   const Tensor ids = reference_padded_doc_ids(s.truth, P);
-  const RecurrenceInputs in = random_recurrence_inputs(B, P, opt.heads, opt.key_dim, opt.value_dim, mix_seed(c.seed, 51));
-  const Tensor d_o = random_tensor({B, P, opt.heads, opt.value_dim}, DType::f64, mix_seed(c.seed, 52));
+  const inputs::Recurrence drawn = inputs::recurrence(B, P, opt, c.seed);
+  const RecurrenceInputs& in = drawn.in;
+  const Tensor& d_o = drawn.grad_o;
   RecurrenceRun run;
   // Sequence order the ranks see: identity, or zigzag chunks r and 2c-1-r.
   std::vector<std::int64_t> perm(P), inverse(P);

@@ -9,6 +9,7 @@
 
 #include "core/recurrence.hpp"
 #include "verify/rows/common.hpp"
+#include "verify/rows/inputs.hpp"
 
 namespace cpsim::verify {
 
@@ -51,8 +52,7 @@ PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const Recurrence
   std::vector<Step> data;
   for (int k = 0; k < 2; ++k) {
     const Prepared& p = *steps[k];
-    Step d{random_recurrence_inputs(p.shape.rows, p.g.padded_len, o.heads, o.key_dim, o.value_dim,
-                                    mix_seed(c.seed, 101 + k)),
+    Step d{inputs::step_recurrence(p.shape.rows, p.g.padded_len, o, k, c.seed),
            reference_padded_doc_ids(p.truth, p.g.padded_len), Tensor()};
     d.ref = reference_recurrence(d.in, d.ids, Tensor()).o;
     data.push_back(std::move(d));
