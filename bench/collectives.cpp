@@ -1,5 +1,7 @@
 #include "bench/collectives.hpp"
 
+#include "core/bytes.hpp"
+
 #include <algorithm>
 #include <barrier>
 #include <chrono>
@@ -161,23 +163,7 @@ double ref_us(int threads, std::size_t bytes, int iterations) {
   return seconds * 1e6 / iterations;
 }
 
-std::size_t parse_size(const std::string& text) {
-  std::size_t at = 0;
-  unsigned long long v = 0;
-  try {
-    v = std::stoull(text, &at);
-  } catch (const std::exception&) {
-    CPSIM_INVALID("size '", text, "' is not a number (8, 64K, 16M, 1G)");
-  }
-  const std::string unit = text.substr(at);
-  std::size_t scale = 1;
-  if (unit == "K" || unit == "k") scale = 1 << 10;
-  else if (unit == "M" || unit == "m") scale = 1 << 20;
-  else if (unit == "G" || unit == "g") scale = std::size_t{1} << 30;
-  else if (!unit.empty()) CPSIM_INVALID("size '", text, "': unit '", unit, "' (K, M or G)");
-  if (v == 0 || v > (std::size_t{1} << 40) / scale) CPSIM_INVALID("size '", text, "' out of range (1 byte to 1T)");
-  return static_cast<std::size_t>(v) * scale;
-}
+std::size_t parse_size(const std::string& text) { return static_cast<std::size_t>(parse_bytes(text)); }
 
 std::string size_text(std::size_t bytes) {
   if (bytes >= (1 << 20) && bytes % (1 << 20) == 0) return std::to_string(bytes >> 20) + "M";

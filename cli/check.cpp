@@ -10,7 +10,6 @@
 
 #include "cli/job.hpp"
 #include "core/comm/registry.hpp"
-#include "bench/collectives.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/memory.hpp"
 #include "verify/properties.hpp"
@@ -162,7 +161,7 @@ int run_check(CheckArgs a) {
   // some CP size is over the limit is refused at once, naming the estimate.
   const MemoryLimit limit = a.max_memory.empty()
                                 ? default_memory_limit()
-                                : MemoryLimit{static_cast<std::int64_t>(bench::parse_size(a.max_memory)), "--max-memory"};
+                                : MemoryLimit{static_cast<std::int64_t>(parse_bytes(a.max_memory)), "--max-memory"};
   CheckOptions on_backend = o;
   on_backend.backend = a.job.backend;
   const auto fits = [&](const std::string& path) {

@@ -98,8 +98,8 @@ Parsed parse_options(int argc, char** argv) {
               "measure each row's peak resident memory (peak_bytes in --json; Linux), resetting the process's "
               "high-water mark before each row");
   c->add_option("--max-memory", check.max_memory,
-                "refuse a batch whose estimated peak memory is larger: 512M, 8G, ... (default: 80% of this machine's "
-                "memory)");
+                "refuse a batch whose estimated peak memory is larger: 512M, 8G, ... (binary: 8G = 8 GiB; default: 80% "
+                "of this machine's memory)");
   c->add_option("--max-time", check.max_time,
                 "refuse a batch whose estimated CPU time (every CP size, every row) is longer, in seconds")
       ->check(CLI::PositiveNumber);

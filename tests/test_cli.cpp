@@ -260,7 +260,7 @@ TEST(Cli, MemoryIsEstimatedFirstAndRunningOutAborts) {
   std::ofstream(path) << "{\"seq_len\": 2000000, \"seq_lens\": [[1500000, 500000]]}\n";
   const auto refused = run_process({kCpsim, "check", path.string(), "--cp", "2", "--max-memory", "64M"}, 60s);
   EXPECT_EQ(refused.status, 2) << refused.out << refused.err;
-  EXPECT_THAT(refused.err, AllOf(HasSubstr("needs about"), HasSubstr("at cp 2"), HasSubstr("over the limit of 67 MB")));
+  EXPECT_THAT(refused.err, AllOf(HasSubstr("needs about"), HasSubstr("at cp 2"), HasSubstr("over the limit of 64.0 MiB (--max-memory)")));
   EXPECT_EQ(std::count(refused.err.begin(), refused.err.end(), '\n'), 1) << refused.err;
   EXPECT_EQ(refused.out, "");
   // 64 rows of a million tokens: refused from the shape the file gives, before

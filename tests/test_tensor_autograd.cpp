@@ -8,8 +8,29 @@
 #include <fstream>
 
 #include "core/autograd.hpp"
+#include "core/bytes.hpp"
+#include "core/error.hpp"
 
 using namespace cpsim;
+
+// One size convention, binary both ways: what --max-memory reads is what the
+// estimate prints.
+TEST(Bytes, SizesReadAndPrintInOneBinaryConvention) {
+  EXPECT_EQ(parse_bytes("8"), 8);
+  EXPECT_EQ(parse_bytes("64K"), 64 << 10);
+  EXPECT_EQ(parse_bytes("64KiB"), 64 << 10);
+  EXPECT_EQ(parse_bytes("16m"), 16 << 20);
+  EXPECT_EQ(parse_bytes("8G"), 8ll << 30);
+  EXPECT_EQ(parse_bytes("1T"), 1ll << 40);
+  for (const char* bad : {"", "G", "8X", "-1", "0", "2T", "1.5G", "99999999999999999999"})
+    EXPECT_THROW(parse_bytes(bad), InvalidInput) << bad;
+  EXPECT_EQ(format_bytes(512), "512 B");
+  EXPECT_EQ(format_bytes(parse_bytes("64M")), "64.0 MiB");
+  EXPECT_EQ(format_bytes(parse_bytes("8G")), "8.0 GiB");
+  EXPECT_EQ(format_bytes(3ll << 29), "1.5 GiB");
+  for (const char* text : {"1K", "320M", "8G", "1T"})
+    EXPECT_EQ(format_bytes(parse_bytes(text)), std::to_string(std::stoi(text)) + ".0 " + text[std::string(text).size() - 1] + "iB");
+}
 
 TEST(Tensor, NarrowAndCatAreInverseAlongAnyDimension) {
   Tensor t({2, 5, 3}, DType::f32);

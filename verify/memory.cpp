@@ -219,13 +219,5 @@ MemoryLimit default_memory_limit() {
   return {bytes / 10 * 8, "80% of " + source};
 }
 
-std::string format_bytes(std::int64_t bytes) {
-  char out[32];
-  const double b = static_cast<double>(bytes);
-  if (b >= 1e9) std::snprintf(out, sizeof out, "%.1f GB", b / 1e9);
-  else if (b >= 1e6) std::snprintf(out, sizeof out, "%.0f MB", b / 1e6);
-  else std::snprintf(out, sizeof out, "%.0f kB", b / 1e3);
-  return out;
-}
 
 }  // namespace cpsim::verify

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/bytes.hpp"  // format_bytes, for the estimates
 #include "verify/properties.hpp"
 
 namespace cpsim::verify {
@@ -56,7 +57,5 @@ struct MemoryLimit {
 };
 MemoryLimit default_memory_limit();
 
-// "1.5 GB", "320 MB".
-std::string format_bytes(std::int64_t bytes);
 
 }  // namespace cpsim::verify
