@@ -13,6 +13,7 @@
 
 #include "cli/job.hpp"
 #include "core/shard_plan.hpp"
+#include "verify/strict_json.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/family.hpp"
 #include "verify/show.hpp"
@@ -191,12 +192,8 @@ std::optional<PlanChoice> plan_choice_of(const PlanArg& arg) {
   std::ostringstream text;
   text << in.rdbuf();
   const std::string where = "plan file " + arg.plan.substr(0, 200);
-  json j;
-  try {
-    j = json::parse(text.str());
-  } catch (const json::exception& e) {
-    throw InvalidInput(where + ": not JSON (" + std::string(e.what()).substr(0, 200) + ")");
-  }
+  // Read as strictly as a batch file: no key twice, bounded nesting, nothing after the object.
+  const json j = verify::parse_strict_json(text.str(), where, 4);
   if (!j.is_object() || !j.contains("cuts")) throw InvalidInput(where + ": expected {\"cuts\": [0, a_1, ..., P]}");
   for (const auto& [key, v] : j.items())
     if (key != "cuts" && key != "comment") throw InvalidInput(where + ": unknown key " + key.substr(0, 64));

@@ -174,6 +174,12 @@ TEST(ShardPlan, EveryCommandTakesAPlan) {
       {{cpsim, "check", example, "--plan", write("down.json", R"({"cuts": [0, 6, 4, 9]})")}, "cuts index 2"},
       {{cpsim, "check", example, "--plan", write("bad.json", R"({"cuts": [0, "x", 9]})")}, "cuts index 1"},
       {{cpsim, "check", example, "--plan", write("key.json", R"({"cut": [0, 9]})")}, "expected {\"cuts\""},
+      // Read as strictly as batch files: a key twice, or more after the object.
+      {{cpsim, "check", example, "--plan", write("twice.json", R"({"cuts": [0, 9], "cuts": [0, 4, 9]})")},
+       "cuts: key appears twice"},
+      {{cpsim, "check", example, "--plan", write("more.json", R"({"cuts": [0, 9]} {})")}, "more after the JSON value"},
+      {{cpsim, "check", example, "--plan", write("deep.json", R"({"cuts": [0, 9], "comment": [[[[1]]]]})")},
+       "nested deeper than 4 levels"},
       {{cpsim, "check", example, "--plan", "zigzag"}, "expected equal, balanced or a plan file"},
       {{cpsim, "check", example, "--plan", "random"}, "draws plans for fuzz"},
       {{cpsim, "fuzz", "--plan", cuts}, "cannot fit"},
