@@ -7,7 +7,8 @@
 
 #include "bench/collectives.hpp"
 #include "bench/throughput.hpp"
-#include "cli/job.hpp"
+#include "cli/commands.hpp"
+#include "cli/common.hpp"
 #include "cli/options.hpp"
 #include "core/comm/registry.hpp"
 #include "core/error.hpp"

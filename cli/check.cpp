@@ -8,7 +8,8 @@
 #include <set>
 #include <nlohmann/json.hpp>
 
-#include "cli/job.hpp"
+#include "cli/commands.hpp"
+#include "cli/common.hpp"
 #include "core/comm/registry.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/memory.hpp"

@@ -1,4 +1,4 @@
-#include "cli/job.hpp"
+#include "cli/common.hpp"
 
 #include <unistd.h>
 

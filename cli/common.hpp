@@ -1,4 +1,4 @@
-// What every rank-running command shares: joining the multi-process job the
+// What every command shares (the commands: cli/commands.hpp): joining the multi-process job the
 // environment describes, the job fingerprint, one-line errors, exit statuses.
 #pragma once
 
@@ -30,12 +30,5 @@ bool job_broken(const JobArgs& a);
 
 // The property options of the model arguments (backend and timeout left as defaults).
 verify::CheckOptions check_options(const ModelArgs& m);
-
-int run_check(CheckArgs a);
-int run_fuzz(FuzzArgs a);
-int run_show(const ShowArgs& a);
-int run_golden(const GoldenArgs& a);
-int run_plan(const PlanArgs& a);
-int run_harness(const HarnessArgs& a);
 
 }  // namespace cpsim::cli

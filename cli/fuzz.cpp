@@ -8,7 +8,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "cli/job.hpp"
+#include "cli/commands.hpp"
+#include "cli/common.hpp"
 #include "core/comm/registry.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/family.hpp"

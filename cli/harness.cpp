@@ -19,7 +19,8 @@
 #include <sstream>
 #include <string>
 
-#include "cli/job.hpp"
+#include "cli/commands.hpp"
+#include "cli/common.hpp"
 #include "cli/options.hpp"
 #include "core/error.hpp"
 #include "core/layout.hpp"
@@ -78,8 +79,8 @@ void finish(const HarnessArgs& a, const nlohmann::json& result) {
 int replay_batch(const HarnessArgs& a, const CheckOptions& o, const GoldenOptions& g,
                  const std::filesystem::path& folder) {
   if (a.cp <= 0) throw UsageError("cpsim harness --batch: --cp N says the CP size to replay at");
-  if (a.plan == "random") throw UsageError("cpsim harness --batch: --plan equal, balanced or a plan file, not random");
-  const std::optional<PlanChoice> plan = plan_choice_of(PlanArg{a.plan, a.cost});
+  if (a.plan.plan == "random") throw UsageError("cpsim harness --batch: --plan equal, balanced or a plan file, not random");
+  const std::optional<PlanChoice> plan = plan_choice_of(a.plan);
   const BatchFile file = read_batch_file(a.batch);  // invalid: exit 2, naming the file and the key
   LayoutCase c{file.batch, file.pad_token_id, a.cp, a.seed.value_or(0), std::nullopt, *plan};
   if (c.plan.kind == PlanChoice::Kind::cuts && static_cast<int>(c.plan.cuts.size()) - 1 != a.cp)
@@ -112,7 +113,7 @@ int run_harness(const HarnessArgs& a) {
   g.dtype = a.dtype == "f32" ? DType::f32 : a.dtype == "bf16" ? DType::bf16 : DType::f64;
   const std::filesystem::path folder = std::filesystem::path(a.workdir) / "case";
   g.pad_multiple = a.pad_multiple;
-  if (a.pad_multiple > 1 && a.plan == "random")
+  if (a.pad_multiple > 1 && a.plan.plan == "random")
     throw UsageError("cpsim harness: --pad-multiple takes the equal or the balanced plan (drawn cuts fit the "
                      "sequence padded to a multiple of cp)");
   if (!a.batch.empty()) return replay_batch(a, o, g, folder);
@@ -120,7 +121,7 @@ int run_harness(const HarnessArgs& a) {
   std::optional<LayoutFamily> family;
   if (!a.family.empty()) family = read_family(a.family);  // invalid: exit 2, naming the field
   PlanDraw plan;
-  if (a.plan != "random") plan = parse_plan_choice(a.plan, a.cost);
+  if (a.plan.plan != "random") plan = parse_plan_choice(a.plan.plan, a.plan.cost);
   // The CP sizes: --cp (every case), else --cps (each as often as any other),
   // else 1..--max-cp.
   std::vector<int> sizes = a.cp_sizes;

@@ -5,7 +5,8 @@
 #include <filesystem>
 #include <iostream>
 
-#include "cli/job.hpp"
+#include "cli/commands.hpp"
+#include "cli/common.hpp"
 #include "cli/options.hpp"
 #include "core/error.hpp"
 

@@ -143,8 +143,8 @@ Parsed parse_options(int argc, char** argv) {
   h->add_option("--batch", harness.batch, "replay this batch file (one case at --cp, with --plan and --seed)")
       ->check(CLI::ExistingFile)
       ->excludes(hf);
-  h->add_option("--plan", harness.plan, "equal, balanced, random (drawn cuts), or with --batch a plan file");
-  h->add_option("--cost", harness.cost, "the balanced plan's token cost");
+  h->add_option("--plan", harness.plan.plan, "equal, balanced, random (drawn cuts), or with --batch a plan file");
+  h->add_option("--cost", harness.plan.cost, "the balanced plan's token cost");
   h->add_option("--conv-width", harness.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
   h->add_flag("--shard-primary", harness.shard_primary, "input_ids sharded like the other keys");
   h->add_option("--dtype", harness.dtype, "dtype of every floating input and expected value (tolerances in the manifest)")

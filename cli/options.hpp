@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/conv.hpp"
 #include "core/shard_plan.hpp"
 #include "sim/job/job.hpp"
 #include "sim/job/launch.hpp"
@@ -33,7 +34,7 @@ struct JobArgs {
 
 // The shapes and seed of the seeded inputs the properties draw (check, golden).
 struct ModelArgs {
-  int conv_width = 4, channels = 8;
+  int conv_width = kDefaultConvWidth, channels = 8;
   int heads = 2, key_dim = 4, value_dim = 4;
   int topk = 3, index_dim = 4, vocab = 16;
   std::uint64_t seed = 0;
@@ -67,7 +68,7 @@ struct FuzzArgs {
   std::uint64_t seed = 1;
   int max_cp = 16;
   JobArgs job;
-  int conv_width = 4;
+  int conv_width = kDefaultConvWidth;
   std::string out = "cpsim-counterexample.json";
   std::string family;  // draw only members of this layout family (a family file)
 };
@@ -80,10 +81,9 @@ struct HarnessArgs {
   std::vector<int> cp_sizes;  // drawn from this list, each as often as any other (instead of 1..max_cp)
   std::string batch;          // replay this batch file at --cp (one case, no drawing)
   std::string family;
-  std::string plan = "equal";  // equal, balanced (by cost) or random (drawn cuts)
-  std::string cost = "attention";
+  PlanArg plan;  // equal, balanced (by its cost) or random (drawn cuts); with batch, a plan file too
   std::optional<std::uint64_t> seed;  // RapidCheck's (RC_PARAMS, else random) when unset
-  int conv_width = 4;
+  int conv_width = kDefaultConvWidth;
   bool shard_primary = false;
   std::string dtype = "f64";  // of every floating input and expected value: f64, f32 or bf16
   std::int64_t pad_multiple = 1;  // the sequence padded to a multiple of cp * this
@@ -99,7 +99,7 @@ struct ShowArgs {
   int samples = 3;
   std::uint64_t seed = 1;
   int cp = 1;
-  int conv_width = 4;
+  int conv_width = kDefaultConvWidth;
   std::string svg;            // write an SVG here as well
   std::string color = "auto";  // auto | always | never
 };
@@ -173,7 +173,5 @@ std::optional<PlanChoice> plan_choice_of(const PlanArg& arg);
 // A plan file's cuts must fit a batch: c + 1 cuts for CP size c, from 0 to its P.
 void expect_plan_fits(const PlanChoice& plan, std::int64_t seq_len, int cp, const std::string& batch,
                       std::int64_t pad_multiple = 1);
-
-int run_bench(BenchArgs a);
 
 }  // namespace cpsim::cli

@@ -11,7 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "cli/job.hpp"
+#include "cli/commands.hpp"
+#include "cli/common.hpp"
 #include "core/shard_plan.hpp"
 #include "verify/strict_json.hpp"
 #include "verify/batch_io.hpp"

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/conv.hpp"
 #include "core/layout.hpp"
 #include "core/shard_plan.hpp"
 
@@ -16,7 +17,7 @@ namespace cpsim::verify {
 struct ShowOptions {
   int cp = 1;
   PlanChoice plan;  // where the shard cuts fall (equal intervals by default)
-  int conv_width = 4;
+  int conv_width = kDefaultConvWidth;
   int columns = 100;   // terminal width for the text form
   bool color = false;  // ANSI colours in the text form
   std::string title;   // the batch's name
