@@ -113,12 +113,16 @@ PropertyResult run_row(const PropertyRow& row, Prepared& p, const CheckOptions& 
 }
 
 // ---------------------------------------------------------------------------
-// The table: every family's rows (verify/rows/), in order.
+// The table: every file's rows (verify/rows/table.def), in order.
 
 const std::vector<PropertyRow>& property_table() {
   static const std::vector<PropertyRow> table = [] {
     std::vector<PropertyRow> t;
-    for (auto family : {layout_rows, gather_rows, conv_rows, recurrence_rows, layer_rows, step_rows})
+    for (auto family : {
+#define CPSIM_ROWS(family) family##_rows,
+#include "verify/rows/table.def"
+#undef CPSIM_ROWS
+         })
       for (PropertyRow& row : family()) t.push_back(std::move(row));
     return t;
   }();

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/conv.hpp"
 #include "core/comm/job.hpp"
 #include "core/attention.hpp"
 #include "core/autograd.hpp"
@@ -29,7 +30,7 @@ namespace cpsim::verify {
 
 struct CheckOptions {
   std::string backend = "threads";
-  int conv_width = 4;
+  int conv_width = kDefaultConvWidth;
   int channels = 8;
   int heads = 2, key_dim = 4, value_dim = 4;  // recurrence and attention (RoPE: key_dim rounded up to even)
   int topk = 3, index_dim = 4;                 // sparse attention's indexer
@@ -225,6 +226,30 @@ PropertyResult check_loss_backward(const LayoutCase& c, const CheckOptions& o, c
 
 enum class Comparison { bitwise, tolerance };
 
+// The model shapes a row's cost depends on.
+struct RowShapes {
+  double cp, C, H, K, V;
+  double vocab = 16, Di = 4, topk = 3;
+  double in() const { return H * (3 * K + V + 1) * 8; }  // q, k, g (K each), v (V), beta: float64
+  double out() const { return H * V * 8; }               // o and its upstream gradient
+  double states() const { return H * K * V * 8; }        // one K x V state per token and head
+  static RowShapes of(int cp, const CheckOptions& o);
+};
+
+// What a row costs, per token of the padded batch (B x P), for the estimates
+// `cpsim check` makes before it runs (verify/memory.hpp): the bytes it holds at its
+// peak on top of what every row shares (fitted to peak RSS measured with `cpsim
+// check --row-memory`, and kept an upper bound by
+// Cli.TheMemoryEstimateBoundsTheMeasuredPeak), and microseconds of CPU, a + b x cp
+// (fitted to `cpsim check --json`'s cpu_seconds on the threads backend at the
+// default shapes), plus, for a row that runs an attention simulation, per (query,
+// key) pair evaluated. A row that shares another row's simulation costs only its
+// comparison.
+struct RowCost {
+  double (*bytes_per_token)(const RowShapes&) = nullptr;
+  double us_per_token = 0, us_per_token_per_rank = 0, us_per_pair = 0;
+};
+
 struct PropertyRow {
   std::string name;
   std::string claim;
@@ -233,6 +258,7 @@ struct PropertyRow {
   Comparison comparison = Comparison::bitwise;
   double tolerance = 0;      // relative RMSE bound, for Comparison::tolerance
   bool runs_ranks = false;   // needs a backend (else a single-process check)
+  RowCost cost;
   // Bytes one rank sends through its communicator for one case.
   std::function<std::int64_t(const Prepared&, const CheckOptions&)> bytes;
   std::function<PropertyResult(Prepared&, const CheckOptions&)> check;

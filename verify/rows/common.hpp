@@ -155,28 +155,45 @@ PropertyResult run_row(const std::string& name, int cp, const std::function<Prop
 PropertyResult run_on_case(const LayoutCase& c, const std::string& name,
                            const std::function<PropertyResult(Prepared&)>& check);
 
-// A row's description: its name (written only here) and how it compares; with
-// the bytes it moves and its check, one row of the table.
+// A row's description: its name (written only here), how it compares and what it
+// costs; with the bytes it moves and its check, one row of the table.
 struct RowHead {
   const char* name;
   const char* claim;
   Comparison comparison;
   double tolerance;
   bool runs_ranks;
+  RowCost cost;
   PropertyRow with(std::function<std::int64_t(const Prepared&, const CheckOptions&)> bytes,
                    std::function<PropertyResult(Prepared&, const CheckOptions&)> check) const {
-    return {name, claim, comparison, tolerance, runs_ranks, std::move(bytes), std::move(check)};
+    return {name, claim, comparison, tolerance, runs_ranks, cost, std::move(bytes), std::move(check)};
   }
 };
 inline std::int64_t no_bytes(const Prepared&, const CheckOptions&) { return 0; }
 
-// The rows of each family, in the table's order.
-std::vector<PropertyRow> layout_rows();
-std::vector<PropertyRow> gather_rows();
-std::vector<PropertyRow> conv_rows();
-std::vector<PropertyRow> recurrence_rows();
-std::vector<PropertyRow> layer_rows();
-std::vector<PropertyRow> step_rows();
+// The batch's padded global rows [B, P] the layers read, as the shards carry them.
+struct LayerRows {
+  Tensor positions, padding, doc_ids, input_ids;
+};
+inline LayerRows layer_rows(const Prepared& s) {
+  const Batch padded = reference_padded_global(s.c, s.g.padded_len);
+  return {padded.at("position_ids"), padded.at("padding_mask"), s.padded_ids, padded.at("input_ids")};
+}
+
+// Gathers rank parts along the sequence; undefined when a rank's part is.
+inline Tensor joined(const std::vector<Tensor>& parts) {
+  for (const Tensor& t : parts)
+    if (!t.defined()) return Tensor();
+  return cat(parts, 1);
+}
+
+// A recurrence run's peak, bytes per token (recurrence.cpp; two_steps runs within it).
+double recurrence_bytes(const RowShapes& s);
+
+// The rows of each file, in the table's order (verify/rows/table.def).
+#define CPSIM_ROWS(family) std::vector<PropertyRow> family##_rows();
+#include "verify/rows/table.def"
+#undef CPSIM_ROWS
 
 }  // namespace cpsim::verify::rows
 

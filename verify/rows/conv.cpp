@@ -12,14 +12,22 @@ using namespace rows;
 
 namespace {
 
+// Costs (RowCost). The conv: x, the upstream gradient and both exchanges' results
+// (the reference's y and dx come after the ranks' run): one run serves both rows.
+double conv_bytes(const RowShapes& s) { return 8 * s.C * 10.5 + 60; }
+
 const RowHead kHaloForward{"halo_forward", "convolution_history is the zero-padded previous W-1 positions",
-                           Comparison::bitwise, 0, true};
+                           Comparison::bitwise, 0, true,
+    {[](const RowShapes& s) { return 8 * s.C * 4.2 + 100; }, 0.13, 0.015}};
 const RowHead kHaloBackward{"halo_backward", "history gradients return to the ranks that own the positions",
-                            Comparison::tolerance, kConvTolerance, true};
+                            Comparison::tolerance, kConvTolerance, true,
+    {[](const RowShapes& s) { return 8 * s.C * 9.3 + 80; }, 0.3, 0.02}};
 const RowHead kConvForward{"conv_forward", "the sharded packed causal conv matches the unsharded one",
-                           Comparison::tolerance, kConvTolerance, true};
+                           Comparison::tolerance, kConvTolerance, true,
+    {conv_bytes, 0.57, 0.03}};
 const RowHead kConvBackward{"conv_backward", "dx, and dw, dbias summed over ranks, match the unsharded conv",
-                            Comparison::tolerance, kConvTolerance, true};
+                            Comparison::tolerance, kConvTolerance, true,
+    {conv_bytes, 0.08, 0}};
 
 std::int64_t halo_bytes(const Prepared& p, const CheckOptions& o) {
   // Both exchanges, the busiest rank: the all_gather of its tail slot, and its send_recv hops.
@@ -95,9 +103,9 @@ PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const 
   }, run_options(o), {&grads[0], &grads[1]});
   for (std::size_t k = 0; k < std::size(kExchanges); ++k)
     for (int r = 0; r < c.cp; ++r)
-      t.expect_close(narrow(owner_grad, 1, s.g.start(r), s.g.size(r)), grads[k][r], kConvTolerance,
+      t.expect_close(narrow(owner_grad, 1, s.g.start(r), s.g.size(r)), grads[k][r], kHaloBackward.tolerance,
                      "input gradient of rank " + std::to_string(r) + exchange_tag(kExchanges[k]));
-  return t.result(kConvTolerance);
+  return t.result(kHaloBackward.tolerance);
 }
 
 struct ConvRun {
@@ -177,8 +185,8 @@ PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn&
   const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
   const ConvRun& run = *held;
   for (std::size_t e = 0; e < run.y.size(); ++e)
-    t.expect_close(run.ref.y, cat(run.y[e], 1), kConvTolerance, "conv output" + exchange_tag(kExchanges[e]));
-  return t.result(kConvTolerance);
+    t.expect_close(run.ref.y, cat(run.y[e], 1), kConvForward.tolerance, "conv output" + exchange_tag(kExchanges[e]));
+  return t.result(kConvForward.tolerance);
 }
 
 PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
@@ -190,15 +198,15 @@ PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn
     for (const auto& g : run.dx[e]) all = all && g.defined();
     const std::string tag = exchange_tag(kExchanges[e]);
     if (!all) {
-      t.expect_close(run.ref.dx, Tensor(), kConvTolerance, "dx undefined on a rank" + tag);
+      t.expect_close(run.ref.dx, Tensor(), kConvBackward.tolerance, "dx undefined on a rank" + tag);
       continue;
     }
-    t.expect_close(run.ref.dx, cat(run.dx[e], 1), kConvTolerance, "dx" + tag);
-    t.expect_close_sum(run.ref.dw, run.dw[e], run.ref.dw_terms, kConvTolerance, "dw summed over ranks" + tag);
-    t.expect_close_sum(run.ref.dbias, run.dbias[e], run.ref.dbias_terms, kConvTolerance, "dbias summed over ranks" + tag);
+    t.expect_close(run.ref.dx, cat(run.dx[e], 1), kConvBackward.tolerance, "dx" + tag);
+    t.expect_close_sum(run.ref.dw, run.dw[e], run.ref.dw_terms, kConvBackward.tolerance, "dw summed over ranks" + tag);
+    t.expect_close_sum(run.ref.dbias, run.dbias[e], run.ref.dbias_terms, kConvBackward.tolerance, "dbias summed over ranks" + tag);
   }
   s.runs->conv.reset();  // the last row of the pair: its memory goes before the next row's
-  return t.result(kConvTolerance);
+  return t.result(kConvBackward.tolerance);
 }
 
 

@@ -9,12 +9,22 @@ namespace cpsim::verify {
 using namespace rows;
 
 namespace {
+// Costs (RowCost). Gather forward: six dtypes of [B, P, ...] (6C + 40 bytes a
+// token), each rank's gathered copy. Gather backward and the anchor, per dtype
+// (float64 the larger): every rank's upstream gradient and gathered tensor are
+// whole [B, P, C] tensors (the upstream gradient is the reduce-scatter's input
+// itself, not a copy), and a few per-rank positions.
+double gather_backward_bytes(const RowShapes& s) { return 8 * s.C * (3.3 + 2.2 * s.cp) + 100 + 16 * s.cp; }
+
 const RowHead kGatherForward{"gather_forward", "gather_sequence is bitwise the global tensor, every dtype",
-                             Comparison::bitwise, 0, true};
+                             Comparison::bitwise, 0, true,
+    {[](const RowShapes& s) { return (6 * s.C + 40) * (1.2 + 1.3 * s.cp); }, 0.05, 0.05}};
 const RowHead kGatherBackward{"gather_backward", "each rank's gradient is the rank-order sum of the upstream slices",
-                              Comparison::bitwise, 0, true};
+                              Comparison::bitwise, 0, true,
+    {gather_backward_bytes, 0.02, 0.17}};
 const RowHead kAnchor{"anchor", "the anchor makes every rank run backward; without it the skip is reported",
-                      Comparison::bitwise, 0, true};
+                      Comparison::bitwise, 0, true,
+    {gather_backward_bytes, 0.02, 0.12}};
 }  // namespace
 
 PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {

@@ -19,7 +19,8 @@ namespace {
 
 const RowHead kTwoSteps{"two_steps",
                         "rank objects reused across steps (the packed context reassigned) keep no state from the last batch",
-                        Comparison::tolerance, kRecurrenceTolerance, true};
+                        Comparison::tolerance, kRecurrenceTolerance, true,
+    {recurrence_bytes, 2.0, 0.1}};
 
 // The second step's batch: the rows of the case, as documents of three tokens.
 Batch second_step(const Prepared& s) {
@@ -76,10 +77,10 @@ PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const Recurrence
   for (int k = 0; k < 3; ++k) {
     bool all = true;
     for (const Tensor& x : outs[k]) all = all && x.defined();
-    t.expect_close(data[k % 2].ref, all ? cat(outs[k], 1) : Tensor(), kRecurrenceTolerance,
+    t.expect_close(data[k % 2].ref, all ? cat(outs[k], 1) : Tensor(), kTwoSteps.tolerance,
                    std::string(what[k]) + ": recurrence o");
   }
-  return t.result(kRecurrenceTolerance);
+  return t.result(kTwoSteps.tolerance);
 }
 
 PropertyResult check_two_steps(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn) {

@@ -1,0 +1,122 @@
+// The loss rows (SPEC §3b): targets aligned on whole rows, and the token-mean
+// cross entropy across ranks (its sum and count all-reduced).
+#include <cmath>
+
+#include "core/loss.hpp"
+#include "verify/reference_layers.hpp"
+#include "verify/rows/common.hpp"
+#include "verify/rows/inputs.hpp"
+
+namespace cpsim::verify {
+
+using namespace rows;
+
+namespace {
+
+// Cost (RowCost): the logits, the reference's softmax gradient and every rank's gradient.
+double loss_bytes_per_token(const RowShapes& s) { return 8.0 * s.vocab * 4 + 80; }
+
+const RowHead kLossForward{"loss_forward", "targets aligned on whole rows; sum and count all-reduced: every rank's loss",
+                           Comparison::tolerance, kAttentionTolerance, true,
+    {loss_bytes_per_token, 0.85, 0.02}};
+const RowHead kLossBackward{"loss_backward", "each rank's logits gradient is its slice of the unsharded one",
+                            Comparison::tolerance, kAttentionTolerance, true,
+    {loss_bytes_per_token, 0.06, 0}};
+
+}  // namespace
+
+TargetsFn default_targets() {
+  return [](const Tensor& tokens, const Tensor& doc_ids, const Tensor& padding, const PackedContext& context) {
+    return narrow(next_token_targets(tokens, doc_ids, padding), 1, context.seq_start(), context.local_seq_len()).clone();
+  };
+}
+LossFn default_loss() { return token_mean_loss; }
+
+// ---------------------------------------------------------------------------
+// Targets and the loss across ranks.
+
+struct LossRun {
+  LossReference ref;
+  std::vector<double> losses;  // every rank's
+  Tensor grad;
+};
+
+namespace {
+
+LossRun run_loss(const Prepared& s, const CheckOptions& opt, const TargetsFn& targets_fn, const LossFn& loss_fn) {
+  const LayoutCase& c = s.c;
+  const LayerRows rows = layer_rows(s);
+  // Token ids folded into the vocabulary: targets come from the batch's own ids.
+  const LossInputs in = inputs::loss(rows.input_ids, opt, c.seed);
+  const Tensor &tokens = in.tokens, &logits = in.logits;
+  LossRun run;
+  run.ref = reference_loss(logits, tokens, rows.doc_ids, rows.padding);
+  std::vector<Tensor> loss(c.cp), grad(c.cp);
+  run_reading({{"logits", &logits}}, c.cp, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const PackedContext& ctx = s.context(r);
+    const Tensor targets = targets_fn(tokens, ctx.doc_ids(), rows.padding, ctx);
+    Var lv(on(comm, local(logits, ctx)), true);
+    const Var l = loss_fn(lv, on(comm, targets), &comm);
+    backward(l);
+    loss[r] = host(l.value());
+    grad[r] = host(lv.grad());
+  }, run_options(opt), {&loss, &grad});
+  for (const Tensor& l : loss) run.losses.push_back(l.defined() ? l.get(0) : std::nan(""));
+  run.grad = joined(grad);
+  return run;
+}
+
+std::shared_ptr<const LossRun> loss_run(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn,
+                                        const LossFn& loss_fn) {
+  if (targets_fn || loss_fn)
+    return std::make_shared<LossRun>(
+        run_loss(s, o, targets_fn ? targets_fn : default_targets(), loss_fn ? loss_fn : default_loss()));
+  if (!s.runs->loss) s.runs->loss = std::make_shared<LossRun>(run_loss(s, o, default_targets(), default_loss()));
+  return s.runs->loss;
+}
+
+}  // namespace
+
+PropertyResult loss_forward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn, const LossFn& loss_fn) {
+  ErrorTally t;
+  const auto run = loss_run(s, o, targets_fn, loss_fn);
+  for (std::size_t r = 0; r < run->losses.size(); ++r)
+    t.expect_close(Tensor::full({1}, DType::f64, run->ref.loss), Tensor::full({1}, DType::f64, run->losses[r]),
+                   kLossForward.tolerance,
+                   "rank " + std::to_string(r) + "'s loss " + std::to_string(run->losses[r]) + " (unsharded " +
+                       std::to_string(run->ref.loss) + " over " + std::to_string(static_cast<std::int64_t>(run->ref.count)) +
+                       " targets)");
+  return t.result(kLossForward.tolerance);
+}
+
+PropertyResult loss_backward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn,
+                                const LossFn& loss_fn) {
+  ErrorTally t;
+  const auto run = loss_run(s, o, targets_fn, loss_fn);
+  s.runs->loss.reset();
+  t.expect_close(run->ref.grad, run->grad, kLossBackward.tolerance, "d logits");
+  return t.result(kLossBackward.tolerance);
+}
+
+PropertyResult check_loss_forward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
+                                  const LossFn& loss) {
+  return run_on_case(c, kLossForward.name, [&](Prepared& p) { return loss_forward_of(p, o, targets, loss); });
+}
+PropertyResult check_loss_backward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
+                                   const LossFn& loss) {
+  return run_on_case(c, kLossBackward.name, [&](Prepared& p) { return loss_backward_of(p, o, targets, loss); });
+}
+
+namespace rows {
+
+std::vector<PropertyRow> loss_rows() {
+  const auto loss_bytes = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 16; };
+  return {
+      kLossForward.with(loss_bytes, [](Prepared& p, const CheckOptions& o) { return loss_forward_of(p, o, {}, {}); }),
+      kLossBackward.with(loss_bytes, [](Prepared& p, const CheckOptions& o) { return loss_backward_of(p, o, {}, {}); })};
+}
+
+}  // namespace rows
+
+}  // namespace cpsim::verify
