@@ -6,7 +6,9 @@
 
 #include "core/attention.hpp"
 #include "core/gather.hpp"
+#include "core/conv.hpp"
 #include "core/loss.hpp"
+#include "core/token_shift.hpp"
 #include "tests/property_harness.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/properties.hpp"
@@ -119,6 +121,50 @@ CheckOptions quick() {
 }
 
 }  // namespace
+
+// The token-shift row's check (verify/rows/token_shift.cpp), with the operator under test.
+namespace cpsim::verify::rows {
+using TokenShiftFn = std::function<Var(const Var& x_masked, const PackedContext& context, Communicator* comm)>;
+PropertyResult token_shift_of(const Prepared& s, const CheckOptions& o, const TokenShiftFn& shift);
+}  // namespace cpsim::verify::rows
+
+namespace {
+
+// No halo: a shard's first position takes zeros, not the previous rank's last token.
+Var token_shift_without_halo(const Var& x, const PackedContext& ctx, Communicator*) {
+  return token_shift(x, ctx, nullptr);
+}
+
+// Across documents: the previous token whatever its document (a conv of taps [1, 0]
+// over one document id).
+Var token_shift_across_documents(const Var& x, const PackedContext& ctx, Communicator* comm) {
+  const Var window = convolution_history(x, comm, 2, HaloExchange::send_recv, &ctx.plan());
+  const std::int64_t C = x.value().dim(2);
+  Tensor taps({C, 2}, x.value().dtype());
+  for (std::int64_t k = 0; k < C; ++k) taps.set(2 * k, 1.0);
+  return packed_causal_conv(window, Tensor({x.value().dim(0), x.value().dim(1) + 1}, DType::i64), Var(taps), Var());
+}
+
+}  // namespace
+
+TEST(LayerControls, TokenShiftCatchesAMissingHaloAndAShiftAcrossDocuments) {
+  for (const auto& [name, variant] : std::vector<std::pair<std::string, rows::TokenShiftFn>>{
+           {"token shift without its halo", token_shift_without_halo},
+           {"token shift across documents", token_shift_across_documents}}) {
+    const std::string report = expect_counterexample(name, [&, v = variant](const LayoutCase& c) {
+      const Prepared p(c);
+      RC_ASSERT(rows::token_shift_of(p, quick(), v).ok);
+    });
+    expect_found(report);
+  }
+  // The operator itself holds on the same draws.
+  cpsim::testing::check_property(cpsim::testing::over<LayoutCase>([](const LayoutCase& c) {
+    const Prepared p(c);
+    RC_ASSERT(rows::token_shift_of(p, quick(), [](const Var& x, const PackedContext& ctx, Communicator* comm) {
+                return token_shift(x, ctx, comm);
+              }).ok);
+  }));
+}
 
 TEST(LayerControls, RopeCatchesRotationByLocalIndex) {
   expect_found(expect_counterexample("rope by 0..L-1", [](const LayoutCase& c) {

@@ -337,7 +337,7 @@ TEST(PropertyTable, EveryRowRunsOnceOnASharedPreparedCase) {
   for (const auto& row : table) names.push_back(row.name);
   EXPECT_EQ(names, (std::vector<std::string>{"layout", "shard", "gather_forward", "gather_backward", "anchor",
                                              "halo_forward", "halo_backward", "conv_forward", "conv_backward",
-                                             "recurrence_forward", "recurrence_backward", "rope", "attention_forward",
+                                             "token_shift", "recurrence_forward", "recurrence_backward", "rope", "attention_forward",
                                              "attention_backward", "sparse_attention_forward",
                                              "sparse_attention_backward", "loss_forward", "loss_backward",
                                              "two_steps"}));
