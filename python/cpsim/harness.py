@@ -76,6 +76,8 @@ import tempfile
 
 import torch
 
+from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.torch
+
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I32": torch.int32,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
@@ -391,7 +393,6 @@ def _first_differences(per_rank):
 
 
 def _verdict(folder, step, backend, timeout, dp=1):
-    from cpsim import torch as ct  # the spawn (cpsim.torch imports this module)
     golden = _Golden(folder)
     cp = golden.cp
     try:
@@ -432,7 +433,6 @@ def _job_verdict(folder, step, case_number, dp=1):
     verdicts of all processes are agreed over the job's own group, so every
     process's generator takes the same branch."""
     import torch.distributed as dist
-    from cpsim import torch as ct
     job, main = ct._job, dist.group.WORLD
     rank = job.rank()
     golden = _Golden(folder)
@@ -558,7 +558,6 @@ def check(step, cases=100, max_cp=8, family=None, plan="equal", seed=None, backe
     sizes = sorted(set(int(c) for c in (cps if cps is not None else range(1, int(max_cp) + 1))))
     if not sizes or sizes[0] < 1:
         raise ValueError("cps: CP sizes of at least 1, not %r" % (cps,))
-    from cpsim import torch as ct
     in_job = ct._job is not None
     if in_job:
         # A process of a job (init_process_group): every case at the job's size,

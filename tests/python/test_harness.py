@@ -18,6 +18,16 @@ import cp_step  # noqa: E402
 CASES = int(os.environ.get("CPSIM_HARNESS_CASES", "60"))
 
 
+def test_cpsim_torch_imports_without_the_harness_and_offers_its_check():
+    # One direction: the harness builds on cpsim.torch; cpsim.torch.check is the
+    # harness's, imported when first asked for.
+    import subprocess
+    code = ("import sys, cpsim.torch as ct; assert 'cpsim.harness' not in sys.modules; "
+            "from cpsim.torch import check, Checked; import cpsim.harness as h; "
+            "assert check is h.check and Checked is h.Checked and 'check' in dir(ct)")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
 @pytest.mark.parametrize("backend", ["threads", "gloo"])
 def test_the_faithful_step_holds_at_cp_1_to_8(backend):
     assert ct.check(cp_step.step, cases=CASES, max_cp=8, backend=backend, seed=11) == CASES
