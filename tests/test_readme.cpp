@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -110,4 +111,19 @@ TEST(Readme, ItsLinksExistAndNothingCitesADocumentThatDoesNotShip) {
       EXPECT_TRUE(std::filesystem::exists(target)) << page.filename() << " links " << (*it)[1].str();
     }
   }
+}
+
+// docs/design.md names every source file over 20,000 bytes with why it is one file.
+TEST(Readme, EverySourceFileOver20KBHasItsReason) {
+  std::ifstream in(kSource / "docs" / "design.md");
+  const std::string design((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(design.empty());
+  const std::vector<std::string> kinds = {".cpp", ".hpp", ".h", ".cu", ".cuh", ".py", ".sh"};
+  for (const char* folder : {"core", "sim", "gpu", "verify", "cli", "bench", "python", "tests", "examples", "scripts"})
+    for (const auto& e : std::filesystem::recursive_directory_iterator(kSource / folder)) {
+      if (!e.is_regular_file() || e.file_size() <= 20000) continue;
+      if (std::find(kinds.begin(), kinds.end(), e.path().extension().string()) == kinds.end()) continue;
+      const std::string rel = std::filesystem::relative(e.path(), kSource).string();
+      EXPECT_NE(design.find(rel), std::string::npos) << rel << " is " << e.file_size() << " bytes and docs/design.md does not say why";
+    }
 }
