@@ -3,7 +3,7 @@
 #include <algorithm>
 #include "core/kernels/table.hpp"
 #include "core/gather.hpp"
-#include "core/plan.hpp"
+#include "core/exchange_plan.hpp"
 
 namespace cpsim {
 

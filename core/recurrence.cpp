@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "core/kernels/recurrence.hpp"
-#include "core/plan.hpp"
+#include "core/exchange_plan.hpp"
 
 namespace cpsim {
 

@@ -11,14 +11,14 @@
 
 #include "core/autograd.hpp"
 #include "core/comm/communicator.hpp"
-#include "core/plan.hpp"
+#include "core/exchange_plan.hpp"
 #include "core/shard.hpp"
 
 namespace cpsim {
 
 // q, k, g: [B, L, H, K]; v: [B, L, H, V]; beta: [B, L, H]; float64. Returns o [B, L, H, V].
 // One rank: pass a context with cp_size 1 and comm nullptr (the unsharded recurrence).
-// The step runs each row's recurrence_plan (core/plan.hpp); `edit` changes it (tests only).
+// The step runs each row's recurrence_plan (core/exchange_plan.hpp); `edit` changes it (tests only).
 Var gated_delta_rule(const Var& q, const Var& k, const Var& v, const Var& beta, const Var& g,
                      const PackedContext& context, Communicator* comm, const RecurrencePlanEdit& edit = {});
 

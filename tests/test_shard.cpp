@@ -1,7 +1,7 @@
 // SPEC §2 known answers for contiguous sharding and the recurrent CP context.
 #include <gtest/gtest.h>
 
-#include "core/plan.hpp"
+#include "core/exchange_plan.hpp"
 #include "core/shard.hpp"
 #include "core/comm/run_ranks.hpp"
 #include "core/gather.hpp"
@@ -229,7 +229,7 @@ TEST(Gather, UnequalIntervalsGatherAndScatterBack) {
   EXPECT_EQ(values(grads[2]), (std::vector<std::int64_t>{612, 615, 618}));
 }
 
-// The CP plan as pure functions (core/plan.hpp).
+// The CP plan as pure functions (core/exchange_plan.hpp).
 TEST(Plan, HaloHopsSpanEarlierRanksWhenTheShardIsShorterThanTheWindow) {
   const HaloPlan p = halo_plan(equal_plan(10, 5), /*width=*/6, /*rank=*/3);  // L = 2, H = 5
   EXPECT_EQ(p.history, 5);

@@ -1,7 +1,7 @@
 // The halo and conv rows: convolution_history forward and backward, and the
 // packed causal conv that consumes it (both exchanges).
 #include "core/conv.hpp"
-#include "core/plan.hpp"
+#include "core/exchange_plan.hpp"
 
 #include "verify/rows/common.hpp"
 #include "verify/rows/inputs.hpp"

@@ -1,5 +1,6 @@
-// The CP plan of a step, apart from its execution: which positions and states
-// each rank sends to whom, as pure functions of the layout, the rank and the
+// The exchange plan of a CP step, apart from its execution: which positions and
+// states each rank sends to whom (a shard plan, core/shard_plan.hpp, says which
+// positions it owns), as pure functions of the layout, the rank and the
 // sizes. Operators execute a plan; negative-control tests perturb one (a fold
 // in the wrong order, a missing reset) instead of copying an operator.
 #pragma once

@@ -1,4 +1,4 @@
-#include "core/plan.hpp"
+#include "core/exchange_plan.hpp"
 
 #include <algorithm>
 
