@@ -133,7 +133,7 @@ TEST(Families, PaddingAssumedAtTheTailIsFoundOnlyByInteriorPaddingLayouts) {
   const auto gen = gen_family_case(interior);
   const std::string report = cpsim::testing::expect_counterexample("padding at the tail", [&] {
     const LayoutCase c = *gen;
-    const PropertyResult r = check_layout(c, padding_at_the_tail);
+    const PropertyResult r = check_row("layout", c, {}, {.layout = padding_at_the_tail});
     if (!r.ok) smallest = c;
     RC_ASSERT(r.ok);
   });
@@ -146,7 +146,7 @@ TEST(Families, PaddingAssumedAtTheTailIsFoundOnlyByInteriorPaddingLayouts) {
   const LayoutFamily tail_only = read_family(kFamilies + "eos_is_pad.json");
   const auto tail_gen = gen_family_case(tail_only);
   const std::string none = cpsim::testing::expect_counterexample(
-      "padding at the tail, tail-only family", [&] { RC_ASSERT(check_layout(*tail_gen, padding_at_the_tail).ok); },
+      "padding at the tail, tail-only family", [&] { RC_ASSERT(check_row("layout", *tail_gen, {}, {.layout = padding_at_the_tail}).ok); },
       200);
   EXPECT_EQ(none, "") << "a family without interior padding should not expose the bug";
 }

@@ -122,12 +122,6 @@ CheckOptions quick() {
 
 }  // namespace
 
-// The token-shift row's check (verify/rows/token_shift.cpp), with the operator under test.
-namespace cpsim::verify::rows {
-using TokenShiftFn = std::function<Var(const Var& x_masked, const PackedContext& context, Communicator* comm)>;
-PropertyResult token_shift_of(const Prepared& s, const CheckOptions& o, const TokenShiftFn& shift);
-}  // namespace cpsim::verify::rows
-
 namespace {
 
 // No halo: a shard's first position takes zeros, not the previous rank's last token.
@@ -148,52 +142,47 @@ Var token_shift_across_documents(const Var& x, const PackedContext& ctx, Communi
 }  // namespace
 
 TEST(LayerControls, TokenShiftCatchesAMissingHaloAndAShiftAcrossDocuments) {
-  for (const auto& [name, variant] : std::vector<std::pair<std::string, rows::TokenShiftFn>>{
+  for (const auto& [name, variant] : std::vector<std::pair<std::string, TokenShiftFn>>{
            {"token shift without its halo", token_shift_without_halo},
            {"token shift across documents", token_shift_across_documents}}) {
     const std::string report = expect_counterexample(name, [&, v = variant](const LayoutCase& c) {
-      const Prepared p(c);
-      RC_ASSERT(rows::token_shift_of(p, quick(), v).ok);
+      RC_ASSERT(check_row("token_shift", c, quick(), {.token_shift = v}).ok);
     });
     expect_found(report);
   }
   // The operator itself holds on the same draws.
-  cpsim::testing::check_property(cpsim::testing::over<LayoutCase>([](const LayoutCase& c) {
-    const Prepared p(c);
-    RC_ASSERT(rows::token_shift_of(p, quick(), [](const Var& x, const PackedContext& ctx, Communicator* comm) {
-                return token_shift(x, ctx, comm);
-              }).ok);
-  }));
+  cpsim::testing::check_property(cpsim::testing::over<LayoutCase>(
+      [](const LayoutCase& c) { RC_ASSERT(check_row("token_shift", c, quick()).ok); }));
 }
 
 TEST(LayerControls, RopeCatchesRotationByLocalIndex) {
   expect_found(expect_counterexample("rope by 0..L-1", [](const LayoutCase& c) {
-    RC_ASSERT(check_rope(c, quick(), rope_by_local_index).ok);
+    RC_ASSERT(check_row("rope", c, quick(), {.rope = rope_by_local_index}).ok);
   }));
 }
 
 TEST(LayerControls, AttentionCatchesRopeByLocalIndex) {
   expect_found(expect_counterexample("attention after rope by 0..L-1", [](const LayoutCase& c) {
-    RC_ASSERT(check_attention_forward(c, quick(), {}, rope_by_local_index).ok);
+    RC_ASSERT(check_row("attention_forward", c, quick(), {.rope = rope_by_local_index}).ok);
   }));
 }
 
 TEST(LayerControls, AttentionCatchesAMaskByLocalIndex) {
   expect_found(expect_counterexample("attention masked by local index", [](const LayoutCase& c) {
-    RC_ASSERT(check_attention_forward(c, quick(), attention_by_local_index).ok);
+    RC_ASSERT(check_row("attention_forward", c, quick(), {.attention = attention_by_local_index}).ok);
   }));
 }
 
 TEST(LayerControls, AttentionCatchesAMaskByLocalDocIds) {
   expect_found(expect_counterexample("attention masked by local doc ids", [](const LayoutCase& c) {
-    RC_ASSERT(check_attention_forward(c, quick(), attention_by_local_doc_ids).ok);
+    RC_ASSERT(check_row("attention_forward", c, quick(), {.attention = attention_by_local_doc_ids}).ok);
   }));
 }
 
 TEST(LayerControls, SparseAttentionCatchesAMaskByLocalIndex) {
   expect_found(expect_counterexample("sparse attention masked by local index", [](const LayoutCase& c) {
     const CheckOptions o = quick();
-    RC_ASSERT(check_attention_forward(c, o, attention_by_local_index, {}, o.topk).ok);
+    RC_ASSERT(check_row("sparse_attention_forward", c, o, {.attention = attention_by_local_index}).ok);
   }));
 }
 
@@ -201,14 +190,14 @@ TEST(LayerControls, SparseAttentionCatchesAMaskByLocalIndex) {
 // is reported as the call the other rank waits in, within the timeout (not a hang).
 TEST(LayerControls, AttentionSkippedWithoutAnAnchorIsANamedMismatch) {
   expect_found(expect_counterexample("attention skipped on an all-padding rank", [](const LayoutCase& c) {
-    const auto r = check_attention_backward(c, quick(), attention_skipped_on_padding);
+    const auto r = check_row("attention_backward", c, quick(), {.attention = attention_skipped_on_padding});
     if (!r.ok) RC_FAIL(r.detail);
   }));
   LayoutCase c;
   c.batch = parse_batch(R"({"input_ids":[[1,1,1,0]],"seq_lens":[[2]],"seq_lens_padded":[[2]]})", "case").batch;
   c = at_cp(c, 2);  // rank 1 holds positions 2 and 3: padding only
   const auto start = std::chrono::steady_clock::now();
-  const auto r = check_attention_backward(c, quick(), attention_skipped_on_padding);
+  const auto r = check_row("attention_backward", c, quick(), {.attention = attention_skipped_on_padding});
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.detail, HasSubstr("rank 1 returned without joining reduce_scatter"));
@@ -225,10 +214,10 @@ TEST(LayerControls, RopeHoldsAtTheLargestPositionsAndTheLocalIndexStillFails) {
                         "case").batch;
   for (int cp : {1, 2, 3}) {
     c = at_cp(c, cp);
-    const auto r = check_rope(c, quick());
+    const auto r = check_row("rope", c, quick());
     EXPECT_TRUE(r.ok) << "cp=" << cp << ": " << r.detail;
     if (cp > 1) {
-      EXPECT_FALSE(check_rope(c, quick(), rope_by_local_index).ok) << "cp=" << cp;
+      EXPECT_FALSE(check_row("rope", c, quick(), {.rope = rope_by_local_index}).ok) << "cp=" << cp;
     }
   }
 }
@@ -243,17 +232,17 @@ TEST(LayerControls, EveryAttentionControlFailsOnALongDocumentBatch) {
   c.batch = parse_batch(R"({"seq_len": 65536, "seq_lens": [[1, 20000, 25000, 1, 4000]]})", "long").batch;
   c = at_cp(c, 4);
   const CheckOptions o = quick();
-  const PropertyResult right = check_attention_forward(c, o);
+  const PropertyResult right = check_row("attention_forward", c, o);
   ASSERT_TRUE(right.ok) << right.detail;
   ASSERT_GT(right.queries_evaluated, 0);
   ASSERT_LT(right.queries_evaluated, right.queries / 10) << "the long batch should be sampled";
-  ASSERT_TRUE(check_attention_backward(c, o).ok);
-  ASSERT_TRUE(check_attention_forward(c, o, {}, {}, o.topk).ok);
-  EXPECT_FALSE(check_attention_forward(c, o, attention_by_local_index).ok);
-  EXPECT_FALSE(check_attention_forward(c, o, attention_by_local_doc_ids).ok);
-  EXPECT_FALSE(check_attention_forward(c, o, {}, rope_by_local_index).ok);
-  EXPECT_FALSE(check_attention_forward(c, o, attention_by_local_index, {}, o.topk).ok);
-  const PropertyResult skipped = check_attention_backward(c, o, attention_skipped_on_padding);
+  ASSERT_TRUE(check_row("attention_backward", c, o).ok);
+  ASSERT_TRUE(check_row("sparse_attention_forward", c, o).ok);
+  EXPECT_FALSE(check_row("attention_forward", c, o, {.attention = attention_by_local_index}).ok);
+  EXPECT_FALSE(check_row("attention_forward", c, o, {.attention = attention_by_local_doc_ids}).ok);
+  EXPECT_FALSE(check_row("attention_forward", c, o, {.rope = rope_by_local_index}).ok);
+  EXPECT_FALSE(check_row("sparse_attention_forward", c, o, {.attention = attention_by_local_index}).ok);
+  const PropertyResult skipped = check_row("attention_backward", c, o, {.attention = attention_skipped_on_padding});
   EXPECT_FALSE(skipped.ok);
   EXPECT_THAT(skipped.detail, HasSubstr("rank 3 returned without joining reduce_scatter")) << skipped.detail;
 }
@@ -287,19 +276,19 @@ TEST(LayerControls, TheAttentionRowsChooseTheirQueriesByTheLayout) {
 
 TEST(LayerControls, LossCatchesTargetsAlignedAfterSharding) {
   expect_found(expect_counterexample("targets aligned after sharding", [](const LayoutCase& c) {
-    RC_ASSERT(check_loss_forward(c, quick(), targets_after_sharding).ok);
+    RC_ASSERT(check_row("loss_forward", c, quick(), {.targets = targets_after_sharding}).ok);
   }));
 }
 
 TEST(LayerControls, LossCatchesAMeanOfRankMeans) {
   expect_found(expect_counterexample("per-rank mean averaged over ranks", [](const LayoutCase& c) {
-    RC_ASSERT(check_loss_forward(c, quick(), {}, mean_of_rank_means).ok);
+    RC_ASSERT(check_row("loss_forward", c, quick(), {.loss = mean_of_rank_means}).ok);
   }));
 }
 
 TEST(LayerControls, ALossSkippedOnARankWithoutTargetsIsANamedMismatch) {
   const auto report = expect_counterexample("loss all-reduce skipped without targets", [](const LayoutCase& c) {
-    const auto r = check_loss_forward(c, quick(), {}, loss_skipped_without_targets);
+    const auto r = check_row("loss_forward", c, quick(), {.loss = loss_skipped_without_targets});
     if (!r.ok) RC_FAIL(r.detail);
   });
   expect_found(report);

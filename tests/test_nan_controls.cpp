@@ -98,28 +98,28 @@ TEST(NonFinite, APlantedValueFailsTheGatherAndHaloRows) {
   const CheckOptions o;
   for (const double bad : kBad) {
     expect_fails("gather_forward", bad, [&](const LayoutCase& c) {
-      return check_gather_forward(c, o, [bad](const Var& x, Communicator* comm, bool d, const ShardPlan* plan) {
+      return check_row("gather_forward", c, o, {.gather = [bad](const Var& x, Communicator* comm, bool d, const ShardPlan* plan) {
         const Var y = default_gather()(x, comm, d, plan);
         return planted_here(comm) ? bad_forward(y, bad) : y;
-      });
+      }});
     });
     expect_fails("gather_backward", bad, [&](const LayoutCase& c) {
-      return check_gather_backward(c, o, [bad](const Var& x, Communicator* comm, bool d, const ShardPlan* plan) {
+      return check_row("gather_backward", c, o, {.gather = [bad](const Var& x, Communicator* comm, bool d, const ShardPlan* plan) {
         return default_gather()(planted_here(comm) ? bad_backward(x, bad) : x, comm, d, plan);
-      });
+      }});
     });
     expect_fails("halo_forward", bad, [&](const LayoutCase& c) {
-      return check_halo_forward(c, o, [bad](const Var& x, Communicator* comm, int w, HaloExchange e,
+      return check_row("halo_forward", c, o, {.halo = [bad](const Var& x, Communicator* comm, int w, HaloExchange e,
                                            const ShardPlan* plan) {
         const Var y = default_halo()(x, comm, w, e, plan);
         return planted_here(comm) ? bad_forward(y, bad) : y;
-      });
+      }});
     });
     expect_fails("halo_backward", bad, [&](const LayoutCase& c) {
-      return check_halo_backward(c, o, [bad](const Var& x, Communicator* comm, int w, HaloExchange e,
+      return check_row("halo_backward", c, o, {.halo = [bad](const Var& x, Communicator* comm, int w, HaloExchange e,
                                             const ShardPlan* plan) {
         return default_halo()(planted_here(comm) ? bad_backward(x, bad) : x, comm, w, e, plan);
-      });
+      }});
     });
   }
 }
@@ -129,15 +129,15 @@ TEST(NonFinite, APlantedValueFailsTheConvRows) {
   // The conv sees no communicator: every rank plants one value in its own output.
   for (const double bad : kBad) {
     expect_fails("conv_forward", bad, [&](const LayoutCase& c) {
-      return check_conv_forward(c, o, default_halo(), [bad](const Var& x, const Tensor& ids, const Var& w, const Var& b) {
+      return check_row("conv_forward", c, o, {.halo = default_halo(), .conv = [bad](const Var& x, const Tensor& ids, const Var& w, const Var& b) {
         return bad_forward(default_conv()(x, ids, w, b), bad);
-      });
+      }});
     });
     expect_fails("conv_backward", bad, [&](const LayoutCase& c) {
-      return check_conv_backward(c, o, default_halo(), [bad](const Var& x, const Tensor& ids, const Var& w,
+      return check_row("conv_backward", c, o, {.halo = default_halo(), .conv = [bad](const Var& x, const Tensor& ids, const Var& w,
                                                              const Var& b) {
         return default_conv()(bad_backward(x, bad), ids, w, b);
-      });
+      }});
     });
   }
 }
@@ -154,10 +154,10 @@ TEST(NonFinite, APlantedValueFailsTheRecurrenceRows) {
                                         const PackedContext& ctx, Communicator* comm) {
       return default_recurrence()(q, planted_here(comm) ? bad_backward(k, bad) : k, v, b, g, ctx, comm);
     };
-    expect_fails("recurrence_forward", bad, [&](const LayoutCase& c) { return check_recurrence_forward(c, o, forward); });
+    expect_fails("recurrence_forward", bad, [&](const LayoutCase& c) { return check_row("recurrence_forward", c, o, {.recurrence = forward}); });
     expect_fails("recurrence_backward", bad,
-                 [&](const LayoutCase& c) { return check_recurrence_backward(c, o, backward); });
-    expect_fails("two_steps", bad, [&](const LayoutCase& c) { return check_two_steps(c, o, forward); });
+                 [&](const LayoutCase& c) { return check_row("recurrence_backward", c, o, {.recurrence = backward}); });
+    expect_fails("two_steps", bad, [&](const LayoutCase& c) { return check_row("two_steps", c, o, {.recurrence = forward}); });
   }
 }
 
@@ -166,7 +166,7 @@ TEST(NonFinite, APlantedValueFailsTheLayerRows) {
   for (const double bad : kBad) {
     // RoPE sees no communicator: every rank plants one value.
     expect_fails("rope", bad, [&](const LayoutCase& c) {
-      return check_rope(c, o, [bad](const Var& x, const Tensor& pos) { return bad_forward(default_rope()(x, pos), bad); });
+      return check_row("rope", c, o, {.rope = [bad](const Var& x, const Tensor& pos) { return bad_forward(default_rope()(x, pos), bad); }});
     });
     const AttentionFn forward = [bad](const Var& q, const Var& k, const Var& v, const PackedContext& ctx,
                                       const Tensor& padding, Communicator* comm, const SparseIndexer* indexer,
@@ -184,20 +184,20 @@ TEST(NonFinite, APlantedValueFailsTheLayerRows) {
     for (const std::int64_t topk : {std::int64_t{-1}, std::int64_t{o.topk}}) {
       const std::string form = topk < 0 ? "attention" : "sparse_attention";
       expect_fails(form + "_forward", bad,
-                   [&](const LayoutCase& c) { return check_attention_forward(c, o, forward, {}, topk); });
+                   [&](const LayoutCase& c) { return check_row((topk >= 0 ? "sparse_attention_forward" : "attention_forward"), c, o, {.attention = forward}); });
       expect_fails(form + "_backward", bad,
-                   [&](const LayoutCase& c) { return check_attention_backward(c, o, backward, {}, topk); });
+                   [&](const LayoutCase& c) { return check_row((topk >= 0 ? "sparse_attention_backward" : "attention_backward"), c, o, {.attention = backward}); });
     }
     expect_fails("loss_forward", bad, [&](const LayoutCase& c) {
-      return check_loss_forward(c, o, {}, [bad](const Var& logits, const Tensor& targets, Communicator* comm) {
+      return check_row("loss_forward", c, o, {.loss = [bad](const Var& logits, const Tensor& targets, Communicator* comm) {
         const Var l = default_loss()(logits, targets, comm);
         return planted_here(comm) ? bad_forward(l, bad) : l;
-      });
+      }});
     });
     expect_fails("loss_backward", bad, [&](const LayoutCase& c) {
-      return check_loss_backward(c, o, {}, [bad](const Var& logits, const Tensor& targets, Communicator* comm) {
+      return check_row("loss_backward", c, o, {.loss = [bad](const Var& logits, const Tensor& targets, Communicator* comm) {
         return default_loss()(planted_here(comm) ? bad_backward(logits, bad) : logits, targets, comm);
-      });
+      }});
     });
   }
 }

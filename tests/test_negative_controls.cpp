@@ -137,21 +137,21 @@ void expect_found(const std::string& report) {
 
 TEST(NegativeControls, LayoutCatchesDocIdsBuiltFromTokenIds) {
   expect_found(expect_counterexample("layout vs doc ids from token ids", [](const LayoutCase& c) {
-    const auto r = check_layout(c, layout_from_token_ids);
+    const auto r = check_row("layout", c, {}, {.layout = layout_from_token_ids});
     RC_ASSERT(r.ok);
   }));
 }
 
 TEST(NegativeControls, ShardCatchesAnOffByOneShard) {
   expect_found(expect_counterexample("shard vs off-by-one shard", [](const LayoutCase& c) {
-    const auto r = check_shard(c, off_by_one_shard);
+    const auto r = check_row("shard", c, {}, {.shard = off_by_one_shard});
     RC_ASSERT(r.ok);
   }));
 }
 
 TEST(NegativeControls, GatherForwardCatchesTheWrongRankOrder) {
   expect_found(expect_counterexample("gather_forward vs reversed ranks", [](const LayoutCase& c) {
-    const auto r = check_gather_forward(c, CheckOptions{}, gather_reversed);
+    const auto r = check_row("gather_forward", c, CheckOptions{}, {.gather = gather_reversed});
     RC_ASSERT(r.ok);
   }));
 }
@@ -166,13 +166,13 @@ TEST(NegativeControls, GatherForwardCatchesAGatherThatWritesIntoItsInput) {
     const LayoutCase c = at_cp(gen(rc::Random(31 + i), 30).value(), 3);
     if (c.batch.at("input_ids").dim(0) != 1) continue;
     ++one_row;
-    const auto r = check_gather_forward(c, CheckOptions{}, gather_zeroes_its_input);
+    const auto r = check_row("gather_forward", c, CheckOptions{}, {.gather = gather_zeroes_its_input});
     EXPECT_FALSE(r.ok) << c;
     EXPECT_THAT(r.detail, HasSubstr("a rank wrote into its input")) << c;
   }
   EXPECT_EQ(one_row, 5) << "too few one-row cases drawn";
   expect_found(expect_counterexample("gather_forward vs a gather that zeroes its input", [](const LayoutCase& c) {
-    const auto r = check_gather_forward(c, CheckOptions{}, gather_zeroes_its_input);
+    const auto r = check_row("gather_forward", c, CheckOptions{}, {.gather = gather_zeroes_its_input});
     RC_ASSERT(r.ok);
   }));
 }
@@ -201,42 +201,42 @@ TEST(NegativeControls, AnInputsFingerprintChangesWithAnyByteWritten) {
 
 TEST(NegativeControls, GatherBackwardCatchesABackwardThatSlicesInsteadOfSumming) {
   expect_found(expect_counterexample("gather_backward vs slicing backward", [](const LayoutCase& c) {
-    const auto r = check_gather_backward(c, CheckOptions{}, gather_backward_slices);
+    const auto r = check_row("gather_backward", c, CheckOptions{}, {.gather = gather_backward_slices});
     RC_ASSERT(r.ok);
   }));
 }
 
 TEST(NegativeControls, AnchorCatchesAnAnchorWithoutABackwardEdge) {
   expect_found(expect_counterexample("anchor vs anchor without edge", [](const LayoutCase& c) {
-    const auto r = check_anchor(c, CheckOptions{}, default_gather(), anchor_without_edge);
+    const auto r = check_row("anchor", c, CheckOptions{}, {.gather = default_gather(), .anchor = anchor_without_edge});
     RC_ASSERT(r.ok);
   }));
 }
 
 TEST(NegativeControls, HaloForwardCatchesAHistoryOnePositionOff) {
   expect_found(expect_counterexample("halo_forward vs one position off", [](const LayoutCase& c) {
-    const auto r = check_halo_forward(c, wide_conv(), halo_one_position_off);
+    const auto r = check_row("halo_forward", c, wide_conv(), {.halo = halo_one_position_off});
     RC_ASSERT(r.ok);
   }));
 }
 
 TEST(NegativeControls, HaloBackwardCatchesAGradientSentToTheWrongRank) {
   expect_found(expect_counterexample("halo_backward vs wrong rank", [](const LayoutCase& c) {
-    const auto r = check_halo_backward(c, wide_conv(), halo_gradient_to_wrong_rank);
+    const auto r = check_row("halo_backward", c, wide_conv(), {.halo = halo_gradient_to_wrong_rank});
     RC_ASSERT(r.ok);
   }));
 }
 
 TEST(NegativeControls, ConvForwardCatchesTapsThatIgnoreDocumentBoundaries) {
   expect_found(expect_counterexample("conv_forward vs ignored boundaries", [](const LayoutCase& c) {
-    const auto r = check_conv_forward(c, wide_conv(), default_halo(), conv_ignoring_documents);
+    const auto r = check_row("conv_forward", c, wide_conv(), {.halo = default_halo(), .conv = conv_ignoring_documents});
     RC_ASSERT(r.ok);
   }));
 }
 
 TEST(NegativeControls, ConvBackwardCatchesAGradientSentToTheWrongRank) {
   expect_found(expect_counterexample("conv_backward vs wrong rank", [](const LayoutCase& c) {
-    const auto r = check_conv_backward(c, wide_conv(), halo_gradient_to_wrong_rank);
+    const auto r = check_row("conv_backward", c, wide_conv(), {.halo = halo_gradient_to_wrong_rank});
     RC_ASSERT(r.ok);
   }));
 }
@@ -246,7 +246,7 @@ TEST(NegativeControls, ConvBackwardCatchesAGradientSentToTheWrongRank) {
 // property finds and shrinks a counterexample.
 TEST(NegativeControls, RecurrenceUnderZigzagShardingIsCaught) {
   const std::string report = expect_counterexample("recurrence_forward under zigzag sharding", [](const LayoutCase& c) {
-    const auto r = check_recurrence_forward(c, CheckOptions{}, default_recurrence(), Sharding::zigzag);
+    const auto r = check_row("recurrence_forward", c, CheckOptions{}, {.recurrence = default_recurrence(), .sharding = Sharding::zigzag});
     RC_ASSERT(r.ok);
   });
   expect_found(report);
@@ -261,7 +261,7 @@ void expect_plan_fault_found(const RecurrencePlanEdit& edit, const std::string& 
     return gated_delta_rule(q, k, v, b, g, ctx, comm, edit);
   };
   expect_found(expect_counterexample(name, [&](const LayoutCase& c) {
-    const auto r = check_recurrence_forward(c, CheckOptions{}, broken);
+    const auto r = check_row("recurrence_forward", c, CheckOptions{}, {.recurrence = broken});
     RC_ASSERT(r.ok);
   }));
 }
@@ -292,7 +292,7 @@ TEST(NegativeControls, TwoStepsCatchAPlanKeptFromTheLastBatch) {
       std::lock_guard<std::mutex> lock(stale_mutex);
       stale_plans.clear();  // a fresh loop for every case
     }
-    RC_ASSERT(check_two_steps(c, CheckOptions{}, recurrence_with_a_stale_plan).ok);
+    RC_ASSERT(check_row("two_steps", c, CheckOptions{}, {.recurrence = recurrence_with_a_stale_plan}).ok);
   }));
   // The plans hold tensors: let them go now, not after the device runtime at exit.
   std::lock_guard<std::mutex> lock(stale_mutex);
@@ -330,14 +330,14 @@ TEST(NegativeControls, RecurrenceCatchesAFoldThatAssumesEqualIntervals) {
     return gated_delta_rule(q, k, v, b, g, ctx, comm, equal_fold);
   };
   expect_found(expect_counterexample("fold assuming equal intervals", [&](const LayoutCase& c) {
-    RC_ASSERT(check_recurrence_forward(c, CheckOptions{}, broken).ok);
+    RC_ASSERT(check_row("recurrence_forward", c, CheckOptions{}, {.recurrence = broken}).ok);
   }));
   // The same code passes every case under the equal plan: the control plants
   // exactly the assumption, nothing else.
   const auto gen = gen_layout_case(8, PlanChoice{});
   for (int i = 0; i < 40; ++i) {
     const LayoutCase c = gen(rc::Random(77 + i), 30).value();
-    EXPECT_TRUE(check_recurrence_forward(c, CheckOptions{}, broken).ok) << c;
+    EXPECT_TRUE(check_row("recurrence_forward", c, CheckOptions{}, {.recurrence = broken}).ok) << c;
   }
 }
 
@@ -356,7 +356,7 @@ TEST(NegativeControls, ShardCatchesAPlanComputedFromRankLocalRows) {
     return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, mine);
   };
   const std::string report = expect_counterexample("shard vs plans from rank-local rows", [&](const LayoutCase& c) {
-    const auto r = check_shard(c, local_plan);
+    const auto r = check_row("shard", c, {}, {.shard = local_plan});
     if (!r.ok) RC_FAIL(r.detail);
   });
   expect_found(report);
@@ -453,48 +453,48 @@ void expect_reported(const std::string& name, Check check) {
 }  // namespace
 
 TEST(PlantedFaults, LayoutThatThrowsOrReturnsTheWrongSize) {
-  expect_reported("layout throws", [](const LayoutCase& c) { return check_layout(c, layout_throws); });
-  expect_reported("layout short", [](const LayoutCase& c) { return check_layout(c, layout_short); });
+  expect_reported("layout throws", [](const LayoutCase& c) { return check_row("layout", c, {}, {.layout = layout_throws}); });
+  expect_reported("layout short", [](const LayoutCase& c) { return check_row("layout", c, {}, {.layout = layout_short}); });
 }
 
 TEST(PlantedFaults, ShardThatThrowsOrRoundsThePaddedLengthDown) {
-  expect_reported("shard throws", [](const LayoutCase& c) { return check_shard(c, shard_throws); });
-  expect_reported("shard rounds P down", [](const LayoutCase& c) { return check_shard(c, shard_rounded_down); });
+  expect_reported("shard throws", [](const LayoutCase& c) { return check_row("shard", c, {}, {.shard = shard_throws}); });
+  expect_reported("shard rounds P down", [](const LayoutCase& c) { return check_row("shard", c, {}, {.shard = shard_rounded_down}); });
 }
 
 TEST(PlantedFaults, GatherAndAnchorThatThrowOrReturnTheWrongSize) {
   const CheckOptions o;
-  expect_reported("gather throws", [&](const LayoutCase& c) { return check_gather_forward(c, o, gather_throws_on_rank_0); });
+  expect_reported("gather throws", [&](const LayoutCase& c) { return check_row("gather_forward", c, o, {.gather = gather_throws_on_rank_0}); });
   expect_reported("gather backward throws",
-                  [&](const LayoutCase& c) { return check_gather_backward(c, o, gather_throws_on_rank_0); });
+                  [&](const LayoutCase& c) { return check_row("gather_backward", c, o, {.gather = gather_throws_on_rank_0}); });
   expect_reported("gather returns the shard",
-                  [&](const LayoutCase& c) { return check_gather_forward(c, o, gather_returns_the_shard); });
+                  [&](const LayoutCase& c) { return check_row("gather_forward", c, o, {.gather = gather_returns_the_shard}); });
   expect_reported("gather backward of the shard",
-                  [&](const LayoutCase& c) { return check_gather_backward(c, o, gather_returns_the_shard); });
+                  [&](const LayoutCase& c) { return check_row("gather_backward", c, o, {.gather = gather_returns_the_shard}); });
   expect_reported("anchor throws",
-                  [&](const LayoutCase& c) { return check_anchor(c, o, default_gather(), anchor_throws); });
+                  [&](const LayoutCase& c) { return check_row("anchor", c, o, {.gather = default_gather(), .anchor = anchor_throws}); });
 }
 
 TEST(PlantedFaults, HaloAndConvThatThrowOrReturnTheWrongSize) {
   const CheckOptions o;
-  expect_reported("halo without history", [&](const LayoutCase& c) { return check_halo_forward(c, o, halo_without_history); });
+  expect_reported("halo without history", [&](const LayoutCase& c) { return check_row("halo_forward", c, o, {.halo = halo_without_history}); });
   expect_reported("halo backward without history",
-                  [&](const LayoutCase& c) { return check_halo_backward(c, o, halo_without_history); });
-  expect_reported("halo throws", [&](const LayoutCase& c) { return check_halo_forward(c, o, halo_throws_on_last_rank); });
+                  [&](const LayoutCase& c) { return check_row("halo_backward", c, o, {.halo = halo_without_history}); });
+  expect_reported("halo throws", [&](const LayoutCase& c) { return check_row("halo_forward", c, o, {.halo = halo_throws_on_last_rank}); });
   expect_reported("conv one short",
-                  [&](const LayoutCase& c) { return check_conv_forward(c, o, default_halo(), conv_one_short); });
+                  [&](const LayoutCase& c) { return check_row("conv_forward", c, o, {.halo = default_halo(), .conv = conv_one_short}); });
   expect_reported("conv backward one short",
-                  [&](const LayoutCase& c) { return check_conv_backward(c, o, default_halo(), conv_one_short); });
+                  [&](const LayoutCase& c) { return check_row("conv_backward", c, o, {.halo = default_halo(), .conv = conv_one_short}); });
 }
 
 TEST(PlantedFaults, RecurrenceThatThrowsOrReturnsTheWrongSize) {
   const CheckOptions o;
   expect_reported("recurrence wrong shape",
-                  [&](const LayoutCase& c) { return check_recurrence_forward(c, o, recurrence_wrong_shape); });
+                  [&](const LayoutCase& c) { return check_row("recurrence_forward", c, o, {.recurrence = recurrence_wrong_shape}); });
   expect_reported("recurrence backward wrong shape",
-                  [&](const LayoutCase& c) { return check_recurrence_backward(c, o, recurrence_wrong_shape); });
+                  [&](const LayoutCase& c) { return check_row("recurrence_backward", c, o, {.recurrence = recurrence_wrong_shape}); });
   expect_reported("recurrence throws",
-                  [&](const LayoutCase& c) { return check_recurrence_forward(c, o, recurrence_throws); });
+                  [&](const LayoutCase& c) { return check_row("recurrence_forward", c, o, {.recurrence = recurrence_throws}); });
 }
 
 // A user's batch has no construction truth: the layout property must still compare
@@ -508,7 +508,7 @@ TEST(NegativeControls, LayoutOfAUserBatchCatchesCuSeqlensPaddedReadAsUnpacked) {
   };
   expect_found(expect_counterexample("layout of user batches vs cu_seqlens_padded ignored", [&](LayoutCase c) {
     c.truth.reset();
-    const auto r = check_layout(c, merged);
+    const auto r = check_row("layout", c, {}, {.layout = merged});
     RC_ASSERT(r.ok);
   }));
 }
@@ -531,7 +531,7 @@ TEST(NegativeControls, LayoutOfAUserBatchCatchesPositionResetsIgnored) {
   expect_found(expect_counterexample("layout of user batches vs position resets ignored", [&] {
     LayoutCase c = *resets;
     c.truth.reset();
-    const auto r = check_layout(c, one_document);
+    const auto r = check_row("layout", c, {}, {.layout = one_document});
     RC_ASSERT(r.ok);
   }));
 }

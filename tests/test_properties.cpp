@@ -39,23 +39,23 @@ INSTANTIATE_TEST_SUITE_P(Backends, Distributed, ::testing::ValuesIn(backend_name
                          [](const auto& info) { return info.param; });
 
 CPSIM_PROP(Properties, LayoutRoundTripsAndDerivedPositionsAreValid, (const LayoutCase& c)) {
-  assert_holds(check_layout(c));
+  assert_holds(check_row("layout", c));
 }
 
 CPSIM_PROP(Properties, ShardsConcatenateToThePaddedGlobalTensorsAndTileTheContext, (const LayoutCase& c)) {
-  assert_holds(check_shard(c));
+  assert_holds(check_row("shard", c));
 }
 
 CPSIM_BACKEND_PROP(Distributed, GatherForwardIsBitwiseTheGlobalTensorForEveryDtype) {
-  assert_holds(check_gather_forward(c, on(backend)));
+  assert_holds(check_row("gather_forward", c, on(backend)));
 }
 
 CPSIM_BACKEND_PROP(Distributed, GatherBackwardIsTheRankOrderSumOfUpstreamSlices) {
-  assert_holds(check_gather_backward(c, on(backend)));
+  assert_holds(check_row("gather_backward", c, on(backend)));
 }
 
 CPSIM_BACKEND_PROP(Distributed, AnchorCompletesBackwardAndItsAbsenceIsReportedNotHung) {
-  assert_holds(check_anchor(c, on(backend)));
+  assert_holds(check_row("anchor", c, on(backend)));
 }
 
 // A library's contract limits the random draw: only the listed forms, each as
@@ -189,11 +189,11 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
 }
 
 CPSIM_BACKEND_PROP(Distributed, HaloForwardIsTheZeroPaddedPreviousGlobalPositions) {
-  assert_holds(check_halo_forward(c, conv_options(backend)));
+  assert_holds(check_row("halo_forward", c, conv_options(backend)));
 }
 
 CPSIM_BACKEND_PROP(Distributed, HaloBackwardReturnsEachGradientToItsOwner) {
-  assert_holds(check_halo_backward(c, conv_options(backend)));
+  assert_holds(check_row("halo_backward", c, conv_options(backend)));
 }
 
 // convolution_halo (the history alone) through the same rows: the test prepends
@@ -212,8 +212,8 @@ HaloFn halo_then_shard() {
 
 CPSIM_BACKEND_PROP(Distributed, HaloAloneIsTheHistoryAndReturnsItsGradientToTheOwners) {
   const CheckOptions o = conv_options(backend);
-  assert_holds(check_halo_forward(c, o, halo_then_shard()));
-  assert_holds(check_halo_backward(c, o, halo_then_shard()));
+  assert_holds(check_row("halo_forward", c, o, {.halo = halo_then_shard()}));
+  assert_holds(check_row("halo_backward", c, o, {.halo = halo_then_shard()}));
 }
 
 // A case CI drew: one channel whose dbias terms nearly cancel, so the sum over 14
@@ -230,46 +230,46 @@ TEST(Properties, ConvGradientSumsThatCancelAreJudgedByTheirTerms) {
   CheckOptions o;
   o.conv_width = 1;
   o.channels = 1;
-  const PropertyResult r = check_conv_backward(c, o);
+  const PropertyResult r = check_row("conv_backward", c, o);
   EXPECT_TRUE(r.ok) << r.detail;
 }
 
 CPSIM_BACKEND_PROP(Distributed, ShardedConvForwardMatchesTheUnshardedConv) {
-  assert_holds(check_conv_forward(c, conv_options(backend)));
+  assert_holds(check_row("conv_forward", c, conv_options(backend)));
 }
 
 CPSIM_BACKEND_PROP(Distributed, ShardedConvBackwardMatchesTheUnshardedConv) {
-  assert_holds(check_conv_backward(c, conv_options(backend)));
+  assert_holds(check_row("conv_backward", c, conv_options(backend)));
 }
 
 CPSIM_BACKEND_PROP(Distributed, CpRecurrenceForwardMatchesTheUnshardedRecurrence) {
-  assert_holds(check_recurrence_forward(c, on(backend)));
+  assert_holds(check_row("recurrence_forward", c, on(backend)));
 }
 
 CPSIM_BACKEND_PROP(Distributed, CpRecurrenceGradientsMatchTheUnshardedRecurrence) {
-  assert_holds(check_recurrence_backward(c, on(backend)));
+  assert_holds(check_row("recurrence_backward", c, on(backend)));
 }
 
-CPSIM_BACKEND_PROP(Distributed, RopeRotatesByTheBatchsGlobalPositions) { assert_holds(check_rope(c, on(backend))); }
+CPSIM_BACKEND_PROP(Distributed, RopeRotatesByTheBatchsGlobalPositions) { assert_holds(check_row("rope", c, on(backend))); }
 
 CPSIM_BACKEND_PROP(Distributed, AttentionOverTheGatheredKvMatchesTheUnshardedAttention) {
-  assert_holds(check_attention_forward(c, on(backend)));
-  assert_holds(check_attention_backward(c, on(backend)));
+  assert_holds(check_row("attention_forward", c, on(backend)));
+  assert_holds(check_row("attention_backward", c, on(backend)));
 }
 
 CPSIM_BACKEND_PROP(Distributed, TopKSparseAttentionKeepsTheUnshardedKeysAndMatchesIt) {
   const CheckOptions o = on(backend);
-  assert_holds(check_attention_forward(c, o, {}, {}, o.topk));
-  assert_holds(check_attention_backward(c, o, {}, {}, o.topk));
+  assert_holds(check_row("sparse_attention_forward", c, o));
+  assert_holds(check_row("sparse_attention_backward", c, o));
 }
 
 CPSIM_BACKEND_PROP(Distributed, RankObjectsReusedAcrossStepsKeepNoStateFromTheLastBatch) {
-  assert_holds(check_two_steps(c, on(backend)));
+  assert_holds(check_row("two_steps", c, on(backend)));
 }
 
 CPSIM_BACKEND_PROP(Distributed, TheTokenMeanLossAcrossRanksIsTheUnshardedLoss) {
-  assert_holds(check_loss_forward(c, on(backend)));
-  assert_holds(check_loss_backward(c, on(backend)));
+  assert_holds(check_row("loss_forward", c, on(backend)));
+  assert_holds(check_row("loss_backward", c, on(backend)));
 }
 
 namespace cpsim::testing {

@@ -108,8 +108,15 @@ PropertyResult run_on_case(const LayoutCase& c, const std::string& name,
 
 }  // namespace rows
 
-PropertyResult run_row(const PropertyRow& row, Prepared& p, const CheckOptions& o) {
-  return rows::run_row(row.name, p.c.cp, [&] { return row.check(p, o); });
+PropertyResult run_row(const PropertyRow& row, Prepared& p, const CheckOptions& o, const Impl& impl) {
+  return rows::run_row(row.name, p.c.cp, [&] { return row.check(p, o, impl); });
+}
+
+PropertyResult check_row(const std::string& name, const LayoutCase& c, const CheckOptions& o, const Impl& impl) {
+  const auto& table = property_table();
+  const auto row = std::find_if(table.begin(), table.end(), [&](const PropertyRow& r) { return r.name == name; });
+  if (row == table.end()) choose_rows({name}, {});  // InvalidInput naming the rows
+  return rows::run_on_case(c, name, [&](Prepared& p) { return row->check(p, o, impl); });
 }
 
 // ---------------------------------------------------------------------------

@@ -6,9 +6,9 @@
 // path: shard_batch gives each rank its packed context, and the operators run on
 // it as a training step calls them.
 //
-// The check_* functions run one row with the implementation under test as a
-// parameter (defaulting to the real one), so negative-control tests hand a
-// deliberately broken variant to the same property and watch it fail.
+// check_row runs one row with the implementation under test (Impl: the model's
+// own operators unless replaced), so negative-control tests hand a deliberately
+// broken variant to the same property and watch it fail.
 #pragma once
 
 #include <chrono>
@@ -157,69 +157,31 @@ RopeFn default_rope();
 AttentionFn default_attention();
 TargetsFn default_targets();
 LossFn default_loss();
+// One rank's token shift of its shard (core/token_shift.hpp's form).
+using TokenShiftFn = std::function<Var(const Var& x_masked, const PackedContext& context, Communicator* comm)>;
 
-// Doc ids, padding and positions against reference_layout (and, for a generated case,
-// the generator's construction), and the seq_lens <-> cu_seqlens <-> doc ids <->
-// segments round trips.
-PropertyResult check_layout(const LayoutCase& c, const LayoutFn& layout = default_layout());
-// Shards concatenate to the padded global tensors (every [B, S] key); local doc ids,
-// row_cu_seqlens and the recurrent CP context tile each shard. Geometry and
-// expectations come from the reference, so a wrong size is a failure, not a crash.
-PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard = default_shard());
-// gather_sequence forward is bitwise the global tensor, for every dtype.
-PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather = default_gather());
-// Backward: each rank's gradient is the rank-order sum of every rank's upstream slice.
-PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather = default_gather());
-// Ranks whose loss ignores the gathered tensor: with the anchor backward completes with the
-// right gradients; without it the simulator reports the skipped collective (never hangs).
-PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather = default_gather(),
-                            const AnchorFn& anchor = default_anchor());
-
-// Halo forward is bitwise the zero-padded previous W-1 global positions (both exchanges).
-PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = default_halo());
-// Halo backward returns each history gradient to the rank that owns the position.
-PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = default_halo());
-// Sharded packed causal conv matches the unsharded reference (relative RMSE <= 1e-12).
-// With neither part given, the model's layer (sharded_packed_conv); a given part
-// replaces that part of the layer (halo, then conv over the window's doc ids).
-PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = {},
-                                  const ConvFn& conv = {});
-// dx per rank, dw and dbias summed over ranks, match the unsharded reference.
-PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo = {},
-                                   const ConvFn& conv = {});
+// The implementation under test: the operators the rows run, each the model's own
+// where it is left empty. A negative control replaces one with a broken variant
+// and runs the row that uses it: check_row("conv_forward", c, o, {.halo = broken}).
+struct Impl {
+  LayoutFn layout;
+  ShardFn shard;
+  GatherFn gather;
+  AnchorFn anchor;
+  HaloFn halo;  // with conv: that part of the conv layer (neither: the layer itself)
+  ConvFn conv;
+  RecurrenceFn recurrence;
+  Sharding sharding = Sharding::contiguous;  // the recurrence's (zigzag: a control)
+  RopeFn rope;
+  AttentionFn attention;
+  TargetsFn targets;
+  LossFn loss;
+  TokenShiftFn token_shift;
+};
 
 inline constexpr double kConvTolerance = 1e-12;
 inline constexpr double kRecurrenceTolerance = 1e-10;
 inline constexpr double kAttentionTolerance = 1e-10;  // attention, RoPE and loss (SPEC §3b)
-
-// The CP gated delta rule: outputs o match the unsharded recurrence.
-PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn = {},
-                                        Sharding sharding = Sharding::contiguous);
-// Gradients of q, k, v, beta, g match the unsharded recurrence.
-PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn = {},
-                                         Sharding sharding = Sharding::contiguous);
-
-// A training loop's rank objects reused across steps: the recurrence on the case's
-// batch, then (the packed context reassigned) on a batch of the same shape with
-// documents of three tokens, then on the case again: every step matches its own
-// unsharded reference.
-PropertyResult check_two_steps(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn = {});
-
-// RoPE alone, forward and backward, against the unsharded rotation by the batch's
-// positions.
-PropertyResult check_rope(const LayoutCase& c, const CheckOptions& o, const RopeFn& rope = {});
-// RoPE then attention over the gathered K/V: outputs, and the gradients of q, k,
-// v (SPEC §3b). topk >= 0: the sparse form, whose kept sets must also be equal.
-PropertyResult check_attention_forward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& attention = {},
-                                       const RopeFn& rope = {}, std::int64_t topk = -1);
-PropertyResult check_attention_backward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& attention = {},
-                                        const RopeFn& rope = {}, std::int64_t topk = -1);
-// Targets aligned on the whole row and the token-mean loss across ranks: every
-// rank's loss, and the local logits' gradients.
-PropertyResult check_loss_forward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets = {},
-                                  const LossFn& loss = {});
-PropertyResult check_loss_backward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets = {},
-                                   const LossFn& loss = {});
 
 // ---------------------------------------------------------------------------
 // The table: like nccl-tests' table of collectives, one row per property.
@@ -261,7 +223,7 @@ struct PropertyRow {
   RowCost cost;
   // Bytes one rank sends through its communicator for one case.
   std::function<std::int64_t(const Prepared&, const CheckOptions&)> bytes;
-  std::function<PropertyResult(Prepared&, const CheckOptions&)> check;
+  std::function<PropertyResult(Prepared&, const CheckOptions&, const Impl&)> check;
 };
 
 // Every property, in the order `cpsim check` reports them.
@@ -269,7 +231,13 @@ const std::vector<PropertyRow>& property_table();
 
 // One row on a prepared case: its verdict, named; what the check throws is its
 // failure (or, when the run could not complete, an aborted result).
-PropertyResult run_row(const PropertyRow& row, Prepared& p, const CheckOptions& o);
+PropertyResult run_row(const PropertyRow& row, Prepared& p, const CheckOptions& o, const Impl& impl = {});
+
+// The row named `name` on one case, with `impl` under test: how a negative
+// control runs one row against a broken operator. An unknown name is InvalidInput
+// listing the names.
+PropertyResult check_row(const std::string& name, const LayoutCase& c, const CheckOptions& o = {},
+                         const Impl& impl = {});
 
 // Every row of the table on one case, prepared once.
 std::vector<PropertyResult> check_all(const LayoutCase& c, const CheckOptions& o);

@@ -165,11 +165,16 @@ struct RowHead {
   bool runs_ranks;
   RowCost cost;
   PropertyRow with(std::function<std::int64_t(const Prepared&, const CheckOptions&)> bytes,
-                   std::function<PropertyResult(Prepared&, const CheckOptions&)> check) const {
+                   std::function<PropertyResult(Prepared&, const CheckOptions&, const Impl&)> check) const {
     return {name, claim, comparison, tolerance, runs_ranks, cost, std::move(bytes), std::move(check)};
   }
 };
 inline std::int64_t no_bytes(const Prepared&, const CheckOptions&) { return 0; }
+// An operator of the implementation under test, or the model's own where it is empty.
+template <class Fn>
+Fn or_default(const Fn& given, Fn (*model)()) {
+  return given ? given : model();
+}
 
 // The batch's padded global rows [B, P] the layers read, as the shards carry them.
 struct LayerRows {

@@ -210,29 +210,25 @@ PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn
 }
 
 
-PropertyResult check_halo_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
-  return run_on_case(c, kHaloForward.name, [&](Prepared& p) { return halo_forward_of(p, o, halo); });
-}
-PropertyResult check_halo_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo) {
-  return run_on_case(c, kHaloBackward.name, [&](Prepared& p) { return halo_backward_of(p, o, halo); });
-}
-PropertyResult check_conv_forward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
-  return run_on_case(c, kConvForward.name, [&](Prepared& p) { return conv_forward_of(p, o, halo, conv); });
-}
-PropertyResult check_conv_backward(const LayoutCase& c, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
-  return run_on_case(c, kConvBackward.name, [&](Prepared& p) { return conv_backward_of(p, o, halo, conv); });
-}
 
 namespace rows {
 
 std::vector<PropertyRow> conv_rows() {
   const auto twice = [](const Prepared& p, const CheckOptions& o) { return 2 * halo_bytes(p, o); };
   return {kHaloForward.with(halo_bytes,
-                            [](Prepared& p, const CheckOptions& o) { return halo_forward_of(p, o, default_halo()); }),
+                            [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+                              return halo_forward_of(p, o, or_default(impl.halo, default_halo));
+                            }),
           kHaloBackward.with(twice,
-                             [](Prepared& p, const CheckOptions& o) { return halo_backward_of(p, o, default_halo()); }),
-          kConvForward.with(halo_bytes, [](Prepared& p, const CheckOptions& o) { return conv_forward_of(p, o, {}, {}); }),
-          kConvBackward.with(twice, [](Prepared& p, const CheckOptions& o) { return conv_backward_of(p, o, {}, {}); })};
+                             [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+                               return halo_backward_of(p, o, or_default(impl.halo, default_halo));
+                             }),
+          kConvForward.with(halo_bytes, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+            return conv_forward_of(p, o, impl.halo, impl.conv);
+          }),
+          kConvBackward.with(twice, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+            return conv_backward_of(p, o, impl.halo, impl.conv);
+          })};
 }
 
 }  // namespace rows

@@ -136,15 +136,6 @@ PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherF
 }
 
 
-PropertyResult check_gather_forward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
-  return run_on_case(c, kGatherForward.name, [&](Prepared& p) { return gather_forward_of(p, o, gather); });
-}
-PropertyResult check_gather_backward(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather) {
-  return run_on_case(c, kGatherBackward.name, [&](Prepared& p) { return gather_backward_of(p, o, gather); });
-}
-PropertyResult check_anchor(const LayoutCase& c, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
-  return run_on_case(c, kAnchor.name, [&](Prepared& p) { return anchor_of(p, o, gather, anchor); });
-}
 
 namespace rows {
 
@@ -156,15 +147,21 @@ std::vector<PropertyRow> gather_rows() {
             // rank's block is as long as the longest interval on the wire).
             return p.shape.rows * p.g.largest() * (o.channels * 4 + 2 * 8 + o.channels * 2 + 3 * 4 + 8 + 4);
           },
-          [](Prepared& p, const CheckOptions& o) { return gather_forward_of(p, o, default_gather()); }),
+          [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+            return gather_forward_of(p, o, or_default(impl.gather, default_gather));
+          }),
       kGatherBackward.with(
           [](const Prepared& p, const CheckOptions& o) {
             return 2 * p.shape.rows * p.g.largest() * o.channels * (8 + 4) * p.c.cp;
           },
-          [](Prepared& p, const CheckOptions& o) { return gather_backward_of(p, o, default_gather()); }),
+          [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+            return gather_backward_of(p, o, or_default(impl.gather, default_gather));
+          }),
       kAnchor.with(
           [](const Prepared& p, const CheckOptions& o) { return 2 * p.shape.rows * p.g.largest() * o.channels * 8 * p.c.cp; },
-          [](Prepared& p, const CheckOptions& o) { return anchor_of(p, o, default_gather(), default_anchor()); })};
+          [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+            return anchor_of(p, o, or_default(impl.gather, default_gather), or_default(impl.anchor, default_anchor));
+          })};
 }
 
 }  // namespace rows

@@ -300,19 +300,6 @@ PropertyResult attention_backward_of(Prepared& s, const CheckOptions& o, const A
   return evaluated(t.result(tol), *run);
 }
 
-PropertyResult check_rope(const LayoutCase& c, const CheckOptions& o, const RopeFn& fn) {
-  return run_on_case(c, kRope.name, [&](Prepared& p) { return rope_of(p, o, fn ? fn : default_rope()); });
-}
-PropertyResult check_attention_forward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& fn,
-                                       const RopeFn& rope_fn, std::int64_t topk) {
-  return run_on_case(c, (topk >= 0 ? kSparseForward : kAttentionForward).name,
-                     [&](Prepared& p) { return attention_forward_of(p, o, fn, rope_fn, topk); });
-}
-PropertyResult check_attention_backward(const LayoutCase& c, const CheckOptions& o, const AttentionFn& fn,
-                                        const RopeFn& rope_fn, std::int64_t topk) {
-  return run_on_case(c, (topk >= 0 ? kSparseBackward : kAttentionBackward).name,
-                     [&](Prepared& p) { return attention_backward_of(p, o, fn, rope_fn, topk); });
-}
 
 namespace rows {
 
@@ -323,15 +310,25 @@ std::vector<PropertyRow> layer_rows() {
   };
   const auto twice = [=](const Prepared& p, const CheckOptions& o) { return 2 * attention_bytes(p, o); };
   return {
-      kRope.with(no_bytes, [](Prepared& p, const CheckOptions& o) { return rope_of(p, o, default_rope()); }),
+      kRope.with(no_bytes, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+        return rope_of(p, o, or_default(impl.rope, default_rope));
+      }),
       kAttentionForward.with(attention_bytes,
-                             [](Prepared& p, const CheckOptions& o) { return attention_forward_of(p, o, {}, {}, -1); }),
+                             [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+                               return attention_forward_of(p, o, impl.attention, impl.rope, -1);
+                             }),
       kAttentionBackward.with(
-          twice, [](Prepared& p, const CheckOptions& o) { return attention_backward_of(p, o, {}, {}, -1); }),
+          twice, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+            return attention_backward_of(p, o, impl.attention, impl.rope, -1);
+          }),
       kSparseForward.with(attention_bytes,
-                          [](Prepared& p, const CheckOptions& o) { return attention_forward_of(p, o, {}, {}, o.topk); }),
+                          [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+                            return attention_forward_of(p, o, impl.attention, impl.rope, o.topk);
+                          }),
       kSparseBackward.with(
-          twice, [](Prepared& p, const CheckOptions& o) { return attention_backward_of(p, o, {}, {}, o.topk); })};
+          twice, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+            return attention_backward_of(p, o, impl.attention, impl.rope, o.topk);
+          })};
 }
 
 }  // namespace rows

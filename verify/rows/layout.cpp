@@ -144,18 +144,16 @@ PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
 
 }  // namespace
 
-PropertyResult check_layout(const LayoutCase& c, const LayoutFn& layout) {
-  return run_row(kLayout.name, c.cp, [&] { return layout_of(c, layout); });
-}
-PropertyResult check_shard(const LayoutCase& c, const ShardFn& shard) {
-  return run_row(kShard.name, c.cp, [&] { return shard_of(c, shard); });
-}
 
 namespace rows {
 
 std::vector<PropertyRow> layout_rows() {
-  return {kLayout.with(no_bytes, [](Prepared& p, const CheckOptions&) { return layout_of(p.c, default_layout()); }),
-          kShard.with(no_bytes, [](Prepared& p, const CheckOptions&) { return shard_of(p.c, default_shard()); })};
+  return {kLayout.with(no_bytes, [](Prepared& p, const CheckOptions&, const Impl& impl) {
+            return layout_of(p.c, or_default(impl.layout, default_layout));
+          }),
+          kShard.with(no_bytes, [](Prepared& p, const CheckOptions&, const Impl& impl) {
+            return shard_of(p.c, or_default(impl.shard, default_shard));
+          })};
 }
 
 }  // namespace rows

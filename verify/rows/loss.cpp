@@ -99,22 +99,18 @@ PropertyResult loss_backward_of(Prepared& s, const CheckOptions& o, const Target
   return t.result(kLossBackward.tolerance);
 }
 
-PropertyResult check_loss_forward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
-                                  const LossFn& loss) {
-  return run_on_case(c, kLossForward.name, [&](Prepared& p) { return loss_forward_of(p, o, targets, loss); });
-}
-PropertyResult check_loss_backward(const LayoutCase& c, const CheckOptions& o, const TargetsFn& targets,
-                                   const LossFn& loss) {
-  return run_on_case(c, kLossBackward.name, [&](Prepared& p) { return loss_backward_of(p, o, targets, loss); });
-}
 
 namespace rows {
 
 std::vector<PropertyRow> loss_rows() {
   const auto loss_bytes = [](const Prepared&, const CheckOptions&) -> std::int64_t { return 16; };
   return {
-      kLossForward.with(loss_bytes, [](Prepared& p, const CheckOptions& o) { return loss_forward_of(p, o, {}, {}); }),
-      kLossBackward.with(loss_bytes, [](Prepared& p, const CheckOptions& o) { return loss_backward_of(p, o, {}, {}); })};
+      kLossForward.with(loss_bytes, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+        return loss_forward_of(p, o, impl.targets, impl.loss);
+      }),
+      kLossBackward.with(loss_bytes, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+        return loss_backward_of(p, o, impl.targets, impl.loss);
+      })};
 }
 
 }  // namespace rows

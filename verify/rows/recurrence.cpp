@@ -123,15 +123,6 @@ PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const 
 }
 
 
-PropertyResult check_recurrence_forward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
-                                        Sharding sharding) {
-  return run_on_case(c, kRecurrenceForward.name, [&](Prepared& p) { return recurrence_forward_of(p, o, fn, sharding); });
-}
-PropertyResult check_recurrence_backward(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn,
-                                         Sharding sharding) {
-  return run_on_case(c, kRecurrenceBackward.name,
-                     [&](Prepared& p) { return recurrence_backward_of(p, o, fn, sharding); });
-}
 
 namespace rows {
 
@@ -148,12 +139,12 @@ std::vector<PropertyRow> recurrence_rows() {
     return recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
   };
   return {kRecurrenceForward.with(states,
-                                  [](Prepared& p, const CheckOptions& o) {
-                                    return recurrence_forward_of(p, o, {}, Sharding::contiguous);
+                                  [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+                                    return recurrence_forward_of(p, o, impl.recurrence, impl.sharding);
                                   }),
           kRecurrenceBackward.with([=](const Prepared& p, const CheckOptions& o) { return 2 * states(p, o); },
-                                   [](Prepared& p, const CheckOptions& o) {
-                                     return recurrence_backward_of(p, o, {}, Sharding::contiguous);
+                                   [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+                                     return recurrence_backward_of(p, o, impl.recurrence, impl.sharding);
                                    })};
 }
 

@@ -83,9 +83,6 @@ PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const Recurrence
   return t.result(kTwoSteps.tolerance);
 }
 
-PropertyResult check_two_steps(const LayoutCase& c, const CheckOptions& o, const RecurrenceFn& fn) {
-  return run_on_case(c, kTwoSteps.name, [&](Prepared& p) { return two_steps_of(p, o, fn ? fn : default_recurrence()); });
-}
 
 namespace rows {
 
@@ -94,7 +91,9 @@ std::vector<PropertyRow> step_rows() {
       [](const Prepared& p, const CheckOptions& o) {
         return 3 * recurrence_state_bytes(p.shape.rows, o.heads, o.key_dim, o.value_dim);
       },
-      [](Prepared& p, const CheckOptions& o) { return two_steps_of(p, o, default_recurrence()); })};
+      [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+        return two_steps_of(p, o, or_default(impl.recurrence, default_recurrence));
+      })};
 }
 
 }  // namespace rows

@@ -52,8 +52,9 @@ Reference reference(const Tensor& x, const Tensor& grad_y, const Tensor& doc_ids
 
 }  // namespace
 
-// The row's check, with the operator under test (a negative control passes a broken one).
-using TokenShiftFn = std::function<Var(const Var& x_masked, const PackedContext& context, Communicator* comm)>;
+namespace {
+
+// The row's check, with the operator under test (Impl::token_shift, or the model's).
 PropertyResult token_shift_of(const Prepared& s, const CheckOptions& o, const TokenShiftFn& shift) {
   const LayoutCase& c = s.c;
   const Inputs in = inputs_of(s, o);
@@ -76,12 +77,15 @@ PropertyResult token_shift_of(const Prepared& s, const CheckOptions& o, const To
   return t.result();
 }
 
+}  // namespace
+
 std::vector<PropertyRow> token_shift_rows() {
   return {kTokenShift.with(
       // Forward and backward, one position of every batch row to or from a neighbour.
       [](const Prepared& p, const CheckOptions& o) { return p.c.cp > 1 ? 2 * p.shape.rows * o.channels * 8 : 0; },
-      [](Prepared& p, const CheckOptions& o) {
-        return token_shift_of(p, o, [](const Var& x, const PackedContext& ctx, Communicator* comm) {
+      [](Prepared& p, const CheckOptions& o, const Impl& impl) {
+        return token_shift_of(p, o, impl.token_shift ? impl.token_shift : [](const Var& x, const PackedContext& ctx,
+                                                                            Communicator* comm) {
           return token_shift(x, ctx, comm);
         });
       })};
