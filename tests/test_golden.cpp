@@ -131,7 +131,8 @@ TEST(Golden, TheFolderHoldsTheInputsTheRowsDraw) {
   }
   // The seeds are written once: only verify/rows/inputs.cpp draws.
   for (const char* file : {"verify/golden.cpp", "verify/rows/conv.cpp", "verify/rows/gather.cpp",
-                           "verify/rows/recurrence.cpp", "verify/rows/layers.cpp", "verify/rows/steps.cpp"}) {
+                           "verify/rows/recurrence.cpp", "verify/rows/layers.cpp", "verify/rows/rope.cpp",
+                           "verify/rows/loss.cpp", "verify/rows/steps.cpp", "verify/rows/layout.cpp"}) {
     std::ifstream src(std::string(CPSIM_SOURCE_DIR) + "/" + file);
     const std::string text((std::istreambuf_iterator<char>(src)), std::istreambuf_iterator<char>());
     ASSERT_FALSE(text.empty()) << file;

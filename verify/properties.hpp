@@ -64,6 +64,8 @@ std::vector<std::string> property_row_names();
 // unknown name is InvalidInput listing the names.
 std::vector<std::string> choose_rows(const std::vector<std::string>& only, const std::vector<std::string>& skip);
 
+struct GoldenBuild;  // verify/golden_build.hpp
+
 struct PropertyResult {
   std::string property;
   int cp = 1;
@@ -164,19 +166,19 @@ using TokenShiftFn = std::function<Var(const Var& x_masked, const PackedContext&
 // where it is left empty. A negative control replaces one with a broken variant
 // and runs the row that uses it: check_row("conv_forward", c, o, {.halo = broken}).
 struct Impl {
-  LayoutFn layout;
-  ShardFn shard;
-  GatherFn gather;
-  AnchorFn anchor;
-  HaloFn halo;  // with conv: that part of the conv layer (neither: the layer itself)
-  ConvFn conv;
-  RecurrenceFn recurrence;
+  LayoutFn layout{};
+  ShardFn shard{};
+  GatherFn gather{};
+  AnchorFn anchor{};
+  HaloFn halo{};  // with conv: that part of the conv layer (neither: the layer itself)
+  ConvFn conv{};
+  RecurrenceFn recurrence{};
   Sharding sharding = Sharding::contiguous;  // the recurrence's (zigzag: a control)
-  RopeFn rope;
-  AttentionFn attention;
-  TargetsFn targets;
-  LossFn loss;
-  TokenShiftFn token_shift;
+  RopeFn rope{};
+  AttentionFn attention{};
+  TargetsFn targets{};
+  LossFn loss{};
+  TokenShiftFn token_shift{};
 };
 
 inline constexpr double kConvTolerance = 1e-12;
@@ -224,6 +226,9 @@ struct PropertyRow {
   // Bytes one rank sends through its communicator for one case.
   std::function<std::int64_t(const Prepared&, const CheckOptions&)> bytes;
   std::function<PropertyResult(Prepared&, const CheckOptions&, const Impl&)> check;
+  // What the row adds to a golden folder (`cpsim golden`): its inputs, references
+  // and each rank's values (empty: nothing; verify/golden_build.hpp).
+  std::function<void(GoldenBuild&)> golden;
 };
 
 // Every property, in the order `cpsim check` reports them.

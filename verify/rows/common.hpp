@@ -165,8 +165,9 @@ struct RowHead {
   bool runs_ranks;
   RowCost cost;
   PropertyRow with(std::function<std::int64_t(const Prepared&, const CheckOptions&)> bytes,
-                   std::function<PropertyResult(Prepared&, const CheckOptions&, const Impl&)> check) const {
-    return {name, claim, comparison, tolerance, runs_ranks, cost, std::move(bytes), std::move(check)};
+                   std::function<PropertyResult(Prepared&, const CheckOptions&, const Impl&)> check,
+                   std::function<void(GoldenBuild&)> golden = {}) const {
+    return {name, claim, comparison, tolerance, runs_ranks, cost, std::move(bytes), std::move(check), std::move(golden)};
   }
 };
 inline std::int64_t no_bytes(const Prepared&, const CheckOptions&) { return 0; }

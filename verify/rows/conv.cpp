@@ -3,6 +3,7 @@
 #include "core/conv.hpp"
 #include "core/exchange_plan.hpp"
 
+#include "verify/golden_build.hpp"
 #include "verify/rows/common.hpp"
 #include "verify/rows/inputs.hpp"
 
@@ -211,6 +212,60 @@ PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn
 
 
 
+namespace {
+
+// Each rank's halo window of x.
+void halo_golden(GoldenBuild& build) {
+  const Tensor& x = build.conv_inputs().x;
+  for (int r = 0; r < build.c.cp; ++r)
+    build.ranks[r].add("halo", reference_history(x, build.g.start(r), build.g.size(r), build.o.conv_width),
+                       "convolution_history(x shard, W): the W-1 positions before the shard (zeros before 0), then the "
+                       "shard [B, L+W-1, C]",
+                       "§3");
+}
+
+// The conv's inputs, its unsharded outputs and gradients, and each rank's part.
+void conv_golden(GoldenBuild& build) {
+  const inputs::Conv& in = build.conv_inputs();
+  const Tensor &x = in.x, &w = in.weight, &bias = in.bias, &gy = in.grad_y;
+  const std::int64_t B = build.B, P = build.P, C = build.o.channels;
+  const int W = build.o.conv_width;
+  build.inputs.add("x", x,
+                   "activation [B, P, C], zero at padding: the conv and halo input, and what gather_sequence gathers",
+                   "§3");
+  build.inputs.add("conv_weight", w, "depthwise conv weight [C, W]", "§3");
+  build.inputs.add("conv_bias", bias, "conv bias [C]", "§3");
+  build.inputs.add("conv_grad_y", gy, "upstream gradient of the conv output [B, P, C]", "§3");
+  const ConvReference conv = reference_conv(x, build.ids, w, bias, gy);
+  build.ref.add("conv_y", conv.y, "packed causal conv output [B, P, C]", "§3");
+  build.ref.add("conv_dx", conv.dx, "conv input gradient [B, P, C]", "§3");
+  build.ref.add("conv_dw", conv.dw, "conv weight gradient [C, W]; ranks' partial dw summed", "§3");
+  build.ref.add("conv_dbias", conv.dbias, "conv bias gradient [C]; ranks' partial dbias summed", "§3");
+  for (int r = 0; r < build.c.cp; ++r) {
+    GoldenFile& rank = build.ranks[r];
+    const std::int64_t start = build.g.start(r), L = build.g.size(r);
+    // This rank's part of the conv backward: the unsharded conv under the upstream
+    // gradient of this rank's outputs only.
+    Tensor gy_mine = Tensor::full(gy.shape(), DType::f64, 0.0);
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = start; t < start + L; ++t)
+        for (std::int64_t ch = 0; ch < C; ++ch) gy_mine.set((b * P + t) * C + ch, gy.get((b * P + t) * C + ch));
+    const ConvReference part = reference_conv(x, build.ids, w, bias, gy_mine);
+    rank.add("conv_dw_partial", part.dw,
+             "this rank's dw [C, W] before the sum over ranks (its outputs' taps only); conv_dw is the sum", "§3");
+    rank.add("conv_dbias_partial", part.dbias, "this rank's dbias [C] before the sum over ranks", "§3");
+    rank.add("halo_grad", reference_history(part.dx, start, L, W),
+             "gradient of this rank's halo window [B, L+W-1, C] (its conv's input gradient): the first W-1 "
+             "positions go back to the ranks that own them",
+             "§3");
+    rank.add("conv_y", build.slice(conv.y, r), "this rank's conv output [B, L, C]", "§3");
+    rank.add("conv_dx", build.slice(conv.dx, r), "gradient of this rank's x shard, halo returns included [B, L, C]",
+             "§3");
+  }
+}
+
+}  // namespace
+
 namespace rows {
 
 std::vector<PropertyRow> conv_rows() {
@@ -218,14 +273,16 @@ std::vector<PropertyRow> conv_rows() {
   return {kHaloForward.with(halo_bytes,
                             [](Prepared& p, const CheckOptions& o, const Impl& impl) {
                               return halo_forward_of(p, o, or_default(impl.halo, default_halo));
-                            }),
+                            },
+                            halo_golden),
           kHaloBackward.with(twice,
                              [](Prepared& p, const CheckOptions& o, const Impl& impl) {
                                return halo_backward_of(p, o, or_default(impl.halo, default_halo));
                              }),
           kConvForward.with(halo_bytes, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
             return conv_forward_of(p, o, impl.halo, impl.conv);
-          }),
+          },
+          conv_golden),
           kConvBackward.with(twice, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
             return conv_backward_of(p, o, impl.halo, impl.conv);
           })};

@@ -1,6 +1,7 @@
 // The gather rows: gather_sequence forward (every dtype) and backward, and the anchor.
 #include "core/gather.hpp"
 
+#include "verify/golden_build.hpp"
 #include "verify/rows/common.hpp"
 #include "verify/rows/inputs.hpp"
 
@@ -137,6 +138,53 @@ PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherF
 
 
 
+namespace {
+
+// Each rank's gathered tensor: x, the conv's input (verify/rows/inputs.hpp).
+void gather_forward_golden(GoldenBuild& build) {
+  const Tensor& x = build.conv_inputs().x;
+  for (int r = 0; r < build.c.cp; ++r)
+    build.ranks[r].add("gathered", x, "gather_sequence(x shard): the global tensor [B, P, C]", "§3");
+}
+
+// Every rank's upstream gradient of what it gathered, and each rank's gradient:
+// their sum over ranks, in rank order.
+void gather_backward_golden(GoldenBuild& build) {
+  const std::int64_t B = build.B, P = build.P, C = build.o.channels;
+  std::vector<Tensor> upstream;
+  for (int q = 0; q < build.c.cp; ++q) {
+    upstream.push_back(build.low(inputs::gather_upstream({B, P, C}, DType::f64, q, build.c.seed)));
+    build.inputs.add("gather_grad." + std::to_string(q), upstream.back(),
+                     "upstream gradient of rank " + std::to_string(q) + "'s gathered tensor [B, P, C]", "§3");
+  }
+  for (int r = 0; r < build.c.cp; ++r) {
+    const std::int64_t L = build.g.size(r);
+    Tensor grad = Tensor::full({B, L, C}, build.dt, 0.0);     // summed in rank order, in the dtype
+    Tensor terms = Tensor::full({B, L, C}, DType::f64, 0.0);  // the sums of the terms' magnitudes
+    for (int q = 0; q < build.c.cp; ++q) {
+      const Tensor part = build.slice(upstream[q], r);
+      for (std::int64_t i = 0; i < grad.numel(); ++i) {
+        grad.set(i, grad.get(i) + part.get(i));
+        terms.set(i, terms.get(i) + std::abs(part.get(i)));
+      }
+    }
+    // A sum over ranks is held to the scale of its terms, not of its value: in
+    // another order (a ring, Gloo, NCCL, a float32 accumulator) the rounding
+    // follows the terms, and a sum that cancels is not held to its own tiny size.
+    GoldenFile& rank = build.ranks[r];
+    rank.add("gather_grad_x", grad,
+             "gradient of the x shard through gather_sequence: sum over ranks q, in rank order, of gather_grad.q "
+             "sliced to this shard [B, L, C]",
+             "§3")["scale"] = "gather_grad_x_terms";
+    rank.add("gather_grad_x_terms", terms,
+             "the scale gather_grad_x is held to: the sum over ranks q of |gather_grad.q| sliced to this shard [B, L, "
+             "C]; gather_grad_x's error is rms(expected - got) / rms(gather_grad_x_terms)",
+             "§3")["compared"] = false;
+  }
+}
+
+}  // namespace
+
 namespace rows {
 
 std::vector<PropertyRow> gather_rows() {
@@ -149,14 +197,16 @@ std::vector<PropertyRow> gather_rows() {
           },
           [](Prepared& p, const CheckOptions& o, const Impl& impl) {
             return gather_forward_of(p, o, or_default(impl.gather, default_gather));
-          }),
+          },
+          gather_forward_golden),
       kGatherBackward.with(
           [](const Prepared& p, const CheckOptions& o) {
             return 2 * p.shape.rows * p.g.largest() * o.channels * (8 + 4) * p.c.cp;
           },
           [](Prepared& p, const CheckOptions& o, const Impl& impl) {
             return gather_backward_of(p, o, or_default(impl.gather, default_gather));
-          }),
+          },
+          gather_backward_golden),
       kAnchor.with(
           [](const Prepared& p, const CheckOptions& o) { return 2 * p.shape.rows * p.g.largest() * o.channels * 8 * p.c.cp; },
           [](Prepared& p, const CheckOptions& o, const Impl& impl) {

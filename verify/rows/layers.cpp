@@ -1,9 +1,9 @@
-// The rows of the layers that consume the layout (SPEC §3b): RoPE by the batch's
-// positions, and attention over the gathered K/V (dense, and top-k sparse) after
-// RoPE (the loss's rows: loss.cpp).
+// The attention rows (SPEC §3b): attention over the gathered K/V (dense, and top-k
+// sparse) after RoPE (RoPE alone: rope.cpp; the loss: loss.cpp).
 #include <cmath>
 
 #include "verify/reference_layers.hpp"
+#include "verify/golden_build.hpp"
 #include "verify/rows/common.hpp"
 #include "verify/rows/inputs.hpp"
 
@@ -13,8 +13,7 @@ using namespace rows;
 
 namespace {
 
-// Costs (RowCost). RoPE: x, its upstream gradient, every rank's y and dx, the
-// reference's two. Attention: q, k, v and the upstream gradient, their RoPE
+// Costs (RowCost). Attention: q, k, v and the upstream gradient, their RoPE
 // copies and the reference's outputs and gradients (global); each rank's gathered
 // k and v are resident (half a unit); the gradients of the gathered tensors only
 // where its queries see keys (attention_backward leaves the rest unwritten, and
@@ -26,9 +25,6 @@ namespace {
 double attention_bytes_per_token(const RowShapes& s) { return 8 * s.H * (2 * s.K + 2 * s.V) * (2.1 + 0.96 * s.cp) + 200; }
 double sparse_bytes_per_token(const RowShapes& s) { return attention_bytes_per_token(s) + 24 * s.Di + 16 * s.topk; }
 
-const RowHead kRope{"rope", "each rank rotates by its shard of the batch's positions, forward and backward",
-                    Comparison::tolerance, kAttentionTolerance, true,
-    {[](const RowShapes& s) { return 8 * s.H * s.K * 8 + 40; }, 0.44, 0.015}};
 const RowHead kAttentionForward{"attention_forward",
                                 "RoPE, then document-masked causal attention over the gathered K/V (o)",
                                 Comparison::tolerance, kAttentionTolerance, true,
@@ -46,9 +42,6 @@ const RowHead kSparseBackward{"sparse_attention_backward", "gradients of q, k, v
 
 }  // namespace
 
-RopeFn default_rope() {
-  return [](const Var& x, const Tensor& positions) { return rope(x, positions); };
-}
 AttentionFn default_attention() {
   return [](const Var& q, const Var& k, const Var& v, const PackedContext& context, const Tensor& local_padding,
             Communicator* comm, const SparseIndexer* indexer, const Tensor& probe) {
@@ -56,31 +49,6 @@ AttentionFn default_attention() {
                                  probe);
   };
 }
-// ---------------------------------------------------------------------------
-// RoPE alone.
-
-PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& fn) {
-  const LayoutCase& c = s.c;
-  ErrorTally t;
-  const std::int64_t B = s.shape.rows, P = s.g.padded_len;
-  const LayerRows rows = layer_rows(s);
-  const inputs::Rope in = inputs::rope(B, P, o, c.seed);
-  const Tensor &x = in.x, &up = in.grad_y;
-  std::vector<Tensor> y(c.cp), dx(c.cp);
-  run_reading({{"x", &x}, {"up", &up}, {"positions", &rows.positions}}, c.cp, [&](Communicator& comm) {
-    const int r = comm.rank();
-    const PackedContext& ctx = s.context(r);
-    Var xv(on(comm, local(x, ctx)), true);
-    const Var out = fn(xv, local(rows.positions, ctx));
-    backward(dot(out, local(up, ctx)));
-    y[r] = host(out.value());
-    dx[r] = host(xv.grad());
-  }, run_options(o), {&y, &dx});
-  t.expect_close(reference_rope(x, rows.positions), joined(y), kRope.tolerance, "rotated x");
-  t.expect_close(reference_rope_backward(up, rows.positions), joined(dx), kRope.tolerance, "dx");
-  return t.result(kRope.tolerance);
-}
-
 // ---------------------------------------------------------------------------
 // RoPE then attention.
 
@@ -301,6 +269,62 @@ PropertyResult attention_backward_of(Prepared& s, const CheckOptions& o, const A
 }
 
 
+namespace {
+
+// The attention's inputs (the dense and the sparse form share them, and RoPE's).
+void attention_inputs_golden(GoldenBuild& build) {
+  const AttentionInputs& at = build.attention_inputs();
+  build.inputs.add("attention_q", at.q, "attention queries [B, P, H, D] before RoPE (D: key_dim rounded up to even)",
+                   "§3b");
+  build.inputs.add("attention_k", at.k, "attention keys [B, P, H, D] before RoPE", "§3b");
+  build.inputs.add("attention_v", at.v, "attention values [B, P, H, Dv]", "§3b");
+  build.inputs.add("attention_grad_o", at.grad_o, "upstream gradient of the attention output [B, P, H, Dv]", "§3b");
+  build.inputs.add("index_q", at.index_q, "sparse indexer query [B, P, Di], integer-valued", "§3b");
+  build.inputs.add("index_k", at.index_k, "sparse indexer key [B, P, Di], integer-valued", "§3b");
+}
+
+// A [B, P, ...] layer key in the reference, and each rank's slice of it.
+void add_layer_key(GoldenBuild& build, const std::string& key, const Tensor& t, const std::string& meaning) {
+  build.ref.add(key, t, meaning, "§3b");
+  for (int r = 0; r < build.c.cp; ++r) build.ranks[r].add(key, build.slice(t, r), "this rank's slice: " + meaning, "§3b");
+}
+
+// RoPE, then attention (topk < 0: dense) on the rounded inputs; dq and dk are
+// the gradients of the unrotated inputs.
+AttentionReference attention_reference(GoldenBuild& build, std::int64_t topk) {
+  const AttentionInputs& at = build.attention_inputs();
+  const Tensor& pos = build.padded.at("position_ids");
+  const double scale = 1.0 / std::sqrt(static_cast<double>(build.o.rope_dim()));
+  AttentionReference a = reference_attention(build.rope_q(), build.rope_k(), at.v, build.ids,
+                                             build.padded.at("padding_mask"), at.grad_o, scale, at.index_q, at.index_k,
+                                             topk);
+  a.dq = reference_rope_backward(a.dq, pos);
+  a.dk = reference_rope_backward(a.dk, pos);
+  return a;
+}
+
+void attention_golden(GoldenBuild& build) {
+  attention_inputs_golden(build);
+  const AttentionReference dense = attention_reference(build, -1);
+  add_layer_key(build, "attention_o", dense.o, "RoPE, then document-masked causal attention: o [B, P, H, Dv]");
+  add_layer_key(build, "attention_dq", dense.dq, "gradient of attention_q (through attention and RoPE) [B, P, H, D]");
+  add_layer_key(build, "attention_dk", dense.dk,
+                "gradient of attention_k, summed over every query that sees it [B, P, H, D]");
+  add_layer_key(build, "attention_dv", dense.dv, "gradient of attention_v [B, P, H, Dv]");
+}
+
+void sparse_attention_golden(GoldenBuild& build) {
+  const AttentionReference sparse = attention_reference(build, build.o.topk);
+  add_layer_key(build, "sparse_attention_kept", sparse.kept,
+                "each query's kept keys (global positions, ascending, then -1) [B, P, topk]");
+  add_layer_key(build, "sparse_attention_o", sparse.o, "attention over the kept keys only: o [B, P, H, Dv]");
+  add_layer_key(build, "sparse_attention_dq", sparse.dq, "gradient of attention_q in the sparse form [B, P, H, D]");
+  add_layer_key(build, "sparse_attention_dk", sparse.dk, "gradient of attention_k in the sparse form [B, P, H, D]");
+  add_layer_key(build, "sparse_attention_dv", sparse.dv, "gradient of attention_v in the sparse form [B, P, H, Dv]");
+}
+
+}  // namespace
+
 namespace rows {
 
 std::vector<PropertyRow> layer_rows() {
@@ -310,13 +334,11 @@ std::vector<PropertyRow> layer_rows() {
   };
   const auto twice = [=](const Prepared& p, const CheckOptions& o) { return 2 * attention_bytes(p, o); };
   return {
-      kRope.with(no_bytes, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
-        return rope_of(p, o, or_default(impl.rope, default_rope));
-      }),
       kAttentionForward.with(attention_bytes,
                              [](Prepared& p, const CheckOptions& o, const Impl& impl) {
                                return attention_forward_of(p, o, impl.attention, impl.rope, -1);
-                             }),
+                             },
+                             attention_golden),
       kAttentionBackward.with(
           twice, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
             return attention_backward_of(p, o, impl.attention, impl.rope, -1);
@@ -324,7 +346,8 @@ std::vector<PropertyRow> layer_rows() {
       kSparseForward.with(attention_bytes,
                           [](Prepared& p, const CheckOptions& o, const Impl& impl) {
                             return attention_forward_of(p, o, impl.attention, impl.rope, o.topk);
-                          }),
+                          },
+                          sparse_attention_golden),
       kSparseBackward.with(
           twice, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
             return attention_backward_of(p, o, impl.attention, impl.rope, o.topk);

@@ -1,6 +1,7 @@
 // The layout and shard rows: the layout a batch describes, and the shards of it.
 #include "core/shard.hpp"
 
+#include "verify/golden_build.hpp"
 #include "verify/rows/common.hpp"
 
 namespace cpsim::verify {
@@ -145,15 +146,68 @@ PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
 }  // namespace
 
 
+namespace {
+
+Tensor i64_vector(const std::vector<std::int64_t>& v) {
+  return Tensor::from<std::int64_t>({static_cast<std::int64_t>(v.size())}, v);
+}
+
+// The reference layout, and the batch padded to P.
+void layout_golden(GoldenBuild& b) {
+  b.ref.add("doc_ids", b.ids, "global document ids [B, P]: i+1 over document i, 0 beyond", "§1, §2");
+  b.ref.add("padding", b.truth.padding, "padding [B, S]: true where padding (decided from lengths)", "§1");
+  b.ref.add("position_ids", b.truth.positions, "positions [B, S] (given, or derived)", "§1");
+  for (const auto& [key, t] : b.padded) b.ref.add("padded." + key, t, key + " padded to P with its fill value [B, P]", "§2");
+}
+
+// Each rank: what it must hold after shard_batch.
+void shard_golden(GoldenBuild& build) {
+  const std::int64_t B = build.B, P = build.P;
+  for (int r = 0; r < build.c.cp; ++r) {
+    GoldenFile& rank = build.ranks[r];
+    for (const auto& [key, t] : build.padded) {
+      const bool global = key == "input_ids" && !build.given.shard_primary;
+      rank.add("batch." + key, global ? t : build.slice(t, r),
+               global ? "input_ids after shard_batch: global, padded to P [B, P] (shard_primary false)"
+                      : key + " after shard_batch: this rank's slice [B, L]",
+               "§2");
+    }
+    rank.add("local_doc_ids", build.slice(build.ids, r), "PackedContext.local_doc_ids() [B, L]", "§2");
+    std::vector<std::int64_t> pre_tokens, pre_ranks, post_ranks;
+    std::vector<bool> first, last;
+    for (std::int64_t b = 0; b < B; ++b) {
+      const FlaCpContext ctx =
+          reference_cp_context(reference_padded_doc_ids_row(build.truth, static_cast<int>(b), P), build.g, r);
+      const Tensor cu = i64_vector(ctx.cu_seqlens);
+      rank.add("row_cu_seqlens." + std::to_string(b), build.given.index_int32 ? cu.to(DType::i32) : cu,
+               "PackedContext.row_cu_seqlens(" + std::to_string(b) + "), also the FLA CP context's cu_seqlens", "§2");
+      pre_tokens.push_back(ctx.pre_num_conv_tokens);
+      pre_ranks.push_back(ctx.pre_num_ranks);
+      post_ranks.push_back(ctx.post_num_ranks);
+      first.push_back(ctx.is_first_rank);
+      last.push_back(ctx.is_last_rank);
+    }
+    rank.add("cp_context.pre_num_conv_tokens", i64_vector(pre_tokens), "per row", "§2");
+    rank.add("cp_context.pre_num_ranks", i64_vector(pre_ranks), "per row", "§2");
+    rank.add("cp_context.post_num_ranks", i64_vector(post_ranks), "per row", "§2");
+    Tensor is_first({B}, DType::b8), is_last({B}, DType::b8);
+    for (std::int64_t b = 0; b < B; ++b) is_first.data<bool>()[b] = first[b], is_last.data<bool>()[b] = last[b];
+    rank.add("cp_context.is_first_rank", is_first, "per row", "§2");
+    rank.add("cp_context.is_last_rank", is_last, "per row", "§2");
+  }
+}
+
+}  // namespace
+
 namespace rows {
 
 std::vector<PropertyRow> layout_rows() {
   return {kLayout.with(no_bytes, [](Prepared& p, const CheckOptions&, const Impl& impl) {
             return layout_of(p.c, or_default(impl.layout, default_layout));
-          }),
+          }, layout_golden),
           kShard.with(no_bytes, [](Prepared& p, const CheckOptions&, const Impl& impl) {
             return shard_of(p.c, or_default(impl.shard, default_shard));
-          })};
+          }, shard_golden)};
 }
 
 }  // namespace rows

@@ -4,6 +4,7 @@
 
 #include "core/loss.hpp"
 #include "verify/reference_layers.hpp"
+#include "verify/golden_build.hpp"
 #include "verify/rows/common.hpp"
 #include "verify/rows/inputs.hpp"
 
@@ -100,6 +101,36 @@ PropertyResult loss_backward_of(Prepared& s, const CheckOptions& o, const Target
 }
 
 
+namespace {
+
+// The loss's inputs, its targets, value and gradient, and each rank's share.
+void loss_golden(GoldenBuild& build) {
+  LossInputs li = inputs::loss(build.padded.at("input_ids"), build.o, build.c.seed);
+  li.logits = build.low(li.logits);
+  build.inputs.add("loss_tokens", li.tokens,
+                   "padded input_ids mod vocab [B, P]: the ids the targets are aligned from", "§3b");
+  build.inputs.add("logits", li.logits, "logits [B, P, vocab]", "§3b");
+  const LossReference loss = reference_loss(li.logits, li.tokens, build.ids, build.padded.at("padding_mask"));
+  const std::vector<std::pair<std::string, std::pair<Tensor, std::string>>> keys = {
+      {"targets",
+       {loss.targets,
+        "next-token targets aligned on whole rows: loss_tokens[t+1] within t's document, else -100 [B, P]"}},
+      {"loss_grad_logits", {loss.grad, "gradient of the token-mean loss for logits [B, P, vocab]"}}};
+  for (const auto& [key, value] : keys) {
+    build.ref.add(key, value.first, value.second, "§3b");
+    for (int r = 0; r < build.c.cp; ++r)
+      build.ranks[r].add(key, build.slice(value.first, r), "this rank's slice: " + value.second, "§3b");
+  }
+  const Tensor loss_value = Tensor::from<double>({1}, {loss.loss}),
+               loss_count = Tensor::from<std::int64_t>({1}, {static_cast<std::int64_t>(loss.count)});
+  build.ref.add("loss", loss_value, "the token-mean cross entropy over every rank's targets [1]", "§3b");
+  build.ref.add("loss_count", loss_count, "the number of targets (the all-reduced count) [1]", "§3b");
+  for (int r = 0; r < build.c.cp; ++r)
+    build.ranks[r].add("loss", loss_value, "the loss every rank returns (sum and count all-reduced) [1]", "§3b");
+}
+
+}  // namespace
+
 namespace rows {
 
 std::vector<PropertyRow> loss_rows() {
@@ -107,7 +138,7 @@ std::vector<PropertyRow> loss_rows() {
   return {
       kLossForward.with(loss_bytes, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
         return loss_forward_of(p, o, impl.targets, impl.loss);
-      }),
+      }, loss_golden),
       kLossBackward.with(loss_bytes, [](Prepared& p, const CheckOptions& o, const Impl& impl) {
         return loss_backward_of(p, o, impl.targets, impl.loss);
       })};

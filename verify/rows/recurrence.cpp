@@ -1,6 +1,7 @@
 // The recurrence rows: the CP gated delta rule forward and backward.
 #include "core/recurrence.hpp"
 
+#include "verify/golden_build.hpp"
 #include "verify/rows/common.hpp"
 #include "verify/rows/inputs.hpp"
 
@@ -126,6 +127,47 @@ PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const 
 
 namespace rows {
 
+namespace {
+
+// The recurrence's inputs, its unsharded output and gradients, and each rank's
+// slices and states.
+void recurrence_golden(GoldenBuild& build) {
+  inputs::Recurrence drawn = inputs::recurrence(build.B, build.P, build.o, build.c.seed);
+  RecurrenceInputs& in = drawn.in;
+  for (Tensor* t : {&in.q, &in.k, &in.v, &in.beta, &in.g}) *t = build.low(*t);
+  const Tensor d_o = build.low(drawn.grad_o);
+  build.inputs.add("q", in.q, "recurrence queries [B, P, H, K]", "§3");
+  build.inputs.add("k", in.k, "recurrence keys [B, P, H, K], normalised", "§3");
+  build.inputs.add("v", in.v, "recurrence values [B, P, H, V]", "§3");
+  build.inputs.add("beta", in.beta, "recurrence beta [B, P, H], in (0, 1)", "§3");
+  build.inputs.add("g", in.g, "recurrence log-decay [B, P, H, K], <= 0", "§3");
+  build.inputs.add("recurrence_grad_o", d_o, "upstream gradient of o [B, P, H, V]", "§3");
+  const RecurrenceReference rec = reference_recurrence(in, build.ids, d_o);
+  const std::vector<std::pair<std::string, Tensor>> grads = {
+      {"dq", rec.dq}, {"dk", rec.dk}, {"dv", rec.dv}, {"dbeta", rec.dbeta}, {"dg", rec.dg}};
+  build.ref.add("o", rec.o, "recurrence output [B, P, H, V]", "§3");
+  for (const auto& [name, t] : grads) build.ref.add(name, t, "recurrence gradient " + name, "§3");
+  for (int r = 0; r < build.c.cp; ++r) {
+    GoldenFile& rank = build.ranks[r];
+    rank.add("o", build.slice(rec.o, r), "this rank's recurrence output [B, L, H, V]", "§3");
+    for (const auto& [name, t] : grads) rank.add(name, build.slice(t, r), "this rank's recurrence gradient " + name, "§3");
+    const RecurrenceStates states = reference_recurrence_states(in, build.ids, build.g.start(r), build.g.size(r));
+    rank.add("recurrence_initial_state", states.initial,
+             "the state [B, H, K, V] this rank's first token starts from: the fold of the earlier ranks' transitions "
+             "over pre_num_ranks (0 where a segment starts at the shard; every recurrence_* key is 0 on a rank "
+             "with an empty interval)",
+             "§3");
+    rank.add("recurrence_final_state", states.final_state, "the state [B, H, K, V] after this rank's last token", "§3");
+    rank.add("recurrence_transition_m", states.m,
+             "M [B, H, K, K] of this rank's last local segment (from its first local token, from a zero state): "
+             "S_out = M S_in + S_ext, what the rank publishes in the all-gather",
+             "§3");
+    rank.add("recurrence_transition_s_ext", states.s_ext, "S_ext [B, H, K, V] of this rank's last local segment", "§3");
+  }
+}
+
+}  // namespace
+
 // Every token's state (for backward) and the inputs' gradients (a rank reads its
 // inputs in place; the reference, with its states of one head, runs after the
 // ranks): one run serves both rows. Two steps (two batches' inputs, three steps'
@@ -141,7 +183,8 @@ std::vector<PropertyRow> recurrence_rows() {
   return {kRecurrenceForward.with(states,
                                   [](Prepared& p, const CheckOptions& o, const Impl& impl) {
                                     return recurrence_forward_of(p, o, impl.recurrence, impl.sharding);
-                                  }),
+                                  },
+                                  recurrence_golden),
           kRecurrenceBackward.with([=](const Prepared& p, const CheckOptions& o) { return 2 * states(p, o); },
                                    [](Prepared& p, const CheckOptions& o, const Impl& impl) {
                                      return recurrence_backward_of(p, o, impl.recurrence, impl.sharding);
