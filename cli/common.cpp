@@ -84,6 +84,23 @@ verify::CheckOptions check_options(const ModelArgs& m) {
   return o;
 }
 
+std::string model_flags(const ModelArgs& m) {
+  const ModelArgs d;
+  std::string flags;
+  const auto flag = [&](const char* name, long long value, long long default_value) {
+    if (value != default_value) flags += std::string(" --") + name + " " + std::to_string(value);
+  };
+  flag("conv-width", m.conv_width, d.conv_width);
+  flag("channels", m.channels, d.channels);
+  flag("heads", m.heads, d.heads);
+  flag("key-dim", m.key_dim, d.key_dim);
+  flag("value-dim", m.value_dim, d.value_dim);
+  flag("topk", m.topk, d.topk);
+  flag("index-dim", m.index_dim, d.index_dim);
+  flag("vocab", m.vocab, d.vocab);
+  return flags;
+}
+
 bool job_broken(const JobArgs& a) { return a.joined && !a.joined->failure().empty(); }
 
 }  // namespace cpsim::cli

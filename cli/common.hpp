@@ -30,5 +30,8 @@ bool job_broken(const JobArgs& a);
 
 // The property options of the model arguments (backend and timeout left as defaults).
 verify::CheckOptions check_options(const ModelArgs& m);
+// The model options that differ from the defaults, as flags (" --conv-width 6"):
+// what a replay command line must repeat.
+std::string model_flags(const ModelArgs& m);
 
 }  // namespace cpsim::cli

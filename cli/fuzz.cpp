@@ -47,11 +47,10 @@ struct Progress : PropertyListener {
 
 int run_fuzz(FuzzArgs a) {
   join_job(a.job);
-  CheckOptions o;
+  CheckOptions o = check_options(a.model);
   o.backend = a.job.backend;
   o.timeout = milliseconds_of(a.job.timeout);
   o.job = a.job.joined;
-  o.conv_width = a.conv_width;
   if (a.job.multi) a.max_cp = std::min(a.max_cp, a.job.size);
   else if (const auto [most, why] = find_backend(a.job.backend).max_ranks(); most > 0 && a.max_cp > most) {
     std::cerr << "cpsim fuzz: --max-cp " << a.max_cp << " capped at " << most << ": " << why << "\n";
@@ -130,7 +129,7 @@ int run_fuzz(FuzzArgs a) {
     }
     std::cout << "smallest failing layout (cp=" << smallest->cp << "): " << *smallest << "\n"
               << "saved to " << a.out << "; replay with: cpsim check " << a.out << " --cp " << smallest->cp
-              << " --seed " << smallest->seed << replay_plan << "\n";
+              << " --seed " << smallest->seed << replay_plan << model_flags(a.model) << "\n";
   }
   return finish_job(a.job, kExitFailed);
 }

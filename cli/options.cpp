@@ -53,7 +53,7 @@ void add_model_options(CLI::App* cmd, ModelArgs& m, const std::string& seed_help
   cmd->add_option("--index-dim", m.index_dim, "size Di of the sparse attention's indexer")->check(CLI::Range(1, 256));
   cmd->add_option("--vocab", m.vocab, "vocabulary of the loss's logits (token ids are taken mod vocab)")
       ->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--seed", m.seed, seed_help);
+  if (!seed_help.empty()) cmd->add_option("--seed", m.seed, seed_help);  // empty: the command has its own
 }
 
 }  // namespace
@@ -118,7 +118,7 @@ Parsed parse_options(int argc, char** argv) {
   f->add_option("--seed", fuzz.seed, "generator seed");
   f->add_option("--max-cp", fuzz.max_cp, "largest CP size drawn")->check(CLI::Range(1, 64));
   add_job_options(f, fuzz.job);
-  f->add_option("--conv-width", fuzz.conv_width, "convolution taps W")->check(CLI::Range(1, 64));
+  add_model_options(f, fuzz.model, "");
   f->add_option("--out", fuzz.out, "where the smallest failing batch is saved (and its plan's cuts, beside it)");
   add_plan_options(f, fuzz.plan, true);
   f->add_option("--family", fuzz.family,

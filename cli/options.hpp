@@ -68,7 +68,7 @@ struct FuzzArgs {
   std::uint64_t seed = 1;
   int max_cp = 16;
   JobArgs job;
-  int conv_width = kDefaultConvWidth;
+  ModelArgs model;  // its seed unused: each drawn case has its own
   std::string out = "cpsim-counterexample.json";
   std::string family;  // draw only members of this layout family (a family file)
 };

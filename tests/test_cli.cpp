@@ -174,6 +174,12 @@ TEST(Cli, HelpShowsDefaultsAndGoldenNeedsItsCpSize) {
   for (const char* d : {"=20", "=[1,2,3,4,8]", "=threads", "=4", "=8"}) EXPECT_THAT(help.out, HasSubstr(d)) << help.out;
   const auto fuzz = run_process({kCpsim, "fuzz", "--help"}, 20s);
   for (const char* d : {"=200", "=1", "=16"}) EXPECT_THAT(fuzz.out, HasSubstr(d)) << fuzz.out;
+  // fuzz takes the model's shapes as check does (every row on the drawn layouts).
+  for (const char* d : {"--channels", "--heads", "--key-dim", "--topk", "--vocab"}) EXPECT_THAT(fuzz.out, HasSubstr(d));
+  const auto shaped = run_process({kCpsim, "fuzz", "--cases", "5", "--max-cp", "3", "--channels", "3", "--heads", "1",
+                                   "--key-dim", "3", "--value-dim", "2", "--topk", "1", "--vocab", "5"},
+                                  120s);
+  EXPECT_EQ(shaped.status, 0) << shaped.out << shaped.err;
   const auto golden = run_process({kCpsim, "golden", (kExamples / "spec_example.json").string(), "--out", "/tmp/x"}, 20s);
   EXPECT_EQ(golden.status, 2);
   EXPECT_THAT(golden.err, HasSubstr("--cp is required"));
