@@ -3,6 +3,7 @@ this suite starts and always stops (never the machine's own services), and a
 one-node Slurm cluster of its own (munge, slurmctld, slurmd on free ports, in a
 temporary folder)."""
 import os
+import select
 import shutil
 import signal
 import socket
@@ -261,7 +262,11 @@ class Hosts:
         ns = self.names[i]
         reader = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, DELAY_LINK, "delay0", str(ms)],
                                   stdout=subprocess.PIPE, start_new_session=True)
-        assert reader.stdout.readline().strip() == b"ready", "delay_link.py did not start"
+        ready, _, _ = select.select([reader.stdout], [], [], 10)  # the TUN device within 10 s, or fail
+        if not ready or reader.stdout.readline().strip() != b"ready":
+            os.killpg(reader.pid, signal.SIGKILL)
+            reader.wait()
+            raise AssertionError("delay_link.py did not make its device within 10 s")
         for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0"),
                            ("net.ipv4.conf.delay0.rp_filter", "0"), ("net.ipv4.conf.delay0.accept_local", "1")):
             subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "%s=%s" % (key, value)], check=True)
