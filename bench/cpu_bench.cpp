@@ -22,6 +22,7 @@
 #include <cstring>
 #include <string>
 
+#include "bench/attention_kernels.hpp"
 #include "bench/collectives.hpp"
 #include "core/comm/run_ranks.hpp"
 #include "core/attention.hpp"
@@ -315,6 +316,7 @@ int main(int argc, char** argv) {
     register_layers(backend);
   }
   register_layout();
+  bench::register_attention_kernels(smoke, wrong_results);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   if (wrong_results > 0) {

@@ -8,6 +8,7 @@
 
 #include <random>
 
+#include "core/kernels/attention_host.hpp"
 #include "core/kernels/conv.hpp"
 #include "core/kernels/layers.hpp"
 #include "core/kernels/layout.hpp"
@@ -225,4 +226,100 @@ TEST(HostKernels, RopeByTokenIsTheFunctorBitwise) {
       ASSERT_TRUE(by_token.bitwise_equal(functor)) << dtype_name(dt) << " D " << D << " sign " << sign;
     }
   }
+}
+
+// The host's tiled attention (core/kernels/attention_host.hpp) against the
+// functors a GPU runs, bitwise: random rows of documents, padding (id 0) inside
+// and between them, a random query shard (q_start), queries left out (a probe),
+// kept lists from the top-k selection (itself compared), values with NaN and inf.
+TEST(HostKernels, TiledAttentionAndTopKAreTheFunctorsBitwise) {
+  std::mt19937_64 rng(17);
+  int tiles_of_many = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const DType dt = rng() % 2 ? DType::f32 : DType::f64;
+    const std::int64_t B = 1 + rng() % 2, Lk = 1 + rng() % 70, H = 1 + rng() % 3, D = 1 + rng() % 5,
+                       Dv = 1 + rng() % 5, Di = 1 + rng() % 3;
+    const std::int64_t q_start = static_cast<std::int64_t>(rng() % Lk), Lq = 1 + rng() % (Lk - q_start);
+    Tensor k_ids({B, Lk}, DType::i64), q_ids({B, Lq}, DType::i64), next({B, Lq}, DType::i64),
+        first({B, Lk}, DType::i64);
+    auto* kid = k_ids.data<std::int64_t>();
+    for (std::int64_t b = 0; b < B; ++b) {
+      std::int64_t doc = 1;
+      for (std::int64_t j = 0; j < Lk; ++j) {
+        if (rng() % 12 == 0) ++doc;
+        kid[b * Lk + j] = rng() % 7 == 0 ? 0 : doc;
+      }
+      for (std::int64_t j = 0; j < Lk; ++j)  // the run start of j's own document
+        first.data<std::int64_t>()[b * Lk + j] = kid[b * Lk + j] ? first_key(kid + b * Lk, j, kid[b * Lk + j]) : j;
+      const bool probe = rng() % 3 == 0;
+      for (std::int64_t t = 0; t < Lq; ++t)
+        q_ids.data<std::int64_t>()[b * Lq + t] = probe && rng() % 3 ? 0 : kid[b * Lk + q_start + t];
+      std::int64_t after = Lq;
+      for (std::int64_t t = Lq - 1; t >= 0; --t) {
+        if (q_ids.data<std::int64_t>()[b * Lq + t] != 0) after = t;
+        next.data<std::int64_t>()[b * Lq + t] = after;
+      }
+    }
+    auto values = [&](Shape shape, std::uint64_t seed) {
+      Tensor t = verify::random_tensor(shape, dt, seed);
+      if (rng() % 10 == 0) t.set(static_cast<std::int64_t>(rng() % t.numel()), rng() % 2 ? NAN : INFINITY);
+      return t;
+    };
+    const Tensor q = values({B, Lq, H, D}, rng()), k = values({B, Lk, H, D}, rng()), v = values({B, Lk, H, Dv}, rng()),
+                 d_o = values({B, Lq, H, Dv}, rng());
+    const bool sparse = rng() % 2;
+    const std::int64_t topk = 1 + rng() % 6;
+    Tensor kept_host({B, Lq, topk}, DType::i64), kept_functor({B, Lq, topk}, DType::i64);
+    if (sparse) {
+      Tensor iq = verify::random_tensor({B, Lq, Di}, dt, rng()), ik = verify::random_tensor({B, Lk, Di}, dt, rng());
+      for (Tensor* t : {&iq, &ik})  // ties: small integers
+        for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, std::round(t->get(i) * 2));
+      TopK s;
+      s.q = iq.raw(), s.k = ik.raw(), s.q_ids = q_ids.data<std::int64_t>(), s.k_ids = kid;
+      s.k_first = rng() % 2 ? first.data<std::int64_t>() : nullptr;
+      s.rows = B, s.q_len = Lq, s.k_len = Lk, s.dim = Di, s.q_start = q_start, s.topk = topk;
+      s.kept = kept_host.data<std::int64_t>();
+      host().topk_select(s, dt, nullptr);
+      s.kept = kept_functor.data<std::int64_t>();
+      topk_select(thrust::host, s, dt);
+      ASSERT_TRUE(kept_host.bitwise_equal(kept_functor)) << "trial " << trial;
+    }
+    Attention a;
+    a.q = q.raw(), a.k = k.raw(), a.v = v.raw(), a.d_o = d_o.raw();
+    a.q_ids = q_ids.data<std::int64_t>(), a.k_ids = kid, a.next_query = next.data<std::int64_t>();
+    a.k_first = rng() % 2 ? first.data<std::int64_t>() : nullptr;
+    a.kept = sparse ? kept_host.data<std::int64_t>() : nullptr;
+    a.topk = sparse ? topk : 0;
+    a.rows = B, a.q_len = Lq, a.k_len = Lk, a.heads = H, a.dim = D, a.v_dim = Dv, a.q_start = q_start;
+    a.scale = 1.0 / std::sqrt(static_cast<double>(D));
+    struct Out {
+      Tensor o, lse, delta, dq, dk, dv;
+    };
+    auto run = [&](bool tiled) {
+      Out r{Tensor({B, Lq, H, Dv}, dt), Tensor({B, Lq, H}, dt), Tensor({B, Lq, H}, dt),
+            Tensor({B, Lq, H, D}, dt), Tensor({B, Lk, H, D}, dt), Tensor({B, Lk, H, Dv}, dt)};
+      for (Tensor* t : {&r.o, &r.lse, &r.dq})  // written in full: must not rely on zeros
+        for (std::int64_t i = 0; i < t->numel(); ++i) t->set(i, 7.0);
+      Attention x = a;
+      x.o = r.o.raw(), x.lse = r.lse.raw(), x.delta = r.delta.raw();
+      x.dq = r.dq.raw(), x.dk = r.dk.raw(), x.dv = r.dv.raw();
+      if (tiled) {
+        host().attention_forward(x, dt, nullptr);
+        host().attention_backward(x, dt, nullptr);
+      } else {
+        attention_forward(thrust::host, x, dt);
+        attention_backward(thrust::host, x, dt);
+      }
+      return r;
+    };
+    const Out tiled = run(true), functor = run(false);
+    const std::string where = "trial " + std::to_string(trial) + (sparse ? " sparse" : " dense") + " " + dtype_name(dt);
+    EXPECT_TRUE(tiled.o.bitwise_equal(functor.o)) << where;
+    EXPECT_TRUE(tiled.lse.bitwise_equal(functor.lse)) << where;
+    EXPECT_TRUE(tiled.dq.bitwise_equal(functor.dq)) << where;
+    EXPECT_TRUE(tiled.dk.bitwise_equal(functor.dk)) << where;
+    EXPECT_TRUE(tiled.dv.bitwise_equal(functor.dv)) << where;
+    if (!sparse && Lq > kAttentionTile) ++tiles_of_many;
+  }
+  EXPECT_GT(tiles_of_many, 30);  // many trials had full tiles and more than one
 }

@@ -96,7 +96,7 @@ AttentionReference reference_attention(const Tensor& q_in, const Tensor& k_in, c
     for (std::int64_t d = 0; d < n; ++d) s += a[d] * c[d];
     return s;
   };
-  std::vector<double> p, dp;
+  std::vector<double> p, dp, top, z, mean;  // [key][head], [head]
   for (std::int64_t b = 0; b < B; ++b) {
     // Each document's real tokens, in position order.
     std::map<std::int64_t, std::vector<std::int64_t>> members;
@@ -116,9 +116,12 @@ AttentionReference reference_attention(const Tensor& q_in, const Tensor& k_in, c
         const double *IQ = index_q.data<double>(), *IK = index_k.data<double>();
         std::vector<std::pair<double, std::int64_t>> scored;
         for (std::int64_t j : keys) scored.push_back({inner(IQ + (b * S + i) * Di, IK + (b * S + j) * Di, Di), j});
-        std::sort(scored.begin(), scored.end(), [](const auto& x, const auto& y) {
+        // The best topk, best first (higher score, then the earlier key).
+        const std::size_t take = std::min<std::size_t>(scored.size(), static_cast<std::size_t>(topk));
+        std::partial_sort(scored.begin(), scored.begin() + take, scored.end(), [](const auto& x, const auto& y) {
           return x.first != y.first ? x.first > y.first : x.second < y.second;
         });
+        scored.resize(take);
         keys.clear();
         for (std::size_t n = 0; n < scored.size() && static_cast<std::int64_t>(n) < topk; ++n)
           keys.push_back(scored[n].second);
@@ -126,34 +129,43 @@ AttentionReference reference_attention(const Tensor& q_in, const Tensor& k_in, c
         for (std::size_t n = 0; n < keys.size(); ++n) r.kept.set((b * S + i) * topk + n, static_cast<double>(keys[n]));
       }
       if (keys.empty()) continue;
-      for (std::int64_t h = 0; h < H; ++h) {
-        const std::int64_t qi = (b * S + i) * H + h;
-        // P: the softmax over the kept keys.
-        p.assign(keys.size(), 0.0);
-        double top = -INFINITY, z = 0;
-        for (std::size_t n = 0; n < keys.size(); ++n) {
-          p[n] = scale * inner(Q + qi * D, K + ((b * S + keys[n]) * H + h) * D, D);
-          top = std::max(top, p[n]);
+      // Every head of a key at once (a token's heads are one contiguous row):
+      // P the softmax over the kept keys, then dP = dO V^T; dS = P (dP - sum_n P dP);
+      // dq = scale dS K; dk += scale dS q; dv += P dO.
+      const std::size_t n_keys = keys.size();
+      p.assign(n_keys * H, 0.0);
+      dp.assign(n_keys * H, 0.0);
+      top.assign(H, -INFINITY);
+      z.assign(H, 0.0);
+      mean.assign(H, 0.0);
+      const std::int64_t q_row = (b * S + i) * H;
+      for (std::size_t n = 0; n < n_keys; ++n) {
+        const std::int64_t k_row = (b * S + keys[n]) * H;
+        for (std::int64_t h = 0; h < H; ++h) {
+          double& x = p[n * H + h];
+          x = scale * inner(Q + (q_row + h) * D, K + (k_row + h) * D, D);
+          top[h] = std::max(top[h], x);
+          dp[n * H + h] = inner(G + (q_row + h) * Dv, Vv + (k_row + h) * Dv, Dv);
         }
-        for (double& x : p) z += (x = std::exp(x - top));
-        for (double& x : p) x /= z;
-        for (std::size_t n = 0; n < keys.size(); ++n)
-          for (std::int64_t d = 0; d < Dv; ++d) O[qi * Dv + d] += p[n] * Vv[((b * S + keys[n]) * H + h) * Dv + d];
-        // dP = dO V^T; dS = P (dP - sum_n P dP); dq = scale dS K; dk += scale dS q; dv += P dO.
-        dp.assign(keys.size(), 0.0);
-        double mean = 0;
-        for (std::size_t n = 0; n < keys.size(); ++n) {
-          dp[n] = inner(G + qi * Dv, Vv + ((b * S + keys[n]) * H + h) * Dv, Dv);
-          mean += p[n] * dp[n];
+      }
+      for (std::size_t n = 0; n < n_keys; ++n)
+        for (std::int64_t h = 0; h < H; ++h) z[h] += (p[n * H + h] = std::exp(p[n * H + h] - top[h]));
+      for (std::size_t n = 0; n < n_keys; ++n)
+        for (std::int64_t h = 0; h < H; ++h) {
+          p[n * H + h] /= z[h];
+          mean[h] += p[n * H + h] * dp[n * H + h];
         }
-        for (std::size_t n = 0; n < keys.size(); ++n) {
-          const double ds = p[n] * (dp[n] - mean);
-          const std::int64_t kj = (b * S + keys[n]) * H + h;
+      for (std::size_t n = 0; n < n_keys; ++n) {
+        const std::int64_t k_row = (b * S + keys[n]) * H;
+        for (std::int64_t h = 0; h < H; ++h) {
+          const double pn = p[n * H + h], ds = pn * (dp[n * H + h] - mean[h]);
+          const std::int64_t qi = q_row + h, kj = k_row + h;
+          for (std::int64_t d = 0; d < Dv; ++d) O[qi * Dv + d] += pn * Vv[kj * Dv + d];
           for (std::int64_t d = 0; d < D; ++d) {
             DQ[qi * D + d] += scale * ds * K[kj * D + d];
             DK[kj * D + d] += scale * ds * Q[qi * D + d];
           }
-          for (std::int64_t d = 0; d < Dv; ++d) DV[kj * Dv + d] += p[n] * G[qi * Dv + d];
+          for (std::int64_t d = 0; d < Dv; ++d) DV[kj * Dv + d] += pn * G[qi * Dv + d];
         }
       }
     }

@@ -5,6 +5,7 @@
 #include <array>
 #include <atomic>
 
+#include "core/kernels/attention_host.hpp"
 #include "core/kernels/conv.hpp"
 #include "core/kernels/layers.hpp"
 #include "core/kernels/layout.hpp"
@@ -36,9 +37,9 @@ const KernelTable host_table{
     [](const RecurrenceArgs& a, RecurrenceStep pass, void*) { recurrence_pass(thrust::host, a, pass); },
     [](const Sum& a, DType dtype, void*) { sum_in_order_blocks(a, dtype); },
     [](const Rope& a, DType dtype, void*) { rope_host(a, dtype); },
-    [](const Attention& a, DType dtype, void*) { attention_forward(thrust::host, a, dtype); },
-    [](const Attention& a, DType dtype, void*) { attention_backward(thrust::host, a, dtype); },
-    [](const TopK& a, DType dtype, void*) { topk_select(thrust::host, a, dtype); },
+    [](const Attention& a, DType dtype, void*) { attention_forward_host(a, dtype); },
+    [](const Attention& a, DType dtype, void*) { attention_backward_host(a, dtype); },
+    [](const TopK& a, DType dtype, void*) { topk_select_host(a, dtype); },
     [](const CrossEntropy& a, DType dtype, void*) { cross_entropy_forward(thrust::host, a, dtype); },
     [](const CrossEntropy& a, DType dtype, void*) { cross_entropy_backward(thrust::host, a, dtype); },
 };

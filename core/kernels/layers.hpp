@@ -1,8 +1,9 @@
 // The layers that consume the layout (SPEC §3b), in the one kernel source: rotary
 // embedding by position, document-masked causal attention over gathered keys
 // (dense, or over the keys a top-k indexer keeps) and the token cross entropy.
-// Written plainly first (one thread per output, loops in index order, so results
-// do not depend on the device's scheduling); speed comes later.
+// Written plainly (one thread per output, loops in index order, so results do not
+// depend on the device's scheduling). The host runs attention and top-k in tiles
+// (core/kernels/attention_host.hpp), bitwise these functors.
 //   rope            one thread per (b, t, h, pair)
 //   attention       forward: one thread per (b, t, h) query, one pass over its
 //                   keys (the online softmax); backward: dO.o once per query,
@@ -284,6 +285,30 @@ void attention_backward(Policy&& policy, const Attention& a, DType dtype) {
   });
 }
 
+// Top-k query i's kept list set to none (-1s); true when it has candidates: its
+// document's keys in [lo, hi] (ids: the row's key ids).
+CPSIM_HD inline bool topk_candidates(const TopK& a, index_t i, const std::int64_t*& ids, index_t& lo, index_t& hi) {
+  std::int64_t* kept = a.kept + i * a.topk;
+  for (index_t n = 0; n < a.topk; ++n) kept[n] = -1;
+  const index_t t = i % a.q_len, b = i / a.q_len;
+  const std::int64_t doc = a.q_ids[i];
+  if (doc == 0 || a.topk == 0) return false;
+  ids = a.k_ids + b * a.k_len;
+  hi = a.q_start + t < a.k_len ? a.q_start + t : a.k_len - 1;
+  lo = first_key_of(ids, a.k_first ? a.k_first + b * a.k_len : nullptr, hi, doc);
+  return true;
+}
+
+// kept[0, n) in position order.
+CPSIM_HD inline void kept_in_position_order(std::int64_t* kept, index_t n) {
+  for (index_t x = 1; x < n; ++x)
+    for (index_t y = x; y > 0 && kept[y - 1] > kept[y]; --y) {
+      const std::int64_t tmp = kept[y];
+      kept[y] = kept[y - 1];
+      kept[y - 1] = tmp;
+    }
+}
+
 template <class T>
 struct TopKKeep {
   TopK a;
@@ -295,14 +320,12 @@ struct TopKKeep {
     return acc;
   }
   CPSIM_HD void operator()(index_t i) const {  // i over (b, t): one query
+    const std::int64_t* ids = nullptr;
+    index_t lo = 0, hi = -1;
+    if (!topk_candidates(a, i, ids, lo, hi)) return;
     const index_t t = i % a.q_len, b = i / a.q_len;
-    std::int64_t* kept = a.kept + i * a.topk;
-    for (index_t n = 0; n < a.topk; ++n) kept[n] = -1;
     const std::int64_t doc = a.q_ids[i];
-    if (doc == 0 || a.topk == 0) return;
-    const std::int64_t* ids = a.k_ids + b * a.k_len;
-    const index_t hi = a.q_start + t < a.k_len ? a.q_start + t : a.k_len - 1,
-                  lo = first_key_of(ids, a.k_first ? a.k_first + b * a.k_len : nullptr, hi, doc);
+    std::int64_t* kept = a.kept + i * a.topk;
     // kept[0, n) holds the best keys so far, best first (higher score; on equal
     // scores the earlier key, which came first). A key enters before the first
     // kept key it beats.
@@ -317,13 +340,7 @@ struct TopKKeep {
       kept[at] = j;
       if (n < a.topk) ++n;
     }
-    // In position order.
-    for (index_t x = 1; x < n; ++x)
-      for (index_t y = x; y > 0 && kept[y - 1] > kept[y]; --y) {
-        const std::int64_t tmp = kept[y];
-        kept[y] = kept[y - 1];
-        kept[y - 1] = tmp;
-      }
+    kept_in_position_order(kept, n);
   }
 };
 
