@@ -311,6 +311,7 @@ CPSIM_HD inline void kept_in_position_order(std::int64_t* kept, index_t n) {
 
 template <class T>
 struct TopKKeep {
+  static constexpr index_t kLocalScores = 32;
   TopK a;
   CPSIM_HD T score(index_t b, index_t t, index_t j) const {
     const T* q = static_cast<const T*>(a.q) + (b * a.q_len + t) * a.dim;
@@ -328,16 +329,23 @@ struct TopKKeep {
     std::int64_t* kept = a.kept + i * a.topk;
     // kept[0, n) holds the best keys so far, best first (higher score; on equal
     // scores the earlier key, which came first). A key enters before the first
-    // kept key it beats.
+    // kept key it beats. Up to kLocalScores kept keys, their scores are kept in
+    // the thread; beyond, a kept key is scored again at each comparison.
+    T best[kLocalScores];
+    const bool local = a.topk <= kLocalScores;
     index_t n = 0;
     for (index_t j = lo; j <= hi; ++j) {
       if (ids[j] != doc) continue;
       const T s = score(b, t, j);
       index_t at = 0;
-      while (at < n && !(score(b, t, kept[at]) < s)) ++at;
+      while (at < n && !((local ? best[at] : score(b, t, kept[at])) < s)) ++at;
       if (at >= a.topk) continue;
-      for (index_t m = (n < a.topk ? n : a.topk - 1); m > at; --m) kept[m] = kept[m - 1];
+      for (index_t m = (n < a.topk ? n : a.topk - 1); m > at; --m) {
+        kept[m] = kept[m - 1];
+        if (local) best[m] = best[m - 1];
+      }
       kept[at] = j;
+      if (local) best[at] = s;
       if (n < a.topk) ++n;
     }
     kept_in_position_order(kept, n);
