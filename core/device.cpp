@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <vector>
 
 #include <sys/mman.h>
 
@@ -61,23 +62,45 @@ void* block_allocate(std::size_t cls) {
 
 void block_free(void* p, std::size_t cls) noexcept { munmap(p, mapped_size(cls)); }
 
+// Freed blocks whose every page is resident, oldest first. A request takes a
+// block of its own size class, else the smallest larger one cut down to its size
+// (the tail unmapped), else, before mapping a fresh block, first unmaps cached
+// blocks (oldest first) of at least its size. So the cache never makes the
+// process hold more than it would without it: what a fresh block may make
+// resident, the cache gave back first.
 class HostCache {
  public:
   void* take(std::size_t cls) {
     std::lock_guard<std::mutex> lock(m_);
-    auto it = free_.find(cls);
-    if (it == free_.end()) return nullptr;
-    void* p = it->second;
-    free_.erase(it);
-    cached_ -= cls;
+    auto found = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->first >= cls && (found == free_.end() || it->first < found->first ||
+                               (it->first == found->first && it > found)))  // the newest of a class
+        found = it;
+    if (found == free_.end()) return nullptr;
+    void* p = found->second;
+    const std::size_t have = mapped_size(found->first), need = mapped_size(cls);
+    if (have > need) munmap(static_cast<std::byte*>(p) + need, have - need);
+    cached_ -= found->first;
+    free_.erase(found);
     return p;
   }
   bool keep(void* p, std::size_t cls) {
     std::lock_guard<std::mutex> lock(m_);
     if (cached_ + cls > host_cache_limit()) return false;
-    free_.emplace(cls, p);
+    free_.emplace_back(cls, p);
     cached_ += cls;
     return true;
+  }
+  void release_at_least(std::size_t bytes) noexcept {
+    std::lock_guard<std::mutex> lock(m_);
+    std::size_t freed = 0, n = 0;
+    for (; n < free_.size() && freed < bytes; ++n) {
+      block_free(free_[n].second, free_[n].first);
+      freed += free_[n].first;
+      cached_ -= free_[n].first;
+    }
+    free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
   }
   void release() noexcept {
     std::lock_guard<std::mutex> lock(m_);
@@ -92,7 +115,7 @@ class HostCache {
 
  private:
   std::mutex m_;
-  std::multimap<std::size_t, void*> free_;
+  std::vector<std::pair<std::size_t, void*>> free_;  // (size class, block), oldest first
   std::size_t cached_ = 0;
 };
 
@@ -103,8 +126,8 @@ HostCache& host_cache() {
 
 class HostRuntime final : public DeviceRuntime {
  public:
-  void* allocate(Device, std::size_t bytes) override { return host_allocate(bytes, true); }
-  void deallocate(Device, void* ptr, std::size_t bytes) noexcept override { host_deallocate(ptr, bytes); }
+  void* allocate(Device, std::size_t bytes) override { return host_allocate(bytes, true, nullptr); }
+  void deallocate(Device, void* ptr, std::size_t bytes) noexcept override { host_deallocate(ptr, bytes, false); }
   void zero(Device, void* ptr, std::size_t bytes) override {
     if (bytes) std::memset(ptr, 0, bytes);
   }
@@ -118,13 +141,16 @@ std::atomic<DeviceRuntime*> cuda_runtime{nullptr};
 
 }  // namespace
 
-void* host_allocate(std::size_t bytes, bool zeroed) {
+void* host_allocate(std::size_t bytes, bool zeroed, bool* resident) {
+  if (resident) *resident = !zeroed;
   if (bytes >= kCachedFrom) {
     const std::size_t cls = size_class(bytes);
     if (void* p = host_cache().take(cls)) {
       if (zeroed) std::memset(p, 0, bytes);
+      if (resident) *resident = true;
       return p;
     }
+    host_cache().release_at_least(cls);
     // Fresh pages come zeroed from the kernel, lazily.
     void* p = block_allocate(cls);
     if (!p) {
@@ -139,11 +165,11 @@ void* host_allocate(std::size_t bytes, bool zeroed) {
   return p;
 }
 
-void host_deallocate(void* ptr, std::size_t bytes) noexcept {
+void host_deallocate(void* ptr, std::size_t bytes, bool resident) noexcept {
   if (!ptr) return;
   if (bytes < kCachedFrom) return std::free(ptr);
   const std::size_t cls = size_class(bytes);
-  if (!host_cache().keep(ptr, cls)) block_free(ptr, cls);
+  if (!resident || !host_cache().keep(ptr, cls)) block_free(ptr, cls);
 }
 
 void release_host_cache() noexcept { host_cache().release(); }

@@ -40,13 +40,20 @@ DeviceRuntime& device_runtime(DeviceKind kind);
 // Registers (or, with nullptr, removes) the runtime of a non-host kind.
 void register_device_runtime(DeviceKind kind, DeviceRuntime* runtime);
 
-// Host memory, through a cache: blocks of 64 KiB and more are kept when freed (in
-// size classes at most 1/8 apart, up to host_cache_limit() bytes in all) and
-// handed out again, so a step that makes the same tensors every call neither maps
-// nor faults in fresh pages. `zeroed`: the block reads as zeros (a fresh block
-// comes zeroed from the kernel; a reused one is cleared).
-void* host_allocate(std::size_t bytes, bool zeroed);
-void host_deallocate(void* ptr, std::size_t bytes) noexcept;
+// Host memory, through a cache: blocks of 64 KiB and more whose every page is
+// resident are kept when freed (in size classes at most 1/8 apart, up to
+// host_cache_limit() bytes in all) and handed out again, whole or cut down to a
+// smaller class, so a step that makes the same tensors every call neither maps
+// nor faults in fresh pages. Before a fresh block is mapped, cached blocks of at
+// least its size are given back: the cache never raises what the process holds
+// above what it would hold without one. `zeroed`: the block reads as zeros (a
+// fresh block comes zeroed from the kernel, its pages resident only once touched;
+// a reused one is cleared). `resident` (may be null) says whether every page of
+// the block is resident once the caller has written what it promised: true for a
+// block not zeroed (its caller writes it in full) and a reused one, false for a
+// fresh zeroed one. host_deallocate keeps only resident blocks.
+void* host_allocate(std::size_t bytes, bool zeroed, bool* resident);
+void host_deallocate(void* ptr, std::size_t bytes, bool resident) noexcept;
 // Returns every cached block to the system (between the CP sizes of a check, say).
 void release_host_cache() noexcept;
 std::size_t host_cache_limit();

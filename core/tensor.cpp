@@ -66,14 +66,17 @@ std::int64_t shape_numel(const Shape& s) {
 }
 
 Storage::Storage(std::size_t bytes, Device device, bool zeroed)
-    : data_(static_cast<std::byte*>(device.is_cpu() ? host_allocate(bytes, zeroed)
+    : data_(static_cast<std::byte*>(device.is_cpu() ? host_allocate(bytes, zeroed, &resident_)
                                                     : device_runtime(device.kind).allocate(device, bytes))),
       nbytes_(bytes),
       device_(device) {
   if (zeroed && !device.is_cpu()) device_runtime(device.kind).zero(device, data_, bytes);  // the host's comes zeroed
 }
 
-Storage::~Storage() { device_runtime(device_.kind).deallocate(device_, data_, nbytes_); }
+Storage::~Storage() {
+  if (device_.is_cpu()) host_deallocate(data_, nbytes_, resident_);
+  else device_runtime(device_.kind).deallocate(device_, data_, nbytes_);
+}
 
 Tensor::Tensor(Shape shape, DType dtype, Device device, bool zeroed) : shape_(std::move(shape)), dtype_(dtype) {
   for (auto d : shape_) CPSIM_ENFORCE(d >= 0, "negative dimension in ", shape_str(shape_));

@@ -81,6 +81,9 @@ class Storage {
   Device device() const { return device_; }
 
  private:
+  // On the host: whether every page is resident (host_allocate), so that a cache
+  // may keep the block. Declared first: data_'s allocation sets it.
+  bool resident_ = false;
   std::byte* data_;
   std::size_t nbytes_;
   Device device_;
