@@ -9,7 +9,9 @@
 //               pair's probability and score gradient are computed once and added
 //               to dq, dk and dv (the functors compute them twice: once for dq,
 //               once for dk and dv).
-//   sparse      a query at a time over its kept keys, every head of a key at once.
+//   sparse      forward: the functor's own loop, a (query, head) at a time over
+//               its kept keys (scattered reads: tiles share no keys); backward:
+//               a query at a time, every head of a key at once, in one pass.
 //   top-k       a query's candidate scores computed once each (the functor scores
 //               a kept key again at every comparison).
 // Order is what makes the bits equal: a query's sums run over its keys in
@@ -137,7 +139,8 @@ void attention_forward_host_typed(const Attention& a) {
           const index_t qi = (b * a.q_len + t) * H + h;
           T* o = O + qi * Dv;
           const T* q = Q + qi * D;
-          T mh = T(0), zh = T(0), anyh = T(0), so_h, sv_h;
+          T mh = T(0), zh = T(0);
+          bool any = false;
           for (index_t i = 0; i < keys.count; ++i) {
             const index_t j = keys.key(i);
             if (!keys.sees(j)) continue;
@@ -145,10 +148,20 @@ void attention_forward_host_typed(const Attention& a) {
             const T* v = V + ((b * a.k_len + j) * H + h) * Dv;
             T s = T(0);
             for (index_t d = 0; d < D; ++d) s += q[d] * k[d];
-            softmax_step(scale * s, mh, zh, anyh, so_h, sv_h);
-            for (index_t d = 0; d < Dv; ++d) o[d] = o[d] * so_h + sv_h * v[d];
+            s = scale * s;
+            if (!any || s > mh) {  // the functor's branches as they are: one query at a time
+              const T c = any ? exp(mh - s) : T(0);
+              zh = zh * c + T(1);
+              for (index_t d = 0; d < Dv; ++d) o[d] = o[d] * c + v[d];
+              mh = s;
+              any = true;
+            } else {
+              const T pp = exp(s - mh);
+              zh += pp;
+              for (index_t d = 0; d < Dv; ++d) o[d] += pp * v[d];
+            }
           }
-          if (anyh == T(0)) continue;
+          if (!any) continue;
           for (index_t d = 0; d < Dv; ++d) o[d] /= zh;
           LSE[qi] = mh + log(zh);
         }
