@@ -447,7 +447,9 @@ def _finish_job():
     except Exception as e:  # noqa: BLE001 - atexit cannot raise: say it and fail the exit status
         sys.stderr.write("rank %d: %s\n" % (job.rank(), e))
         sys.stderr.flush()
-        os._exit(_exit_status[0] or 1)
+        # A job that could not complete (a peer lost at its end, a timeout) is 3
+        # here too, after this rank's own collectives all returned.
+        os._exit(3 if isinstance(e, _C.Aborted) else (_exit_status[0] or 1))
 
 
 # The property harness (cpsim/harness.py), as cpsim.torch.check(step, ...): the

@@ -37,6 +37,11 @@ elif mode == "raise":
     if rank == world - 1:
         raise ValueError("the step of rank %d broke" % rank)
     dist.all_reduce(x)
+elif mode == "lost_at_end":  # every all_reduce returns, then rank 1 is killed before the job ends
+    dist.all_reduce(x)
+    if rank == 1:
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
 elif mode == "sizes":
     dist.all_gather_into_tensor(torch.empty(world * (2 + rank)), torch.ones(2 + rank))
 elif mode == "stall":

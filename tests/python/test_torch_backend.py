@@ -541,6 +541,17 @@ def test_processes_that_disagree_end_in_a_named_error_not_a_hang(mode, words):
     assert all(w in out for w in words), (words, out)
 
 
+def test_a_rank_lost_after_every_collective_returned_ends_the_others_with_exit_3():
+    # The survivors' own work is done; the job still could not complete (its end
+    # needs every rank): no verdict, exit 3, not a failed check's 1.
+    import re
+    rc, out, took = _launch("lost_at_end", timeout=5, grace=10)
+    assert took < 60, (took, out)
+    assert "rank 1 (pid" in out and "killed by signal 9" in out, out
+    for r in (0, 2):
+        assert re.search(r"rank %d \(pid \d+\) exited with status 3" % r, out), out
+
+
 def test_a_process_that_never_arrives_is_named_within_the_timeout():
     rc, out, took = _launch("stall", timeout=5, grace=3)
     assert rc != 0, out
