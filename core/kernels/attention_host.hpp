@@ -9,11 +9,11 @@
 //               pair's probability and score gradient are computed once and added
 //               to dq, dk and dv (the functors compute them twice: once for dq,
 //               once for dk and dv).
-//   sparse      forward: the functor's own loop, a (query, head) at a time over
-//               its kept keys (scattered reads: tiles share no keys); backward:
-//               a query at a time, every head of a key at once, in one pass.
-//   top-k       a query's candidate scores computed once each (the functor scores
-//               a kept key again at every comparison).
+//   sparse      forward: the functor itself (scattered reads: tiles share no
+//               keys); backward: a query at a time, every head of a key at once,
+//               in one pass.
+//   top-k       the functor, holding up to 1024 kept scores instead of 32, so
+//               each candidate is scored once.
 // Order is what makes the bits equal: a query's sums run over its keys in
 // ascending order, a key's over its queries in ascending order (tiles ascend, and
 // a tile's queries ascend within it), each term written as the functor writes it.
@@ -112,6 +112,10 @@ inline void softmax_step(T s, T& m, T& z, T& any, T& scale_o, T& scale_v) {
 
 template <class T>
 void attention_forward_host_typed(const Attention& a) {
+  if (a.kept) {  // sparse: the functor itself (its kept keys are scattered: tiles share none)
+    for_each_index(thrust::host, a.rows * a.q_len * a.heads, AttentionForward<T>{a});
+    return;
+  }
   const index_t H = a.heads, D = a.dim, Dv = a.v_dim, N = kAttentionTile;
   const T *Q = static_cast<const T*>(a.q), *K = static_cast<const T*>(a.k), *V = static_cast<const T*>(a.v);
   T *O = static_cast<T*>(a.o), *LSE = static_cast<T*>(a.lse);
@@ -122,52 +126,9 @@ void attention_forward_host_typed(const Attention& a) {
   }
   // Tile state, [head][element][query of the tile]: the queries' vectors, their
   // outputs, and per (head, query) the running maximum, normaliser and weights.
-  std::vector<T> qt(H * D * N), ot(H * Dv * N), zero(N), m(H * N), z(H * N), any(H * N), so(H * N), sv(H * N);
-  auto finish = [&](index_t b, index_t t, index_t h, index_t n, const T* o_of, index_t stride) {
-    const index_t qi = (b * a.q_len + t) * H + h;
-    if (any[h * N + n] == T(0)) return;
-    for (index_t d = 0; d < Dv; ++d) O[qi * Dv + d] = o_of[d * stride] / z[h * N + n];
-    LSE[qi] = m[h * N + n] + log(z[h * N + n]);
-  };
+  std::vector<T> qt(H * D * N), ot(H * Dv * N), m(H * N), z(H * N), any(H * N), so(H * N), sv(H * N);
   for (index_t b = 0; b < a.rows; ++b) {
     const std::int64_t* ids = a.k_ids + b * a.k_len;
-    if (a.kept) {
-      // Sparse: a query's kept keys, a head at a time, the output summed in
-      // place as the functor does.
-      for_each_query(a, b, [&](index_t t, const QueryKeys& keys) {
-        for (index_t h = 0; h < H; ++h) {
-          const index_t qi = (b * a.q_len + t) * H + h;
-          T* o = O + qi * Dv;
-          const T* q = Q + qi * D;
-          T mh = T(0), zh = T(0);
-          bool any = false;
-          for (index_t i = 0; i < keys.count; ++i) {
-            const index_t j = keys.key(i);
-            if (!keys.sees(j)) continue;
-            const T* k = K + ((b * a.k_len + j) * H + h) * D;
-            const T* v = V + ((b * a.k_len + j) * H + h) * Dv;
-            T s = T(0);
-            for (index_t d = 0; d < D; ++d) s += q[d] * k[d];
-            s = scale * s;
-            if (!any || s > mh) {  // the functor's branches as they are: one query at a time
-              const T c = any ? exp(mh - s) : T(0);
-              zh = zh * c + T(1);
-              for (index_t d = 0; d < Dv; ++d) o[d] = o[d] * c + v[d];
-              mh = s;
-              any = true;
-            } else {
-              const T pp = exp(s - mh);
-              zh += pp;
-              for (index_t d = 0; d < Dv; ++d) o[d] += pp * v[d];
-            }
-          }
-          if (!any) continue;
-          for (index_t d = 0; d < Dv; ++d) o[d] /= zh;
-          LSE[qi] = mh + log(zh);
-        }
-      });
-      continue;
-    }
     for_each_query_tile(a, b, [&](const QueryTile& tile) {
       const index_t count = tile.count;
       for (index_t n = 0; n < count; ++n)
@@ -202,7 +163,7 @@ void attention_forward_host_typed(const Attention& a) {
         const T* k = K + (b * a.k_len + j) * H * D;
         const T* v = V + (b * a.k_len + j) * H * Dv;
         for (index_t h = 0; h < H; ++h) {
-          W s = load_lanes<W>(zero.data());
+          W s = {};
           for (index_t d = 0; d < D; ++d) s += load_lanes<W>(qt.data() + (h * D + d) * N) * k[h * D + d];
           for (index_t n = 0; n < N; ++n)
             softmax_step(scale * s[n], m[h * N + n], z[h * N + n], any[h * N + n], so[h * N + n], sv[h * N + n]);
@@ -221,7 +182,12 @@ void attention_forward_host_typed(const Attention& a) {
         else key(j, from, count);
       }
       for (index_t n = 0; n < count; ++n)
-        for (index_t h = 0; h < H; ++h) finish(b, tile.t[n], h, n, ot.data() + h * Dv * N + n, N);
+        for (index_t h = 0; h < H; ++h) {
+          if (any[h * N + n] == T(0)) continue;  // saw nothing: 0, as written above
+          const index_t qi = (b * a.q_len + tile.t[n]) * H + h;
+          for (index_t d = 0; d < Dv; ++d) O[qi * Dv + d] = ot[(h * Dv + d) * N + n] / z[h * N + n];
+          LSE[qi] = m[h * N + n] + log(z[h * N + n]);
+        }
     });
   }
 }
@@ -240,7 +206,7 @@ void attention_backward_host_typed(const Attention& a) {
     DELTA[i] = delta;
     for (index_t d = 0; d < D; ++d) DQ[i * D + d] = T(0);
   }
-  std::vector<T> qt(H * D * N), gt(H * Dv * N), dqt(H * D * N), zero(N), lse(H * N), delta(H * N);
+  std::vector<T> qt(H * D * N), gt(H * Dv * N), dqt(H * D * N), lse(H * N), delta(H * N);
   for (index_t b = 0; b < a.rows; ++b) {
     const std::int64_t* ids = a.k_ids + b * a.k_len;
     if (a.kept) {
@@ -323,7 +289,7 @@ void attention_backward_host_typed(const Attention& a) {
         const index_t k0 = (b * a.k_len + j) * H;
         const T *k = K + k0 * D, *v = V + k0 * Dv;
         for (index_t h = 0; h < H; ++h) {
-          W s = load_lanes<W>(zero.data()), dp = s, ph;
+          W s = {}, dp = {}, ph;
           for (index_t d = 0; d < D; ++d) s += load_lanes<W>(qt.data() + (h * D + d) * N) * k[h * D + d];
           for (index_t d = 0; d < Dv; ++d) dp += load_lanes<W>(gt.data() + (h * Dv + d) * N) * v[h * Dv + d];
           const W x = scale * s - load_lanes<W>(lse.data() + h * N);
@@ -361,35 +327,10 @@ inline void attention_backward_host(const Attention& a, DType dtype) {
   with_float(dtype, [&](auto tag) { attention_backward_host_typed<decltype(tag)>(a); });
 }
 
-// Top-k: each candidate's score computed once, then TopKKeep's running list.
+// Top-k: the functor, holding up to 1024 kept scores (a GPU thread holds 32):
+// each candidate is scored once.
 inline void topk_select_host(const TopK& a, DType dtype) {
-  with_float(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    std::vector<T> best(a.topk > 0 ? a.topk : 1);
-    for (index_t i = 0; i < a.rows * a.q_len; ++i) {
-      const std::int64_t* ids = nullptr;
-      index_t lo = 0, hi = -1;
-      if (!topk_candidates(a, i, ids, lo, hi)) continue;
-      const index_t b = i / a.q_len;
-      const std::int64_t doc = a.q_ids[i];
-      std::int64_t* kept = a.kept + i * a.topk;
-      const T* q = static_cast<const T*>(a.q) + i * a.dim;
-      index_t n = 0;
-      for (index_t j = lo; j <= hi; ++j) {
-        if (ids[j] != doc) continue;
-        const T* k = static_cast<const T*>(a.k) + (b * a.k_len + j) * a.dim;
-        T s = T(0);
-        for (index_t d = 0; d < a.dim; ++d) s += q[d] * k[d];
-        index_t at = 0;
-        while (at < n && !(best[at] < s)) ++at;
-        if (at >= a.topk) continue;
-        for (index_t m = (n < a.topk ? n : a.topk - 1); m > at; --m) kept[m] = kept[m - 1], best[m] = best[m - 1];
-        kept[at] = j, best[at] = s;
-        if (n < a.topk) ++n;
-      }
-      kept_in_position_order(kept, n);
-    }
-  });
+  with_float(dtype, [&](auto tag) { for_each_index(thrust::host, a.rows * a.q_len, TopKKeep<decltype(tag), 1024>{a}); });
 }
 
 }  // namespace cpsim::kernels

@@ -309,9 +309,10 @@ CPSIM_HD inline void kept_in_position_order(std::int64_t* kept, index_t n) {
     }
 }
 
-template <class T>
+// kLocalScores: how many kept scores a thread holds (a GPU thread's registers; the
+// host holds more).
+template <class T, index_t kLocalScores = 32>
 struct TopKKeep {
-  static constexpr index_t kLocalScores = 32;
   TopK a;
   CPSIM_HD T score(index_t b, index_t t, index_t j) const {
     const T* q = static_cast<const T*>(a.q) + (b * a.q_len + t) * a.dim;
