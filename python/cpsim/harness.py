@@ -47,6 +47,20 @@ What the step may return (any subset; each is compared when present):
                    dropped; no activation); gradients to case.x (halo returns
                    included), case.conv_weight and case.conv_bias (this rank's
                    part, before any sum over ranks) checked
+  "recurrence_o"   [B, L, H, V] the gated delta rule / KDA recurrence of
+                   case.recurrence's q, k, v, beta, g (this rank's slices;
+                   S_t = (I - beta k k^T) Diag(exp g) S_(t-1) + beta k v^T,
+                   o_t = S_t^T q_t, no q scaling, S = 0 at every segment start,
+                   state carried over the ranks before this one); gradients to
+                   the five checked
+  "layer"          a Layer: the step's own module on this rank (its output
+                   [B, L, ...] from inputs drawn with case.activation, and its
+                   parameters), compared with the same step run unsharded on a
+                   group of one (case.cp == 1; the upstream gradient is
+                   drawn, 0 on the CP padding): each rank's output and input
+                   gradients against the unsharded run's positions, every
+                   parameter's gradient summed over the CP ranks against the
+                   unsharded one, within the Layer's tolerance
   "targets"        [B, L] this rank's next-token targets, aligned on whole rows
                    before sharding from case.tokens: tokens[t + 1] when t and
                    t + 1 are real tokens of one document, else -100
@@ -82,7 +96,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 OUTPUTS = ("batch", "padding", "position_ids", "doc_ids", "local_doc_ids", "cu_seqlens", "cp_context", "gathered",
-           "halo", "conv", "attention_o", "targets", "loss")
+           "halo", "conv", "attention_o", "recurrence_o", "layer", "targets", "loss")
+RECURRENCE_INPUTS = ("q", "k", "v", "beta", "g")
 CP_CONTEXT_FIELDS = ("pre_num_conv_tokens", "pre_num_ranks", "post_num_ranks", "is_first_rank", "is_last_rank")
 
 
@@ -119,6 +134,30 @@ class Checked(int):
         return value
 
 
+class Layer:
+    """What a step returns as "layer": its own module run on this rank's shard.
+    `output` [B, L, ...] (the rank's positions), `inputs` {name: leaf} made by
+    case.activation (the only inputs whose gradients are compared), `parameters`
+    {name: tensor} (module.named_parameters(): every rank's own copy, its
+    gradient this rank's part), `tolerance` the relative RMSE every comparison
+    is held to (rms(unsharded - sharded) / rms(unsharded); a NaN or an inf on one
+    side only always fails). The harness draws the upstream gradient of the
+    output, takes the gradients, and compares them with the same step run
+    unsharded (case.cp == 1, case.S positions: no CP padding)."""
+
+    def __init__(self, output, inputs, parameters, tolerance):
+        self.output, self.inputs, self.tolerance = output, dict(inputs), float(tolerance)
+        self.parameters = dict(parameters)
+
+
+def _drawn(seed, name, shape, dtype):
+    """A tensor drawn from the case's seed and a name: the same numbers on every
+    rank and in the unsharded run (standard normal)."""
+    generator = torch.Generator().manual_seed((int(seed) * 1000003 + sum(ord(c) * 131 ** i for i, c in
+                                                                          enumerate(name))) % (2 ** 63))
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+
+
 def load_safetensors(path):
     """A safetensors file as {key: torch tensor} (copies: the step may write to them)."""
     with open(path, "rb") as f:
@@ -144,11 +183,15 @@ class RankCase:
     [B, S] tensors, this rank's own copy), the CP geometry, and this rank's
     shards of the activations (leaves that require grad)."""
 
-    def __init__(self, golden, rank, dp=1, dp_rank=0):
+    def __init__(self, golden, rank, dp=1, dp_rank=0, unsharded=False):
         m = golden.manifest
-        cuts = golden.cuts
+        # unsharded: the whole case on a group of one (a Layer's reference run):
+        # cp 1, the S positions of the rows (no CP padding).
+        cuts = [0, m["S"]] if unsharded else golden.cuts
         lo, hi = cuts[rank], cuts[rank + 1]
-        self.rank, self.cp = rank, golden.cp
+        self.rank, self.cp = rank, (1 if unsharded else golden.cp)
+        self._seed, self._lo, self._hi, self._P = m["seed"], lo, hi, m["P"]
+        self._dtype, self._B = golden.inputs["x"].dtype, golden.inputs["x"].shape[0]
         # Data parallel replicas (check(dp=D)): D copies of the CP group, ranks
         # dp_rank * cp + rank, as init_device_mesh("cpu", (dp, cp)) lays them out;
         # every replica holds the same case.
@@ -157,7 +200,7 @@ class RankCase:
         self.pad_token_id = m["pad_token_id"]
         self.conv_width = m["conv_width"]
         self.cuts = list(cuts)  # rank r holds [cuts[r], cuts[r+1]) of the padded rows
-        self.S, self.P = m["S"], m["P"]
+        self.S, self.P = m["S"], (m["S"] if unsharded else m["P"])
         self.shard_primary = m.get("shard_primary", False)
         self.softmax_scale, self.rope_base = m["softmax_scale"], m["rope_base"]
 
@@ -170,11 +213,22 @@ class RankCase:
         self.conv_weight = golden.inputs["conv_weight"].clone().requires_grad_(True)
         self.conv_bias = golden.inputs["conv_bias"].clone().requires_grad_(True)
         self.q, self.k, self.v = leaf("attention_q"), leaf("attention_k"), leaf("attention_v")
+        # The recurrence's inputs (the "recurrence_o" output): q, k, v [B, L, H, K|V],
+        # beta [B, L, H], g [B, L, H, K] (log-decay, <= 0).
+        self.recurrence = {name: leaf(name) for name in RECURRENCE_INPUTS}
         # The loss's inputs: the token ids folded into the vocabulary, global [B, S]
         # like the batch (the targets are aligned from them), and this rank's logits.
         self.tokens = golden.inputs["loss_tokens"][:, :self.S].clone()
         self.logits = leaf("logits")
         self.vocab = self.logits.shape[-1]
+
+    def activation(self, name, *tail, dtype=None):
+        """This rank's slice [B, L, *tail] of an activation drawn for the case
+        from its seed and `name` (standard normal; the case's dtype unless
+        given), a leaf that requires grad: the same global tensor on every
+        rank and in the unsharded run, for a "layer" output's inputs."""
+        whole = _drawn(self._seed, "activation." + name, (self._B, self._P) + tuple(tail), dtype or self._dtype)
+        return whole[:, self._lo:self._hi].clone().requires_grad_(True)
 
     def __repr__(self):
         return "RankCase(rank=%d, cp=%d, dp_rank=%d, dp=%d, S=%d, P=%d)" % (self.rank, self.cp, self.dp_rank, self.dp,
@@ -216,10 +270,11 @@ def _nonfinite_mismatch(got, want):
     return [int(i) for i in off[0]] if len(off) else None
 
 
-def _difference(name, got, want, tolerance, scale=None):
+def _difference(name, got, want, tolerance, scale=None, floor=0.0):
     """'' when got matches want (bitwise, or within the relative RMSE: rms(want - got)
-    over rms(want), or over rms(scale) for a sum held to its terms), else why not.
-    A NaN or an inf on one side only is always a difference."""
+    over rms(want), or over rms(scale) for a sum held to its terms; over `floor`
+    where that is larger), else why not. A NaN or an inf on one side only is
+    always a difference."""
     if not isinstance(got, torch.Tensor):
         try:
             got = torch.as_tensor(got)
@@ -238,6 +293,7 @@ def _difference(name, got, want, tolerance, scale=None):
         keep = w.isfinite() & g.isfinite()  # the same non-finite value on both sides agrees
         d = torch.where(keep, w - g, torch.zeros_like(w))
         den = torch.where(keep & s.isfinite(), s, torch.zeros_like(s)).square().mean().sqrt().item() if w.numel() else 0.0
+        den = max(den, floor)
         num = d.square().mean().sqrt().item() if w.numel() else 0.0
         err = 0.0 if num == 0 else (float("inf") if not den > 0 else num / den)
         if not err <= tolerance:
@@ -258,12 +314,18 @@ def _difference(name, got, want, tolerance, scale=None):
     return ""
 
 
-def _run_rank(golden, step, rank, dp=1, dp_rank=0):
+def _run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False):
     """One rank: the step, then its outputs' comparisons and gradients, in the
     same order on every rank. Returns this rank's first difference as (0, why)
     for a value, (1, why) for a gradient (a gradient's difference may be a
-    forward one's consequence), or None when none."""
-    case = RankCase(golden, rank, dp, dp_rank)
+    forward one's consequence), or None when none. A "layer" output's run
+    (output and gradients) goes to layers[(dp_rank, rank)], compared once
+    every rank and the unsharded run are done (_layer_differences)."""
+    case = RankCase(golden, rank, dp, dp_rank, unsharded)
+    if unsharded:  # the reference run of a Layer: nothing else is compared
+        out = step(case)
+        layers[None] = _layer_run(case, out.get("layer") if isinstance(out, dict) else None, "the unsharded run")
+        return None
     who = "rank %d" % rank if dp == 1 else "rank %d (dp %d, cp %d)" % (case.world_rank, dp_rank, rank)
     out = step(case)
     if not isinstance(out, dict):
@@ -275,11 +337,11 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0):
     rfile = "rank_%d.safetensors" % rank
     found, found_backward = [], []
 
-    def against(name, got, key, file=rfile, want=None):
+    def against(name, got, key, file=rfile, want=None, floor=0.0):
         want = mine[key] if want is None else want
         entry = golden.manifest["files"][file][key]
         scale = golden.rank(rank)[entry["scale"]] if entry.get("scale") and file == rfile else None
-        why = _difference("%s %s" % (who, name), got, want, golden.tolerance(file, key), scale)
+        why = _difference("%s %s" % (who, name), got, want, golden.tolerance(file, key), scale, floor)
         if why:
             found.append(why)
 
@@ -321,7 +383,7 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0):
 
     lo, hi = golden.cuts[rank], golden.cuts[rank + 1]
 
-    def backward(name, output, leaves, upstream, expected):
+    def backward(name, output, leaves, upstream, expected, floors=None):
         """This rank's part of the output's backward (collectives included)."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             # No path back from this output: a training step would not run its
@@ -350,8 +412,9 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0):
                                   "that modifies grad_output in place changes the gradient autograd gives the "
                                   "output's other consumers)" % (who, name))
         before = len(found)
-        for leaf, grad, key in zip(leaves, grads, expected):
-            against("%s gradient (%s)" % (name, key), torch.zeros_like(leaf) if grad is None else grad, key)
+        for i, (leaf, grad, key) in enumerate(zip(leaves, grads, expected)):
+            against("%s gradient (%s)" % (name, key), torch.zeros_like(leaf) if grad is None else grad, key,
+                    floor=floors[i] if floors else 0.0)
         found_backward.extend(found[before:])
         del found[before:]
 
@@ -370,6 +433,27 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0):
         backward("attention_o", out["attention_o"], [case.q, case.k, case.v],
                  golden.inputs["attention_grad_o"][:, lo:hi],
                  ["attention_dq", "attention_dk", "attention_dv"])
+    if "recurrence_o" in out:
+        # Each held to the whole case's scale where this rank's expected values are
+        # smaller, and dg, dbeta to that of dq and dk at least: a chunked kernel
+        # computes them as differences of terms of that size (a reverse cumulative
+        # sum), so its rounding is of that size even where the exact value is 0 (dg
+        # on a segment's first token: its decay multiplies a zero state).
+        def rms(*keys):
+            return max(golden.reference[k].double().square().mean().sqrt().item() for k in keys)
+        against("recurrence_o", out["recurrence_o"], "o", floor=rms("o"))
+        backward("recurrence_o", out["recurrence_o"], [case.recurrence[n] for n in RECURRENCE_INPUTS],
+                 golden.inputs["recurrence_grad_o"][:, lo:hi], ["d" + n for n in RECURRENCE_INPUTS],
+                 [rms("dq"), rms("dk"), rms("dv"), rms("dbeta", "dq", "dk"), rms("dg", "dq", "dk")])
+    if "layer" in out:
+        if layers is None:
+            raise ValueError("a \"layer\" output is compared on thread ranks (check(backend='threads'), not in a job)")
+        from cpsim import _C
+        _C.set_site_context("the backward of the step's layer")
+        try:
+            layers[(dp_rank, rank)] = _layer_run(case, out["layer"], who)
+        finally:
+            _C.set_site_context("")
     if "targets" in out:
         against("targets", out["targets"], "targets")
     if "loss" in out:
@@ -384,6 +468,80 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0):
     return (1, found_backward[0]) if found_backward else None
 
 
+def _layer_run(case, layer, who):
+    """A Layer's output and gradients on one rank (or the unsharded run): the
+    upstream gradient is drawn for the whole output and sliced to the rank."""
+    if not isinstance(layer, Layer):
+        raise TypeError("%s: \"layer\" must be a cpsim.torch.Layer, not %s" % (who, type(layer).__name__))
+    output = layer.output
+    upstream = _drawn(case._seed, "layer_grad", (case._B, case._P) + tuple(output.shape[2:]), output.dtype)
+    upstream[:, case.S:] = 0  # no loss reaches the CP padding (the unsharded run has no such position)
+    upstream = upstream[:, case._lo:case._hi]
+    names = list(layer.inputs) + ["parameter " + n for n in layer.parameters]
+    wanted = list(layer.inputs.values()) + list(layer.parameters.values())
+    # A tensor that does not require grad (a rank's frozen copy) has no gradient: 0.
+    live = [i for i, t in enumerate(wanted) if t.requires_grad]
+    grads = [None] * len(wanted)
+    if output.requires_grad and live:
+        found = torch.autograd.grad(output, [wanted[i] for i in live], grad_outputs=upstream, retain_graph=True,
+                                    allow_unused=True)
+        for i, g in zip(live, found):
+            grads[i] = g
+    return {"output": output.detach(), "tolerance": layer.tolerance, "lo": case._lo, "hi": case._hi,
+            "grads": {n: (torch.zeros_like(t) if g is None else g.detach()) for n, g, t in zip(names, grads, wanted)}}
+
+
+def _rms(t):
+    return t.double().square().mean().sqrt().item() if t.numel() else 0.0
+
+
+def _layer_differences(layers, cp, dp, S):
+    """Each rank's layer output and input gradients against the unsharded run's
+    positions (those before S: the CP padding has no counterpart), and each
+    replica's parameter gradients summed over its CP ranks against the
+    unsharded ones; per rank, its first difference (0 value, 1 gradient).
+    Each is held to the relative RMSE over the unsharded tensor's RMS, a
+    rank's positions to the whole tensor's, and a parameter's gradient to the
+    RMS of all the layer's parameter gradients where its own is smaller: a
+    gradient that is 0 in exact arithmetic (a query's, where its document has
+    one key) is rounding, whose size is that of the layer's gradients."""
+    whole = layers[None]
+    tolerance = whole["tolerance"]
+    parameters = [g for n, g in whole["grads"].items() if n.startswith("parameter ")]
+    parameter_scale = _rms(torch.cat([g.reshape(-1) for g in parameters])) if parameters else 0.0
+    found = {}
+    for dp_rank in range(dp):
+        sums = {}
+        for rank in range(cp):
+            run = layers.get((dp_rank, rank))
+            who = "rank %d" % rank if dp == 1 else "rank %d (dp %d, cp %d)" % (dp_rank * cp + rank, dp_rank, rank)
+            if run is None:
+                found.setdefault(dp_rank * cp + rank, (0, "%s returned no layer (the unsharded run did)" % who))
+                continue
+            lo, hi = run["lo"], min(run["hi"], S)
+            n = max(hi - lo, 0)
+            why = _difference("%s layer output (positions %d..%d)" % (who, lo, lo + n), run["output"][:, :n],
+                              whole["output"][:, lo:lo + n], tolerance, floor=_rms(whole["output"]))
+            if why:
+                found.setdefault(dp_rank * cp + rank, (0, why))
+            for name, grad in run["grads"].items():
+                if name.startswith("parameter "):
+                    sums[name] = grad.clone() if name not in sums else sums[name] + grad
+                    continue
+                want = whole["grads"][name]
+                why = _difference("%s layer gradient of %s (positions %d..%d)" % (who, name, lo, lo + n),
+                                  grad[:, :n], want[:, lo:lo + n], tolerance, floor=_rms(want))
+                if why:
+                    found.setdefault(dp_rank * cp + rank, (1, why))
+        for name, total in sums.items():
+            why = _difference("layer gradient of %s summed over the CP ranks%s" % (
+                name[len("parameter "):], "" if dp == 1 else " of replica %d" % dp_rank), total,
+                whole["grads"][name], tolerance, floor=parameter_scale)
+            if why:
+                found.setdefault(dp_rank * cp, (1, why))
+    return found
+
+
 def _first_differences(per_rank):
     """Every rank's first difference, the values' before the gradients' (a wrong
     gradient often follows from a wrong value, maybe another rank's), one line
@@ -395,8 +553,9 @@ def _first_differences(per_rank):
 def _verdict(folder, step, backend, timeout, dp=1):
     golden = _Golden(folder)
     cp = golden.cp
+    layers = {}
     try:
-        found = ct.spawn(lambda rank, world: _run_rank(golden, step, rank % cp, dp, rank // cp), dp * cp,
+        found = ct.spawn(lambda rank, world: _run_rank(golden, step, rank % cp, dp, rank // cp, layers), dp * cp,
                          backend=backend, timeout=timeout)
     except ct.RankFailed as e:
         if isinstance(e.__cause__, OutsideContract):
@@ -406,6 +565,19 @@ def _verdict(folder, step, backend, timeout, dp=1):
         return str(e)
     except ct.CollectiveError as e:
         return "the ranks' calls did not match: %s" % e
+    if layers:  # the step's own layer, unsharded on a group of one: the reference of "layer"
+        if backend != "threads":
+            return "a \"layer\" output is compared on thread ranks (backend='threads'), not on %s" % backend
+        try:
+            ct.spawn(lambda rank, world: _run_rank(golden, step, 0, layers=layers, unsharded=True), 1,
+                     backend=backend, timeout=timeout)
+        except ct.RankFailed as e:
+            return "the unsharded run (cp 1) raised %s" % str(e).split(": ", 1)[1]
+        except (ct.RankStuck, ct.CollectiveError) as e:
+            return "the unsharded run (cp 1): %s" % e
+        for r, why in _layer_differences(layers, cp, dp, golden.manifest["S"]).items():
+            if not found[r] or why[0] < found[r][0]:
+                found[r] = why
     return _first_differences(found)
 
 

@@ -315,3 +315,158 @@ def test_a_rank_stuck_in_python_ends_the_check_within_its_timeout():
         ct.check(step, cases=3, cps=[2], seed=1, timeout=2)
     assert time.monotonic() - start < 60
     assert "rank 1 is still running" in e.value.failure and "in step" in e.value.failure, e.value.failure
+
+
+# --- "recurrence_o": a CP recurrence of the step's own, against cpsim's reference ---
+
+def _torch_recurrence(q, k, v, beta, g, ids, initial=None):
+    """The gated delta rule token by token over one rank's shard (S from `initial`
+    or 0, reset where the doc id changes), batched over heads: written here, apart
+    from cpsim's reference, as a user's layer would be."""
+    B, L, H, K = q.shape
+    V = v.shape[-1]
+    out = []
+    S = torch.zeros(B, H, K, V, dtype=q.dtype) if initial is None else initial
+    for t in range(L):
+        if t > 0:
+            reset = (ids[:, t] != ids[:, t - 1]).to(q.dtype)[:, None, None, None]
+            S = S * (1 - reset)
+        S = S * g[:, t].exp()[..., None]
+        kk = k[:, t]
+        err = v[:, t] - torch.einsum("bhk,bhkv->bhv", kk, S)
+        S = S + beta[:, t][..., None, None] * torch.einsum("bhk,bhv->bhkv", kk, err)
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(out, 1), S
+
+
+def _recurrence_step(carry_state=True):
+    """Each rank runs its shard after the rank before it hands over its final
+    state (a send/recv chain, the same document only), forward only; with
+    carry_state=False the state is dropped."""
+    import torch.distributed as dist
+
+    def step(case):
+        ids, _, _ = cp_step.layout_of(case.batch)
+        padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
+        padded[:, :case.S] = ids
+        lo, hi = case.cuts[case.rank], case.cuts[case.rank + 1]
+        r = case.recurrence
+        B, _, H, K = r["q"].shape
+        V = r["v"].shape[-1]
+        initial = None
+        if case.rank > 0:
+            state = torch.zeros(B, H, K, V, dtype=r["q"].dtype)
+            dist.recv(state, case.rank - 1)
+            same = (padded[:, lo] == padded[:, lo - 1]).to(state.dtype)[:, None, None, None]
+            initial = _Handover.apply(state) * same if carry_state else None
+        o, final = _torch_recurrence(r["q"], r["k"], r["v"], r["beta"], r["g"], padded[:, lo:hi], initial)
+        if case.rank + 1 < case.cp:
+            dist.send(final.detach().contiguous(), case.rank + 1)
+        return {"recurrence_o": o}
+    return step
+
+
+class _Handover(torch.autograd.Function):
+    """The received state, without a gradient back to the sender (forward only: the
+    step checks the output, and gradients to this rank's own inputs)."""
+
+    @staticmethod
+    def forward(ctx, state):
+        return state.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_a_recurrence_without_state_across_ranks_is_reported():
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(_recurrence_step(carry_state=False), cases=40, max_cp=4, seed=3)
+    assert "recurrence_o" in e.value.failure and e.value.cp >= 2, e.value.failure
+
+
+def test_a_recurrence_over_the_gathered_inputs_matches_cpsims_reference():
+    # Every rank gathers the inputs (autograd all_gather) and runs the whole row,
+    # keeping its own positions: forward and every gradient as cpsim's reference.
+    from torch.distributed.nn.functional import all_gather
+
+    def step(case):
+        ids, _, _ = cp_step.layout_of(case.batch)
+        padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
+        padded[:, :case.S] = ids
+        whole = {n: torch.cat(all_gather(t.contiguous()), 1) for n, t in case.recurrence.items()}
+        o, _ = _torch_recurrence(whole["q"], whole["k"], whole["v"], whole["beta"], whole["g"], padded)
+        return {"recurrence_o": o[:, case.cuts[case.rank]:case.cuts[case.rank + 1]]}
+    assert ct.check(step, cases=40, max_cp=4, seed=3) == 40
+
+
+# --- "layer": the step's own module, sharded against itself unsharded ---
+
+# Drawn once, on no rank's thread (the rank threads share torch's generator).
+_MIX_WEIGHTS = torch.randn(2, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+
+class _CausalMix(torch.nn.Module):
+    """A toy CP layer: y_t = W x_t + sum over the document's earlier tokens of U x_s
+    (a causal prefix sum over the gathered sequence), masked by document."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(_MIX_WEIGHTS[0].clone())
+        self.u = torch.nn.Parameter(_MIX_WEIGHTS[1].clone())
+
+    def forward(self, x, ids, lo, gathered_ids, gather):
+        full = gather(x)  # [B, P, C]
+        same = (gathered_ids[:, lo:lo + x.shape[1], None] == gathered_ids[:, None, :])
+        before = torch.arange(full.shape[1])[None, :] <= torch.arange(lo, lo + x.shape[1])[:, None]
+        mix = (same & before[None]).to(x.dtype)
+        return x @ self.w.T + torch.einsum("bts,bsc->btc", mix, full) @ self.u.T
+
+
+def _layer_step(gather_without_sum=False, one_rank_detaches=False):
+    import torch.distributed as dist
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, x.contiguous())
+            ctx.L = x.shape[1]
+            return torch.cat(parts, 1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            if not gather_without_sum:
+                dist.all_reduce(grad)
+            r = dist.get_rank()
+            return grad[:, r * ctx.L:(r + 1) * ctx.L]
+
+    def step(case):
+        ids, _, _ = cp_step.layout_of(case.batch)
+        padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
+        padded[:, :case.S] = ids
+        module = _CausalMix()
+        x = case.activation("x", 3)
+        lo = case.cuts[case.rank]
+        if one_rank_detaches and case.rank == 1:
+            module.u.requires_grad_(False)
+        y = module(x, padded[:, lo:], lo, padded, Gather.apply)
+        return {"layer": ct.Layer(y, {"x": x}, module.named_parameters(), 1e-10)}
+    return step
+
+
+def test_a_layer_sharded_matches_itself_unsharded():
+    assert ct.check(_layer_step(), cases=40, max_cp=4, seed=7) == 40
+
+
+def test_a_layer_whose_gather_backward_skips_the_sum_is_reported():
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(_layer_step(gather_without_sum=True), cases=40, max_cp=4, seed=7)
+    assert "layer gradient of x" in e.value.failure, e.value.failure
+
+
+def test_a_layer_parameter_gradient_lost_on_one_rank_is_reported_summed():
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(_layer_step(one_rank_detaches=True), cases=40, max_cp=4, seed=7)
+    assert "layer gradient of u summed over the CP ranks" in e.value.failure, e.value.failure
