@@ -91,6 +91,8 @@ import tempfile
 import torch
 
 from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.torch
+from cpsim.compare import difference as _difference
+from cpsim.layer import Layer, drawn as _drawn, layer_differences as _layer_differences, layer_run as _layer_run
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I32": torch.int32,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -132,30 +134,6 @@ class Checked(int):
         value = super().__new__(cls, ran)
         value.outside, value.outside_why = outside, dict(outside_why or {})
         return value
-
-
-class Layer:
-    """What a step returns as "layer": its own module run on this rank's shard.
-    `output` [B, L, ...] (the rank's positions), `inputs` {name: leaf} made by
-    case.activation (the only inputs whose gradients are compared), `parameters`
-    {name: tensor} (module.named_parameters(): every rank's own copy, its
-    gradient this rank's part), `tolerance` the relative RMSE every comparison
-    is held to (rms(unsharded - sharded) / rms(unsharded); a NaN or an inf on one
-    side only always fails). The harness draws the upstream gradient of the
-    output, takes the gradients, and compares them with the same step run
-    unsharded (case.cp == 1, case.S positions: no CP padding)."""
-
-    def __init__(self, output, inputs, parameters, tolerance):
-        self.output, self.inputs, self.tolerance = output, dict(inputs), float(tolerance)
-        self.parameters = dict(parameters)
-
-
-def _drawn(seed, name, shape, dtype):
-    """A tensor drawn from the case's seed and a name: the same numbers on every
-    rank and in the unsharded run (standard normal)."""
-    generator = torch.Generator().manual_seed((int(seed) * 1000003 + sum(ord(c) * 131 ** i for i, c in
-                                                                          enumerate(name))) % (2 ** 63))
-    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 
 
 def load_safetensors(path):
@@ -258,60 +236,6 @@ class _Golden:
 
     def tolerance(self, file, key):
         return self.manifest["files"][file][key]["tolerance"] or 0.0
-
-
-def _nonfinite_mismatch(got, want):
-    """The first position where one side holds a NaN or an inf that the other does
-    not (the same non-finite value on both agrees), as a list; None when none."""
-    if not (got.is_floating_point() or want.is_floating_point()):
-        return None
-    g, w = got.double(), want.double()
-    off = (~(g.isfinite() & w.isfinite()) & ~((g == w) | (g.isnan() & w.isnan()))).nonzero()
-    return [int(i) for i in off[0]] if len(off) else None
-
-
-def _difference(name, got, want, tolerance, scale=None, floor=0.0):
-    """'' when got matches want (bitwise, or within the relative RMSE: rms(want - got)
-    over rms(want), or over rms(scale) for a sum held to its terms; over `floor`
-    where that is larger), else why not. A NaN or an inf on one side only is
-    always a difference."""
-    if not isinstance(got, torch.Tensor):
-        try:
-            got = torch.as_tensor(got)
-        except Exception as e:  # noqa: BLE001 - reported as the step's mistake
-            return "%s: not a tensor (%s)" % (name, e)
-    got = got.detach()
-    if tuple(got.shape) != tuple(want.shape):
-        return "%s: shape %s, expected %s" % (name, list(got.shape), list(want.shape))
-    bad = _nonfinite_mismatch(got, want) if got.dtype != torch.bool else None
-    if bad is not None:
-        return "%s: %r at %s, expected %r (a NaN or an inf on one side only)" % (
-            name, got[tuple(bad)].item(), bad, want[tuple(bad)].item())
-    if want.is_floating_point() and tolerance > 0:
-        w, g = want.double(), got.double()
-        s = w if scale is None else scale.double()
-        keep = w.isfinite() & g.isfinite()  # the same non-finite value on both sides agrees
-        d = torch.where(keep, w - g, torch.zeros_like(w))
-        den = torch.where(keep & s.isfinite(), s, torch.zeros_like(s)).square().mean().sqrt().item() if w.numel() else 0.0
-        den = max(den, floor)
-        num = d.square().mean().sqrt().item() if w.numel() else 0.0
-        err = 0.0 if num == 0 else (float("inf") if not den > 0 else num / den)
-        if not err <= tolerance:
-            off = (~((w - g).abs() <= tolerance * max(den, 1e-300))).nonzero()
-            at = [int(i) for i in off[0]] if len(off) else []
-            return "%s: %s %.3g > %.3g; first differs at %s: %r, expected %r" % (
-                name, "relative RMSE" if scale is None else "RMSE relative to the summed terms", err, tolerance,
-                at, g[tuple(at)].item() if at else None, w[tuple(at)].item() if at else None)
-        return ""
-    g = got.to(want.dtype) if got.dtype != want.dtype and not want.is_floating_point() else got
-    wrong = (g != want).nonzero() if g.dtype == want.dtype else None
-    if wrong is None:
-        return "%s: dtype %s, expected %s" % (name, got.dtype, want.dtype)
-    if len(wrong):
-        at = tuple(int(i) for i in wrong[0])
-        return "%s: %d wrong elements, first at %s: %r, expected %r" % (
-            name, len(wrong), list(at), g[at].item(), want[at].item())
-    return ""
 
 
 def _run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False):
@@ -466,80 +390,6 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False)
     if found:
         return (0, found[0])
     return (1, found_backward[0]) if found_backward else None
-
-
-def _layer_run(case, layer, who):
-    """A Layer's output and gradients on one rank (or the unsharded run): the
-    upstream gradient is drawn for the whole output and sliced to the rank."""
-    if not isinstance(layer, Layer):
-        raise TypeError("%s: \"layer\" must be a cpsim.torch.Layer, not %s" % (who, type(layer).__name__))
-    output = layer.output
-    upstream = _drawn(case._seed, "layer_grad", (case._B, case._P) + tuple(output.shape[2:]), output.dtype)
-    upstream[:, case.S:] = 0  # no loss reaches the CP padding (the unsharded run has no such position)
-    upstream = upstream[:, case._lo:case._hi]
-    names = list(layer.inputs) + ["parameter " + n for n in layer.parameters]
-    wanted = list(layer.inputs.values()) + list(layer.parameters.values())
-    # A tensor that does not require grad (a rank's frozen copy) has no gradient: 0.
-    live = [i for i, t in enumerate(wanted) if t.requires_grad]
-    grads = [None] * len(wanted)
-    if output.requires_grad and live:
-        found = torch.autograd.grad(output, [wanted[i] for i in live], grad_outputs=upstream, retain_graph=True,
-                                    allow_unused=True)
-        for i, g in zip(live, found):
-            grads[i] = g
-    return {"output": output.detach(), "tolerance": layer.tolerance, "lo": case._lo, "hi": case._hi,
-            "grads": {n: (torch.zeros_like(t) if g is None else g.detach()) for n, g, t in zip(names, grads, wanted)}}
-
-
-def _rms(t):
-    return t.double().square().mean().sqrt().item() if t.numel() else 0.0
-
-
-def _layer_differences(layers, cp, dp, S):
-    """Each rank's layer output and input gradients against the unsharded run's
-    positions (those before S: the CP padding has no counterpart), and each
-    replica's parameter gradients summed over its CP ranks against the
-    unsharded ones; per rank, its first difference (0 value, 1 gradient).
-    Each is held to the relative RMSE over the unsharded tensor's RMS, a
-    rank's positions to the whole tensor's, and a parameter's gradient to the
-    RMS of all the layer's parameter gradients where its own is smaller: a
-    gradient that is 0 in exact arithmetic (a query's, where its document has
-    one key) is rounding, whose size is that of the layer's gradients."""
-    whole = layers[None]
-    tolerance = whole["tolerance"]
-    parameters = [g for n, g in whole["grads"].items() if n.startswith("parameter ")]
-    parameter_scale = _rms(torch.cat([g.reshape(-1) for g in parameters])) if parameters else 0.0
-    found = {}
-    for dp_rank in range(dp):
-        sums = {}
-        for rank in range(cp):
-            run = layers.get((dp_rank, rank))
-            who = "rank %d" % rank if dp == 1 else "rank %d (dp %d, cp %d)" % (dp_rank * cp + rank, dp_rank, rank)
-            if run is None:
-                found.setdefault(dp_rank * cp + rank, (0, "%s returned no layer (the unsharded run did)" % who))
-                continue
-            lo, hi = run["lo"], min(run["hi"], S)
-            n = max(hi - lo, 0)
-            why = _difference("%s layer output (positions %d..%d)" % (who, lo, lo + n), run["output"][:, :n],
-                              whole["output"][:, lo:lo + n], tolerance, floor=_rms(whole["output"]))
-            if why:
-                found.setdefault(dp_rank * cp + rank, (0, why))
-            for name, grad in run["grads"].items():
-                if name.startswith("parameter "):
-                    sums[name] = grad.clone() if name not in sums else sums[name] + grad
-                    continue
-                want = whole["grads"][name]
-                why = _difference("%s layer gradient of %s (positions %d..%d)" % (who, name, lo, lo + n),
-                                  grad[:, :n], want[:, lo:lo + n], tolerance, floor=_rms(want))
-                if why:
-                    found.setdefault(dp_rank * cp + rank, (1, why))
-        for name, total in sums.items():
-            why = _difference("layer gradient of %s summed over the CP ranks%s" % (
-                name[len("parameter "):], "" if dp == 1 else " of replica %d" % dp_rank), total,
-                whole["grads"][name], tolerance, floor=parameter_scale)
-            if why:
-                found.setdefault(dp_rank * cp, (1, why))
-    return found
 
 
 def _first_differences(per_rank):

@@ -1,0 +1,58 @@
+"""How the harness compares a value with its expected one: bitwise, or within a
+relative RMSE; a NaN or an inf on one side only is always a difference (the
+comparison is `not err <= tolerance`, which fails on NaN)."""
+import torch
+
+
+def _nonfinite_mismatch(got, want):
+    """The first position where one side holds a NaN or an inf that the other does
+    not (the same non-finite value on both agrees), as a list; None when none."""
+    if not (got.is_floating_point() or want.is_floating_point()):
+        return None
+    g, w = got.double(), want.double()
+    off = (~(g.isfinite() & w.isfinite()) & ~((g == w) | (g.isnan() & w.isnan()))).nonzero()
+    return [int(i) for i in off[0]] if len(off) else None
+
+
+def difference(name, got, want, tolerance, scale=None, floor=0.0):
+    """'' when got matches want (bitwise, or within the relative RMSE: rms(want - got)
+    over rms(want), or over rms(scale) for a sum held to its terms; over `floor`
+    where that is larger), else why not. A NaN or an inf on one side only is
+    always a difference."""
+    if not isinstance(got, torch.Tensor):
+        try:
+            got = torch.as_tensor(got)
+        except Exception as e:  # noqa: BLE001 - reported as the step's mistake
+            return "%s: not a tensor (%s)" % (name, e)
+    got = got.detach()
+    if tuple(got.shape) != tuple(want.shape):
+        return "%s: shape %s, expected %s" % (name, list(got.shape), list(want.shape))
+    bad = _nonfinite_mismatch(got, want) if got.dtype != torch.bool else None
+    if bad is not None:
+        return "%s: %r at %s, expected %r (a NaN or an inf on one side only)" % (
+            name, got[tuple(bad)].item(), bad, want[tuple(bad)].item())
+    if want.is_floating_point() and tolerance > 0:
+        w, g = want.double(), got.double()
+        s = w if scale is None else scale.double()
+        keep = w.isfinite() & g.isfinite()  # the same non-finite value on both sides agrees
+        d = torch.where(keep, w - g, torch.zeros_like(w))
+        den = torch.where(keep & s.isfinite(), s, torch.zeros_like(s)).square().mean().sqrt().item() if w.numel() else 0.0
+        den = max(den, floor)
+        num = d.square().mean().sqrt().item() if w.numel() else 0.0
+        err = 0.0 if num == 0 else (float("inf") if not den > 0 else num / den)
+        if not err <= tolerance:
+            off = (~((w - g).abs() <= tolerance * max(den, 1e-300))).nonzero()
+            at = [int(i) for i in off[0]] if len(off) else []
+            return "%s: %s %.3g > %.3g; first differs at %s: %r, expected %r" % (
+                name, "relative RMSE" if scale is None else "RMSE relative to the summed terms", err, tolerance,
+                at, g[tuple(at)].item() if at else None, w[tuple(at)].item() if at else None)
+        return ""
+    g = got.to(want.dtype) if got.dtype != want.dtype and not want.is_floating_point() else got
+    wrong = (g != want).nonzero() if g.dtype == want.dtype else None
+    if wrong is None:
+        return "%s: dtype %s, expected %s" % (name, got.dtype, want.dtype)
+    if len(wrong):
+        at = tuple(int(i) for i in wrong[0])
+        return "%s: %d wrong elements, first at %s: %r, expected %r" % (
+            name, len(wrong), list(at), g[at].item(), want[at].item())
+    return ""
