@@ -1,8 +1,25 @@
-"""The command line every adapter of examples/anchors/ shares."""
+"""What the adapters of examples/anchors/ share: the command line, and the
+shield that keeps finding K4 from the tensors around a gather."""
 import argparse
 
+import torch
 
-def arguments(doc, variants, steps=None):
+
+class FreshGradient(torch.autograd.Function):
+    """Identity whose backward hands on a copy of its gradient: it keeps finding
+    K4 (a gather's backward that all-reduces its grad_output in place, Kimi-Linear's
+    and GLM-5.3's) from the tensors around it, so that the rest can be compared."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone()
+
+
+def arguments(doc, variants, steps=None, max_cp=8):
     """--variant (a planted bug or a finding's unguarded step), --cases, --max-cp,
     --family, --seed; and the step's name when an adapter has several."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -10,7 +27,7 @@ def arguments(doc, variants, steps=None):
         parser.add_argument("step", choices=sorted(steps))
     parser.add_argument("--variant", choices=sorted(variants), help="a planted bug in the adapter's glue")
     parser.add_argument("--cases", type=int, default=200)
-    parser.add_argument("--max-cp", type=int, default=8)
+    parser.add_argument("--max-cp", type=int, default=max_cp)
     parser.add_argument("--family", help="draw this layout family's members")
     parser.add_argument("--seed", type=int)
     return parser.parse_args()
@@ -29,3 +46,16 @@ def run(check, what):
     aside = "; ".join("%s: %d" % why for why in ran.outside_why.items())
     print("%s: %d cases held (%d set aside%s)" % (what, ran, ran.outside, ": " + aside if aside else ""))
     return 0
+
+
+def run_steps(doc, steps, variants, check, what, max_cp=8):
+    """main() of an adapter with several steps: `check(name, step, **settings)`
+    runs one, `what(name)` names it in the report."""
+    names = {name for by_step in variants.values() for name in by_step}
+    args = arguments(doc, names, steps, max_cp=max_cp)
+    if args.variant and args.variant not in variants.get(args.step, {}):
+        raise SystemExit("%s has the variants %s" % (args.step, sorted(variants.get(args.step, {}))))
+    step = variants[args.step][args.variant] if args.variant else None
+    return run(lambda: check(args.step, step, cases=args.cases, max_cp=args.max_cp, family=args.family,
+                             seed=args.seed),
+               lambda: what(args.step))

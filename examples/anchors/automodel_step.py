@@ -89,20 +89,6 @@ def _cp_mesh(case):
     return init_device_mesh("cpu", (case.dp, case.cp), mesh_dim_names=("dp", "cp"))["cp"]
 
 
-class _FreshGradient(torch.autograd.Function):
-    """Identity whose backward hands on a copy of its gradient: it keeps finding
-    K4 (all_gather_sequence's backward all-reduces its grad_output in place)
-    from the tensors around it, so that the rest can be compared."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.clone()
-
-
 # --- Kimi-Linear's CP (the closest relative of cpsim's model) ---
 
 def _padded_slots(batch):
@@ -149,7 +135,7 @@ def make_kimi_step(rank_from_world=False, guarded=True, gradient_in_place=False)
                "local_doc_ids": context.local_doc_ids,
                "gathered": all_gather_sequence(case.x, group, dim=1)}
         if not gradient_in_place:
-            out["gathered"] = _FreshGradient.apply(out["gathered"])
+            out["gathered"] = anchor_cli.FreshGradient.apply(out["gathered"])
         if case.cp > 1:  # FLA's context exists only under CP (Kimi builds none at cp 1)
             contexts = [build_fla_cp_context(context, b, group, case.conv_width)
                         for b in range(context.doc_ids.shape[0])]

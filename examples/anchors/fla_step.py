@@ -14,6 +14,8 @@ halo exchange, `conv_cp_send_recv_fwd`, and its gradient return,
 is replaced, through FLA's own backend registry (`fla.backends.register`), by
 `torch_conv_forward` / `torch_conv_backward` below: a plain torch convolution of
 each local sequence from its initial state, as FLA's kernel computes it.
+examples/anchors/fla_kernels_step.py runs the same step with FLA's own Triton
+kernel instead (Triton's interpreter, on the CPU).
 
 The glue is small and cpsim-checked: the document layout of the raw batch comes
 from examples/torch/cp_step.py (`layout_of`, `segment_cu_seqlens`: the
@@ -75,10 +77,17 @@ def _conv_sequences(x, weight, bias, residual, initial_state, activation, cu_seq
     return y + residual if residual is not None else y
 
 
+STAND_IN = [True]  # fla_kernels_step.py turns it off: FLA's own Triton kernel runs (interpreted)
+
+
 class TorchConv(BaseBackend):
-    """cpsim's stand-in for FLA's convolution kernel: first in FLA's dispatch."""
+    """cpsim's stand-in for FLA's convolution kernel: first in FLA's dispatch
+    while STAND_IN[0] holds."""
     backend_type = "cpsim_torch"
     priority = -100
+
+    def is_enabled(self):
+        return STAND_IN[0]
 
 
 @register(causal_conv1d_fwd, backend=TorchConv)

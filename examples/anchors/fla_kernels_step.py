@@ -1,0 +1,129 @@
+"""flash-linear-attention's own Triton CP kernels (fla-core 0.6.0, unmodified),
+run on the CPU by Triton's interpreter on cpsim's ranks, property-tested by
+cpsim.torch.check:
+
+    .venv/bin/python examples/anchors/fla_kernels_step.py kda            # chunk_kda with cp_context
+    .venv/bin/python examples/anchors/fla_kernels_step.py conv           # the CP convolution's Triton kernel
+    .venv/bin/python examples/anchors/fla_kernels_step.py kda --variant no_state_across_ranks
+
+* `kda`: `fla.ops.kda.chunk_kda(q, k, v, g, beta, scale=1, cp_context=...)`, one
+  packed row at a time with FLA's context of the row (`build_cp_context` of the
+  row's segments, as fla_step.py builds it): FLA's chunked KDA forward and
+  backward, and its CP kernels (`fla/ops/cp/chunk_fwd.py`, `chunk_bwd.py`,
+  `chunk_merge.py`, `chunk_delta_h.py`: every rank's affine summary, their
+  all-gather, and the fold over the ranks before it, mirrored in backward).
+  Returned as "recurrence_o", compared with cpsim's reference recurrence:
+  output and the gradients of q, k, v, beta, g.
+* `conv`: fla_step.py's step (FLA's context, gather, CP convolution) with FLA's
+  own Triton convolution kernel in place of the torch stand-in.
+
+The conventions mapped (docs/anchors.md, "FLA's KDA and cpsim's recurrence"):
+cpsim's recurrence is FLA's KDA with scale 1 (cpsim does not scale q), the gate
+g the per-token log-decay (FLA's `g` without `use_gate_in_kernel`, cumulated
+inside the kernel), beta as given (no sigmoid in the kernel), no l2 norm in the
+kernel (cpsim's keys are drawn normalised). cpsim's heads are K = V = 4 wide;
+FLA's kernels are written for widths of at least 16 (tl.dot), so the adapter
+pads K and V with zeros to 16 and cuts the output back: a zero key or value
+channel adds nothing to the state and reads nothing from it, so the padded
+recurrence's first V channels are the unpadded one exactly (and the padded
+channels' gradients are not compared).
+
+Every adjustment that lets the kernels run on a CPU is in triton_cpu.py.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import triton_cpu  # noqa: E402 - before triton and fla: the interpreter is chosen when kernels are defined
+
+triton_cpu.enable()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import anchor_cli  # noqa: E402
+import fla  # noqa: E402
+import fla_step  # noqa: E402
+from fla.ops.cp import build_cp_context  # noqa: E402
+from fla.ops.kda import chunk_kda  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch"))
+import cp_step  # noqa: E402 - cpsim's checked example: the layout of the raw batch
+
+WIDTH = 16  # the head width FLA's kernels are written for (tl.dot takes 16 and up)
+
+
+def _row_contexts(case, group):
+    """FLA's context of every packed row (its segments: runs of equal doc ids,
+    padding runs included, tiling the padded row), as fla_step.py builds them."""
+    ids, _, _ = cp_step.layout_of(case.batch)
+    padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
+    padded[:, :case.S] = ids
+    contexts = []
+    for b in range(padded.shape[0]):
+        cu = cp_step.segment_cu_seqlens(padded[b])
+        contexts.append(build_cp_context(cu, group=group, conv1d_kernel_size=case.conv_width, cu_seqlens_cpu=cu))
+    return contexts
+
+
+def _widen(t):
+    """[B, L, H, n] zero-padded to [B, L, H, WIDTH] (exact: see the module's text)."""
+    return F.pad(t, (0, WIDTH - t.shape[-1]))
+
+
+def make_kda_step(gate_unscaled=False, skip_merge=False):
+    def step(case):
+        group = dist.group.WORLD
+        r = case.recurrence
+        V = r["v"].shape[-1]
+        contexts = _row_contexts(case, group)
+        outs = []
+        for b, context in enumerate(contexts):
+            if skip_merge:  # PLANTED: no state from the ranks before (each shard a sequence of its own)
+                context = None
+            q, k, v, g = (_widen(r[n][b:b + 1]) for n in ("q", "k", "v", "g"))
+            if gate_unscaled:  # PLANTED: the gate handed over as a decay factor, not its log
+                g = g.exp()
+            cu = None
+            if context is None:
+                cu = contexts[b].cu_seqlens
+            o, _ = chunk_kda(q, k, v, g, r["beta"][b:b + 1], scale=1.0, initial_state=None,
+                             output_final_state=False, cu_seqlens=cu, cp_context=context)
+            outs.append(o[..., :V])
+        return {"recurrence_o": torch.cat(outs)}
+    return step
+
+
+STEPS = {"kda": make_kda_step, "conv": fla_step.make_step}
+VARIANTS = {
+    "kda": {"no_state_across_ranks": make_kda_step(skip_merge=True),
+            "gate_unscaled": make_kda_step(gate_unscaled=True)},
+    "conv": {"conv_always": fla_step.make_step(conv_always=True)},  # finding F1, with FLA's own kernel
+}
+# The shapes the interpreter affords (a few seconds a case): documents of tens of
+# tokens, CP 1-4; FLA's contract: equal shards, every rank W - 1 tokens for the conv.
+SETTINGS = {"kda": {"dtype": "f32", "max_cp": 4},
+            "conv": {"dtype": "f32", "max_cp": 4, "min_shard": fla_step.MIN_SHARD}}
+
+
+def check(name, step=None, **kwargs):
+    import cpsim.torch
+    settings = dict(SETTINGS[name])
+    if kwargs.get("family"):
+        settings.pop("min_shard", None)
+    settings.update({k: v for k, v in kwargs.items() if v is not None})
+    saved, fla_step.STAND_IN[0] = fla_step.STAND_IN[0], False  # FLA's own Triton convolution kernel, interpreted
+    try:
+        return cpsim.torch.check(step or STEPS[name](), **settings)
+    finally:
+        fla_step.STAND_IN[0] = saved
+
+
+def main():
+    return anchor_cli.run_steps(__doc__, STEPS, VARIANTS, check, lambda name: "fla-core %s %s, Triton's interpreter "
+                                "(%d kernel launches)" % (fla.__version__, name, triton_cpu.LAUNCHES[0]), max_cp=4)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""FLA's Triton kernels on a CPU, under Triton's interpreter: every adjustment
+the adapters make to run them, in one place, applied to this process only
+(no file of Triton or FLA is changed on disk). Import this module before
+anything imports triton or fla; `enable()` applies the adjustments once.
+
+What each adjustment changes, and why it does not change what a kernel
+computes (docs/anchors.md, "FLA's Triton kernels on a CPU"):
+
+1. TRITON_INTERPRET=1: `@triton.jit` functions become Triton's
+   InterpretedFunction, which runs each program of the grid in turn with
+   numpy on CPU tensors. Set before triton is first imported (the decorator
+   reads it).
+2. Autotuning without timing: Triton's Autotuner times every config with a
+   GPU benchmarker. Here it keeps the first config that FLA's own pruning
+   leaves (configs change block sizes and warps, never the result beyond
+   rounding; on the interpreter warps and stages do nothing).
+3. Loop counters are tensors: under the interpreter `tl.range` is Python's
+   range, so a counter is a Python int, and FLA calls `i_t.to(tl.int64)` on
+   one. The interpreter's range here yields int32 scalar tensors (what the
+   compiler gives a counter), so `.to` exists and arithmetic is the same.
+4. One kernel at a time in the process: the interpreter patches
+   triton.language module-wide while a kernel runs and keeps the grid index
+   in one global builder, so two rank threads running kernels at once would
+   corrupt each other. Each launch holds a process lock (ranks still
+   interleave between launches: collectives are called outside kernels).
+5. Masks are booleans: a mask made of a Python bool and a tensor (FLA's
+   `m_t = (t < seq_len) & m_d` with `seq_len` a Python int) comes out an
+   integer tensor in the interpreter, which its load and store refuse ("mask
+   has unsupported dtype"); the compiler makes it i1. Loads and stores take
+   such a mask as bool (nonzero is true, as i1 is).
+6. Builtins aliased by name are looked up when called: FLA binds
+   `gather = tl.gather` at import (fla/ops/utils/op.py), so its kernels call
+   the language's builtin itself, not the interpreter's stand-in for it, which
+   exists only while a kernel runs ("Did you forget to add @triton.jit?").
+   Every such alias in FLA's modules is replaced by a function that calls
+   `triton.language.<name>` at the time of the call: the same builtin when
+   compiled, the interpreter's while interpreted.
+7. Every dot precision the compiler takes: FLA asks `input_precision=
+   "bf16x3"` in the KDA backward's diagonal blocks (fp32 accuracy from three
+   bf16 products on a GPU), which the interpreter's list of names lacks. Its
+   dot ignores the precision and multiplies in the accumulator's dtype (fp32),
+   as precise as bf16x3 or more: the names are added, nothing else changes.
+8. FLA's CP device guard (`_check_cp_device`: "CP affine chains require
+   NVIDIA Ampere or newer") is replaced by one that also accepts the CPU, in
+   every module that imported it by name. The guard exists for the GPU's
+   TF32x3 dot precision; the interpreter computes dots in fp32 (numpy).
+"""
+import os
+import sys
+import threading
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("triton_cpu must be imported before triton (TRITON_INTERPRET is read when kernels are defined)")
+os.environ["TRITON_INTERPRET"] = "1"
+
+_LOCK = threading.RLock()
+_enabled = []
+LAUNCHES = [0]  # kernel launches run (a count for reports)
+
+
+def _counter_range(arg1, arg2=None, step=None, **options):
+    """range(...) whose counters are int32 scalar tensors, as compiled Triton's
+    are (tl.range's compiler options, such as num_stages, do nothing here)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+    bounds = [int(a.handle.data.item()) if isinstance(a, tl.tensor) else int(getattr(a, "value", a))
+              for a in (arg1, arg2, step) if a is not None]
+    if arg2 is None and step is not None:
+        bounds = [0] + bounds
+    for i in range(*bounds):
+        yield tl.tensor(TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
+
+
+_SEEN = set()
+
+
+def _forward_aliases():
+    """6. every FLA module's alias of a triton.language builtin, forwarded to the
+    builtin of that name at call time (modules imported since the last launch)."""
+    import triton.language as tl
+    fresh = [name for name in list(sys.modules) if name.startswith("fla") and name not in _SEEN]
+    if not fresh:
+        return
+    builtins = {}
+    for space in (tl, tl.math):
+        for name in dir(space):
+            value = getattr(space, name)
+            if getattr(value, "__triton_builtin__", False):
+                builtins.setdefault(id(value), (space, name))
+    for module_name in fresh:
+        _SEEN.add(module_name)
+        module = sys.modules[module_name]
+        for attr, value in list(vars(module).items() if module is not None else []):
+            if id(value) in builtins and not attr.startswith("__"):
+                space, name = builtins[id(value)]
+                setattr(module, attr, _forwarder(space, name))
+
+
+def _forwarder(space, name):
+    def call(*args, **kwargs):
+        return getattr(space, name)(*args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+def enable():
+    """Applies the adjustments (once). Returns the modules whose CP guard was replaced."""
+    if _enabled:
+        return _enabled[0]
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    # 2. the first config FLA's pruning keeps, untimed
+    prune = autotuner.Autotuner.prune_configs
+
+    def first_config(self, kwargs):
+        return prune(self, kwargs)[:1]
+    autotuner.Autotuner.prune_configs = first_config
+
+    # 3. loop counters as int32 tensors: `for i in range(...)` and tl.range in a
+    # kernel's source (the interpreter already rewrites each kernel's AST once)
+    import ast
+    interpreter._cpsim_counter_range = _counter_range  # copied into a kernel's globals when it is rewritten
+
+    class CounterRanges(interpreter.ASTTransformer):
+        def visit_For(self, node):
+            node = self.generic_visit(node)
+            call = node.iter
+            if isinstance(call, ast.Call) and (
+                    (isinstance(call.func, ast.Name) and call.func.id == "range") or
+                    (isinstance(call.func, ast.Attribute) and call.func.attr == "range")):
+                call.func = ast.Name(id="_cpsim_counter_range", ctx=ast.Load())
+            return node
+    interpreter.FunctionRewriter.ast_transformer = CounterRanges()
+
+    # 4. one launch at a time
+    launch = interpreter.GridExecutor.__call__
+
+    def serialised(self, *args, **kwargs):
+        with _LOCK:
+            _forward_aliases()
+            LAUNCHES[0] += 1
+            return launch(self, *args, **kwargs)
+    interpreter.GridExecutor.__call__ = serialised
+
+    # 5. integer masks taken as bool by loads and stores
+    import numpy as np
+    builder = interpreter.InterpreterBuilder
+    masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data.astype(np.bool_), interpreter.tl.int1)
+
+    def load(self, ptrs, mask, other, cache_policy, is_volatile):
+        return masked_load(self, ptrs, as_bool(mask), other, cache_policy, is_volatile)
+
+    def store(self, ptrs, value, mask, cache_policy):
+        return masked_store(self, ptrs, value, as_bool(mask), cache_policy)
+    builder.create_masked_load, builder.create_masked_store = load, store
+
+    # 7. the dot precisions the compiler takes
+    import dataclasses
+    options = interpreter.interpreter_builder.options
+    interpreter.interpreter_builder.options = dataclasses.replace(
+        options, allowed_dot_input_precisions=tuple(options.allowed_dot_input_precisions) + ("bf16x3", "bf16x6"))
+
+    # 8. FLA's CP device guard, wherever it was imported by name
+    import fla.ops.cp.context as context
+    guard = context._check_cp_device
+
+    def check_cp_device(device):
+        if device.type != "cpu":
+            guard(device)
+    patched = []
+    import fla.ops.cp  # noqa: F401 - imports the modules that hold the guard
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fla.") and getattr(module, "_check_cp_device", None) is guard:
+            module._check_cp_device = check_cp_device
+            patched.append(name)
+    _enabled.append(sorted(patched))
+    return _enabled[0]
