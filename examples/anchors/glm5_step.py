@@ -148,7 +148,8 @@ def _contract(batch, findings=True):
 def make_cp_step(fla_context=False, rank_from_world=False, guarded=True, gradient_in_place=False):
     """fla_context: the rows' boundaries from FLA's context (build_fla_cp_context)
     instead of segment_cu_seqlens of the local ids. guarded=False: the layouts of
-    findings G2-G5 are drawn too (they fail)."""
+    findings G2-G8 are drawn too, and a [S] loss mask handed over as it is (they
+    fail)."""
     def step(case):
         batch = _raw(case)
         _contract(batch, findings=guarded)
@@ -175,9 +176,8 @@ def make_cp_step(fla_context=False, rank_from_world=False, guarded=True, gradien
         if "attention_mask" in given:  # consumed (documents in doc ids, padding in padding_mask)
             shard["attention_mask"] = (~shard["padding_mask"].bool()).to(torch.int64)
         gathered = glm5_cp.all_gather_sequence(case.x, group, dim=1)
-        if not gradient_in_place:
+        if not gradient_in_place:  # K4 shows on the gather's own output (an add would hand it a sum)
             gathered = anchor_cli.FreshGradient.apply(gathered)
-        if not gradient_in_place:  # K4 shows on the gather's own output (an add hands it a sum)
             gathered = gathered + glm5_cp.all_gather_backward_anchor(gathered)
         out = {"batch": shard, "doc_ids": context.doc_ids, "local_doc_ids": context.local_doc_ids,
                "gathered": gathered}
