@@ -17,8 +17,6 @@
 // Built by python/setup.py with torch's own build helper (pip install
 // --no-build-isolation ./python), against the torch that is installed.
 #include <Python.h>
-#include <gloo/context.h>
-#include <gloo/transport/unbound_buffer.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
@@ -40,9 +38,11 @@
 
 #include "core/comm/call_check.hpp"
 #include "core/comm/communicator.hpp"
+#include "core/comm/point_to_point.hpp"
 #include "core/comm/registry.hpp"
 #include "core/error.hpp"
 #include "sim/gloo/gloo.hpp"
+#include "sim/gloo/process_wire.hpp"
 #include "sim/job/job.hpp"
 
 namespace cpsim::torch_backend {
@@ -175,347 +175,26 @@ std::string python_call_site() {
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// What each rank of a spawn is doing, for reports: a collective, a wait for a
-// receive, or nothing; with the call site.
+// Point to point between the ranks of a spawn or of one process of a job: the
+// comm layer's Mailbox (core/comm/point_to_point.hpp), with its ActivityBoard of
+// what each rank does; a tensor travels as its bytes, dtype name and count.
 
-class Board {
- public:
-  explicit Board(int ranks) : doing_(ranks) {}
-  // collective: the communicator sees it too (its reports name it already).
-  void set(int rank, std::string what, bool collective = false) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    doing_.at(rank) = {std::move(what), collective};
-  }
-  // "\n  rank q: waits for its recv from rank 0 (tag 3) at step.py:12", for every
-  // rank doing something (outside_collectives: only what the communicator does
-  // not see, the waits in point to point).
-  std::string lines(bool outside_collectives = false) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::string out;
-    for (std::size_t q = 0; q < doing_.size(); ++q)
-      if (!doing_[q].what.empty() && !(outside_collectives && doing_[q].collective))
-        out += "\n  rank " + std::to_string(q) + ": " + doing_[q].what;
-    return out;
-  }
+Payload payload_of(const at::Tensor& t) {
+  const at::Tensor bytes = as_bytes(t);
+  Payload p{std::vector<std::uint8_t>(static_cast<std::size_t>(bytes.numel())), dtype_text(t), t.numel()};
+  if (bytes.numel()) std::memcpy(p.bytes.data(), bytes.data_ptr(), p.bytes.size());
+  return p;
+}
 
- private:
-  struct Doing {
-    std::string what;
-    bool collective = false;
+// Where a matching message's bytes go: the receive's tensor, of any layout.
+std::function<void(const std::vector<std::uint8_t>&)> writer_of(at::Tensor t) {
+  return [t](const std::vector<std::uint8_t>& bytes) mutable {
+    if (bytes.empty()) return;
+    at::Tensor view = at::from_blob(const_cast<std::uint8_t*>(bytes.data()), {static_cast<std::int64_t>(bytes.size())},
+                                    at::kByte);
+    write_bytes(t, view);
   };
-  mutable std::mutex mutex_;
-  std::vector<Doing> doing_;
-};
-
-// ---------------------------------------------------------------------------
-// Point to point: torch's send and recv between ranks of one spawn. A send is
-// buffered and completes at once; a receive is posted and completes when a
-// message with its source (or any source) and tag comes, in the order they were
-// sent, whichever of the two came first (a ring that posts its irecv first is
-// fine). What would hang is a named error: a receive nothing comes for within
-// the timeout (with every rank's pending messages and receives, and what each
-// rank is doing), a size or dtype that differs, and at the end a message nobody
-// received.
-
-struct PostedRecv {
-  at::Tensor tensor;
-  std::string group;
-  int dst = -1, src = -1, tag = 0;  // src -1: any source
-  std::string site;
-  bool done = false;
-  int source = -1;  // who sent it, once done
-  std::string error;
-  std::string what() const {
-    return "recv from " + (src < 0 ? std::string("any rank") : "rank " + std::to_string(src)) + " (tag " +
-           std::to_string(tag) + ", " + shape_text(tensor) + ")" + (site.empty() ? "" : " at " + site);
-  }
-};
-
-class Mailbox {
- public:
-  struct Message {
-    at::Tensor bytes;
-    std::string dtype;
-    std::int64_t numel = 0;
-    int seq = 0;
-    std::string site;
-    std::uint64_t arrival = 0;  // the order messages came to this mailbox in
-  };
-  // How a message leaves this process for rank dst of another (a job's
-  // processes: ProcessWire); it returns once the message is on its way.
-  using Remote = std::function<void(int src, int dst, int tag, const Message& m)>;
-
-  Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<Board> board)
-      : state_(ranks, "running"), sent_(ranks, 0), timeout_(timeout), board_(std::move(board)) {}
-  // The mailbox of one process of a job: its receives are rank `local`'s; sends
-  // to any other rank go through `remote`.
-  void set_remote(int local, Remote remote) { local_ = local, remote_ = std::move(remote); }
-
-  void send(const std::string& group, int src, int dst, int tag, const at::Tensor& t, const std::string& site) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    check_peer(src, dst, "send to");
-    const bool remote = remote_ && dst != local_;
-    // A message kept here is a copy (the send completes at once); one for
-    // another process leaves before the send returns.
-    Message m{remote ? as_bytes(t) : as_bytes(t).clone(), dtype_text(t), t.numel(), ++sent_[src], site};
-    if (remote) {
-      lock.unlock();
-      remote_(src, dst, tag, m);
-      return;
-    }
-    arrive_locked(group, src, dst, tag, std::move(m));
-  }
-
-  // A message from another process for this one's rank.
-  void arrive(const std::string& group, int src, int dst, int tag, Message m) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    arrive_locked(group, src, dst, tag, std::move(m));
-  }
-
-  std::shared_ptr<PostedRecv> post(const std::string& group, int dst, int src, int tag, at::Tensor t,
-                                   const std::string& site) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (src >= 0) check_peer(dst, src, "recv from");
-    auto p = std::make_shared<PostedRecv>();
-    p->tensor = std::move(t), p->group = group, p->dst = dst, p->src = src, p->tag = tag, p->site = site;
-    // The earliest message that matches (from any source: whichever came first).
-    std::deque<Message>* earliest = nullptr;
-    int from = -1;
-    for (auto& [key, queue] : queues_) {
-      const auto& [g, s, d, tg] = key;
-      if (queue.empty() || g != group || d != dst || tg != tag || (src >= 0 && s != src)) continue;
-      if (earliest == nullptr || queue.front().arrival < earliest->front().arrival) earliest = &queue, from = s;
-    }
-    if (earliest != nullptr) {
-      Message m = std::move(earliest->front());
-      earliest->pop_front();
-      deliver(*p, from, m);
-      return p;
-    }
-    posted_.push_back(p);
-    return p;
-  }
-
-  // Waits for a posted receive, at most `limit` when it is set and shorter than
-  // the group's timeout (Work.wait(timeout)); throws what went wrong.
-  void wait(PostedRecv& p, std::chrono::milliseconds limit = std::chrono::milliseconds(0)) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    const auto start = Clock::now();
-    const std::chrono::milliseconds timeout = limit.count() > 0 ? std::min(limit, timeout_) : timeout_;
-    const auto deadline = start + timeout;
-    if (!p.done) board_->set(p.dst, "waits for its " + p.what());
-    while (!p.done) {
-      if (!failure_.empty()) {
-        board_->set(p.dst, "");
-        throw CollectiveError("rank " + std::to_string(p.dst) + " waits for its " + p.what() +
-                              ", but the group stopped: " + failure_);
-      }
-      if (p.src >= 0 && state_[p.src] != "running") {
-        board_->set(p.dst, "");
-        throw CollectiveError("rank " + std::to_string(p.dst) + " waits for its " + p.what() + ", but rank " +
-                              std::to_string(p.src) + " " + state_[p.src] + " without sending it" +
-                              pending_locked());
-      }
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !p.done) {
-        const std::string report = "timeout: rank " + std::to_string(p.dst) + " " + waited_since(start, timeout) +
-                                   " for its " + p.what() + " and nothing came" + pending_locked() +
-                                   "\n what the ranks are doing:" + board_->lines();
-        board_->set(p.dst, "timed out waiting for its " + p.what());
-        failure_ = "rank " + std::to_string(p.dst) + " timed out in its " + p.what();
-        cv_.notify_all();
-        throw CollectiveError(report);
-      }
-    }
-    board_->set(p.dst, "");
-    forget(p);
-    if (!p.error.empty()) throw CollectiveError(p.error);
-  }
-
-  // A rank stopped: returned, or threw (then every waiting receive stops too).
-  void stopped(int rank, const std::string& how, bool failed) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    state_[rank] = how;
-    if (failed && failure_.empty()) failure_ = "rank " + std::to_string(rank) + " " + how;
-    cv_.notify_all();
-  }
-
-  // The messages no receive took, and the receives nothing came for (none
-  // waited: an unwaited request is reported by its rank), as one report.
-  std::string unreceived() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::ostringstream os;
-    for (const auto& [key, queue] : queues_)
-      for (const Message& m : queue)
-        os << (os.tellp() > 0 ? "\n  " : "a send no recv took:\n  ") << "rank " << std::get<1>(key) << "'s send #"
-           << m.seq << " to rank " << std::get<2>(key) << " (tag " << std::get<3>(key) << ", " << m.dtype << " x "
-           << m.numel << ")" << (m.site.empty() ? "" : " at " + m.site);
-    return os.str();
-  }
-
-  // Every rank's pending point-to-point: "\n  rank 0: sent rank 1 ... (not
-  // received); posted recv from ... (nothing came)".
-  std::string pending() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return pending_locked();
-  }
-
- private:
-  // The message to the first posted receive it matches, else to its queue.
-  void arrive_locked(const std::string& group, int src, int dst, int tag, Message m) {
-    m.arrival = ++arrivals_;
-    for (auto& p : posted_) {
-      if (p->done || p->group != group || p->dst != dst || p->tag != tag || (p->src >= 0 && p->src != src)) continue;
-      deliver(*p, src, m);
-      cv_.notify_all();
-      return;
-    }
-    queues_[{group, src, dst, tag}].push_back(std::move(m));
-  }
-  void deliver(PostedRecv& p, int src, const Message& m) {
-    p.done = true;
-    p.source = src;
-    if (m.numel != p.tensor.numel() || m.dtype != dtype_text(p.tensor)) {
-      p.error = "rank " + std::to_string(p.dst) + "'s " + p.what() + " got rank " + std::to_string(src) + "'s send #" +
-                std::to_string(m.seq) + ", which holds " + m.dtype + " x " + std::to_string(m.numel) +
-                (m.site.empty() ? "" : " (sent at " + m.site + ")");
-      return;
-    }
-    write_bytes(p.tensor, m.bytes);
-  }
-  void forget(PostedRecv& p) {
-    posted_.remove_if([&](const std::shared_ptr<PostedRecv>& q) { return q.get() == &p; });
-  }
-  void check_peer(int me, int peer, const char* op) const {
-    if (peer < 0 || peer >= static_cast<int>(state_.size()) || peer == me)
-      throw InvalidInput("rank " + std::to_string(me) + ": " + op + " rank " + std::to_string(peer) + " in a group of " +
-                         std::to_string(state_.size()));
-  }
-  std::string pending_locked() const {
-    std::string out;
-    for (const auto& [key, queue] : queues_)
-      for (const Message& m : queue)
-        out += "\n  rank " + std::to_string(std::get<1>(key)) + " sent rank " + std::to_string(std::get<2>(key)) +
-               " " + m.dtype + " x " + std::to_string(m.numel) + " (tag " + std::to_string(std::get<3>(key)) +
-               (m.site.empty() ? "" : ", at " + m.site) + "), not received yet";
-    for (const auto& p : posted_)
-      if (!p->done) out += "\n  rank " + std::to_string(p->dst) + " posted a " + p->what() + ", nothing came yet";
-    return out.empty() ? out : "; pending point-to-point:" + out;
-  }
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::map<std::tuple<std::string, int, int, int>, std::deque<Message>> queues_;
-  std::list<std::shared_ptr<PostedRecv>> posted_;
-  std::vector<std::string> state_;
-  std::vector<int> sent_;
-  std::string failure_;
-  std::chrono::milliseconds timeout_;
-  std::shared_ptr<Board> board_;
-  int local_ = -1;
-  Remote remote_;
-  std::uint64_t arrivals_ = 0;
-};
-
-// ---------------------------------------------------------------------------
-// Point to point between the processes of a job, over the group's Gloo context
-// (slots of its own): a send writes a header (tag, dtype, count, the sender's
-// call site) and the bytes; a thread of each process takes every message that
-// comes, from any peer, into the process's mailbox, where its receives match
-// them as between threads (any order, sizes checked, timeouts named).
-
-struct WireHeader {
-  std::int64_t tag = 0, numel = 0, nbytes = 0, seq = 0;
-  char dtype[24] = {};
-  char site[96] = {};
-};
-
-inline constexpr std::uint64_t kTorchHeaderSlot = 0xC5ull << 56 | 8;
-inline constexpr std::uint64_t kTorchPayloadSlot = 0xC5ull << 56 | 9;
-
-class ProcessWire {
- public:
-  // ranks: the job ranks of the group's ranks; me: this process's group rank.
-  ProcessWire(std::shared_ptr<gloo::Context> context, std::vector<int> ranks, int me, std::shared_ptr<Mailbox> mailbox,
-              std::chrono::milliseconds timeout)
-      : context_(std::move(context)), ranks_(std::move(ranks)), me_(me), mailbox_(std::move(mailbox)),
-        timeout_(timeout) {
-    if (context_ && ranks_.size() > 1) thread_ = std::thread([this] { take(); });
-  }
-  ~ProcessWire() {
-    stopping_ = true;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (header_) header_->abortWaitRecv();
-    }
-    if (thread_.joinable()) thread_.join();
-  }
-
-  void send(int dst, int tag, const Mailbox::Message& m) {
-    const auto it = std::find(ranks_.begin(), ranks_.end(), dst);
-    if (it == ranks_.end() || !context_) throw InvalidInput("send to rank " + std::to_string(dst) + ": not in this group");
-    const int peer = static_cast<int>(it - ranks_.begin());
-    WireHeader h;
-    h.tag = tag, h.numel = m.numel, h.nbytes = m.bytes.numel(), h.seq = m.seq;
-    std::strncpy(h.dtype, m.dtype.c_str(), sizeof h.dtype - 1);
-    std::strncpy(h.site, m.site.c_str(), sizeof h.site - 1);
-    try {
-      auto header = context_->createUnboundBuffer(&h, sizeof h);
-      std::unique_ptr<gloo::transport::UnboundBuffer> payload;
-      header->send(peer, kTorchHeaderSlot);
-      if (h.nbytes) {
-        payload = context_->createUnboundBuffer(m.bytes.data_ptr(), static_cast<std::size_t>(h.nbytes));
-        payload->send(peer, kTorchPayloadSlot);
-      }
-      header->waitSend(timeout_);
-      if (payload) payload->waitSend(timeout_);
-    } catch (const std::exception& e) {
-      throw CollectiveError("rank " + std::to_string(ranks_[me_]) + "'s send to rank " + std::to_string(dst) +
-                            " (tag " + std::to_string(tag) + ", " + m.dtype + " x " + std::to_string(m.numel) +
-                            ") did not leave within " + std::to_string(timeout_.count()) + " ms: " + e.what());
-    }
-  }
-
- private:
-  // Every message from any peer, into the mailbox, until the group ends.
-  void take() {
-    std::vector<int> peers;
-    for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
-      if (q != me_) peers.push_back(q);
-    while (!stopping_) {
-      WireHeader h;
-      int src = -1;
-      try {
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          if (stopping_) return;
-          header_ = context_->createUnboundBuffer(&h, sizeof h);
-          header_->recv(peers, kTorchHeaderSlot);
-        }
-        if (!header_->waitRecv(&src, std::chrono::hours(24 * 365)) || stopping_) return;
-        at::Tensor bytes = at::empty({h.nbytes}, at::kByte);
-        if (h.nbytes) {
-          auto payload = context_->createUnboundBuffer(bytes.data_ptr(), static_cast<std::size_t>(h.nbytes));
-          payload->recv(src, kTorchPayloadSlot);
-          payload->waitRecv(timeout_);
-        }
-        h.dtype[sizeof h.dtype - 1] = h.site[sizeof h.site - 1] = 0;
-        mailbox_->arrive("", ranks_[src], ranks_[me_], static_cast<int>(h.tag),
-                         Mailbox::Message{bytes, h.dtype, h.numel, static_cast<int>(h.seq), h.site});
-      } catch (const std::exception&) {
-        return;  // the group's connections closed (a peer ended or failed): its calls report that
-      }
-    }
-  }
-
-  std::shared_ptr<gloo::Context> context_;
-  std::vector<int> ranks_;
-  int me_;
-  std::shared_ptr<Mailbox> mailbox_;
-  std::chrono::milliseconds timeout_;
-  std::mutex mutex_;
-  std::unique_ptr<gloo::transport::UnboundBuffer> header_;
-  std::atomic<bool> stopping_{false};
-  std::thread thread_;
-};
+}
 
 // ---------------------------------------------------------------------------
 // Requests. Every Work a call returns must be waited on before its rank ends,
@@ -625,7 +304,7 @@ bool CpsimWork::wait(std::chrono::milliseconds timeout) {
 struct RankContext {
   std::shared_ptr<Communicator> comm;
   std::shared_ptr<Mailbox> mailbox;  // the ranks' point to point (a spawn's, or one process's of a job)
-  std::shared_ptr<Board> board;      // what each rank does (the spawn's ranks, or this process's)
+  std::shared_ptr<ActivityBoard> board;      // what each rank does (the spawn's ranks, or this process's)
   std::shared_ptr<Ledger> ledger;
   std::string group;                 // torch's group name
   std::vector<int> global_ranks;     // group rank -> rank of the spawn or job
@@ -862,7 +541,7 @@ class BackendCpsim : public c10d::Backend {
     const at::Tensor& t = tensors[0];
     expect_cpu(t, "send");
     const std::string site = python_call_site();
-    point_to_point([&] { ctx_.mailbox->send(ctx_.group, global(getRank()), global(dst), tag, t, site); });
+    point_to_point([&] { ctx_.mailbox->send(ctx_.group, global(getRank()), global(dst), tag, payload_of(t), site); });
     return work(c10d::OpType::SEND,
                 "send to rank " + std::to_string(global(dst)) + " (tag " + std::to_string(tag) + ", " + shape_text(t) + ")",
                 {}, site);
@@ -883,7 +562,10 @@ class BackendCpsim : public c10d::Backend {
     expect_cpu(t, "recv");
     const std::string site = python_call_site();
     std::shared_ptr<PostedRecv> p;
-    point_to_point([&] { p = ctx_.mailbox->post(ctx_.group, global(getRank()), src < 0 ? -1 : global(src), tag, t, site); });
+    point_to_point([&] {
+      p = ctx_.mailbox->post(ctx_.group, global(getRank()), src < 0 ? -1 : global(src), tag, dtype_text(t), t.numel(),
+                             writer_of(t), site);
+    });
     return c10::make_intrusive<CpsimWork>(getRank(), c10d::OpType::RECV, p->what(), std::vector<at::Tensor>{t},
                                           ctx_.ledger, ctx_.mailbox, p);
   }
@@ -1103,7 +785,7 @@ class SpawnedGroup {
   SpawnedGroup(const std::string& backend, int n, double timeout_s)
       : backend_(backend),
         timeout_(milliseconds(timeout_s)),
-        board_(std::make_shared<Board>(n)),
+        board_(std::make_shared<ActivityBoard>(n)),
         mailbox_(std::make_shared<Mailbox>(n, timeout_, board_)),
         ledgers_(n),
         memberships_(n) {
@@ -1168,7 +850,7 @@ class SpawnedGroup {
   }
   std::string backend_;
   std::chrono::milliseconds timeout_;
-  std::shared_ptr<Board> board_;
+  std::shared_ptr<ActivityBoard> board_;
   std::shared_ptr<Mailbox> mailbox_;
   std::vector<std::shared_ptr<Ledger>> ledgers_;
   std::mutex mutex_;
@@ -1185,9 +867,9 @@ class JobSession {
              std::vector<int> ranks, int job_size, std::chrono::milliseconds timeout)
       : session_(std::move(session)) {
     const int me = session_->gloo()->rank();
-    auto board = std::make_shared<Board>(job_size);
+    auto board = std::make_shared<ActivityBoard>(job_size);
     mailbox_ = std::make_shared<Mailbox>(job_size, timeout, board);
-    wire_ = std::make_unique<ProcessWire>(session_->gloo()->context_ptr(), ranks, me, mailbox_, timeout);
+    wire_ = std::make_unique<sim::ProcessWire>(*session_->gloo(), ranks, mailbox_, timeout);
     mailbox_->set_remote(ranks.at(me), [wire = wire_.get()](int, int dst, int tag, const Mailbox::Message& m) {
       wire->send(dst, tag, m);
     });
@@ -1220,7 +902,7 @@ class JobSession {
  private:
   std::unique_ptr<sim::ProcessJob::Session> session_;
   std::shared_ptr<Mailbox> mailbox_;
-  std::unique_ptr<ProcessWire> wire_;  // after session_: its thread ends before the connections close
+  std::unique_ptr<sim::ProcessWire> wire_;  // after session_: its thread ends before the connections close
   c10::intrusive_ptr<BackendCpsim> backend_;
   bool ended_ = false, collective_failed_ = false;
 };

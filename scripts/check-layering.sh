@@ -4,13 +4,16 @@
 #   verify/ includes core/ and verify/ only (backends only through core/comm/registry);
 #   sim/ and gpu/ (the backends, and sim/job/) are siblings: neither includes the
 #   other, nor verify/, cli/ or bench/ (a job hands a backend its side channel
-#   through core/comm/job.hpp).
+#   through core/comm/job.hpp);
+#   python/ (the torch backend) is an adapter on core/ and the CPU backends'
+#   public headers: no verify/, cli/, bench/ or gpu/, and no Gloo (the process
+#   wire of torch's point to point is sim/gloo/process_wire.hpp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0
 check() {  # folder, pattern of forbidden includes, why
   local hits
-  hits=$(grep -rnE "#include \"($2)/" "$1" --include='*.hpp' --include='*.cpp' --include='*.cu' --include='*.cuh' 2>/dev/null || true)
+  hits=$(grep -rnE "#include [\"<]($2)/" "$1" --include='*.hpp' --include='*.cpp' --include='*.cu' --include='*.cuh' 2>/dev/null || true)
   if [ -n "$hits" ]; then
     echo "layering: $1 must not include $2/ ($3):"
     echo "$hits"
@@ -23,5 +26,6 @@ check sim "verify|cli|bench|tests|gpu" "backends know nothing of properties, nor
 if [ -d gpu ]; then
   check gpu "verify|cli|bench|tests|sim" "backends know nothing of properties, nor of each other"
 fi
-[ $status -eq 0 ] && echo "layering: core, verify and backends keep to their includes"
+check python "verify|cli|bench|tests|gpu|gloo" "the torch backend adapts the comm layer; Gloo stays in sim/gloo/"
+[ $status -eq 0 ] && echo "layering: core, verify, backends and the torch backend keep to their includes"
 exit $status

@@ -12,9 +12,12 @@ namespace cpsim::sim {
 inline constexpr Capabilities kGlooCapabilities{/*rank_order_sums=*/true, /*device_buffers=*/false,
                                          /*stream_ordered=*/false};
 
-// Slots outside the ranges Gloo's own collectives use (prefix << 56 | tag).
-inline constexpr std::uint64_t kCallSlot = 0xC5ull << 56 | 1;
-inline constexpr std::uint64_t kPointToPointSlot = 0xC5ull << 56 | 2;
-inline constexpr std::uint64_t kGatherSlot = 0xC5ull << 56 | 3;
+// Every slot of cpsim's own messages, outside the ranges Gloo's collectives use
+// (prefix << 56 | tag): one table, so that no two uses share one.
+inline constexpr std::uint64_t kCallSlot = 0xC5ull << 56 | 1;          // the call check's records
+inline constexpr std::uint64_t kPointToPointSlot = 0xC5ull << 56 | 2;  // the communicator's send / recv
+inline constexpr std::uint64_t kGatherSlot = 0xC5ull << 56 | 3;        // the communicator's gathers
+inline constexpr std::uint64_t kWireHeaderSlot = 0xC5ull << 56 | 8;    // the process wire (torch's point to point): headers
+inline constexpr std::uint64_t kWirePayloadSlot = 0xC5ull << 56 | 9;   // and their bytes
 
 }  // namespace cpsim::sim

@@ -1,0 +1,179 @@
+#include "core/comm/point_to_point.hpp"
+
+#include <sstream>
+
+#include "core/comm/call_check.hpp"
+#include "core/error.hpp"
+
+namespace cpsim {
+
+void ActivityBoard::set(int rank, std::string what, bool collective) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  doing_.at(rank) = {std::move(what), collective};
+}
+
+std::string ActivityBoard::lines(bool outside_collectives) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::string out;
+  for (std::size_t q = 0; q < doing_.size(); ++q)
+    if (!doing_[q].what.empty() && !(outside_collectives && doing_[q].collective))
+      out += "\n  rank " + std::to_string(q) + ": " + doing_[q].what;
+  return out;
+}
+
+std::string PostedRecv::what() const {
+  return "recv from " + (src < 0 ? std::string("any rank") : "rank " + std::to_string(src)) + " (tag " +
+         std::to_string(tag) + ", " + dtype + " x " + std::to_string(numel) + ")" + (site.empty() ? "" : " at " + site);
+}
+
+Mailbox::Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board)
+    : state_(ranks, "running"), sent_(ranks, 0), timeout_(timeout), board_(std::move(board)) {}
+
+void Mailbox::set_remote(int local, Remote remote) { local_ = local, remote_ = std::move(remote); }
+
+void Mailbox::send(const std::string& group, int src, int dst, int tag, Payload payload, const std::string& site) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_peer(src, dst, "send to");
+  Message m{std::move(payload), ++sent_[src], site};
+  if (remote_ && dst != local_) {  // another process's rank: it leaves before the send returns
+    lock.unlock();
+    remote_(src, dst, tag, m);
+    return;
+  }
+  arrive_locked(group, src, dst, tag, std::move(m));
+}
+
+void Mailbox::arrive(const std::string& group, int src, int dst, int tag, Message m) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  arrive_locked(group, src, dst, tag, std::move(m));
+}
+
+std::shared_ptr<PostedRecv> Mailbox::post(const std::string& group, int dst, int src, int tag, std::string dtype,
+                                          std::int64_t numel,
+                                          std::function<void(const std::vector<std::uint8_t>&)> write,
+                                          const std::string& site) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (src >= 0) check_peer(dst, src, "recv from");
+  auto p = std::make_shared<PostedRecv>();
+  p->group = group, p->dst = dst, p->src = src, p->tag = tag, p->dtype = std::move(dtype), p->numel = numel;
+  p->write = std::move(write), p->site = site;
+  // The earliest message that matches (from any source: whichever came first).
+  std::deque<Message>* earliest = nullptr;
+  int from = -1;
+  for (auto& [key, queue] : queues_) {
+    const auto& [g, s, d, tg] = key;
+    if (queue.empty() || g != group || d != dst || tg != tag || (src >= 0 && s != src)) continue;
+    if (earliest == nullptr || queue.front().arrival < earliest->front().arrival) earliest = &queue, from = s;
+  }
+  if (earliest != nullptr) {
+    Message m = std::move(earliest->front());
+    earliest->pop_front();
+    deliver(*p, from, m);
+    return p;
+  }
+  posted_.push_back(p);
+  return p;
+}
+
+void Mailbox::wait(PostedRecv& p, std::chrono::milliseconds limit) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const auto start = Clock::now();
+  const std::chrono::milliseconds timeout = limit.count() > 0 ? std::min(limit, timeout_) : timeout_;
+  const auto deadline = start + timeout;
+  if (!p.done) board_->set(p.dst, "waits for its " + p.what());
+  while (!p.done) {
+    if (!failure_.empty()) {
+      board_->set(p.dst, "");
+      throw CollectiveError("rank " + std::to_string(p.dst) + " waits for its " + p.what() +
+                            ", but the group stopped: " + failure_);
+    }
+    if (p.src >= 0 && state_[p.src] != "running") {
+      board_->set(p.dst, "");
+      throw CollectiveError("rank " + std::to_string(p.dst) + " waits for its " + p.what() + ", but rank " +
+                            std::to_string(p.src) + " " + state_[p.src] + " without sending it" + pending_locked());
+    }
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !p.done) {
+      const std::string report = "timeout: rank " + std::to_string(p.dst) + " " + waited_since(start, timeout) +
+                                 " for its " + p.what() + " and nothing came" + pending_locked() +
+                                 "\n what the ranks are doing:" + board_->lines();
+      board_->set(p.dst, "timed out waiting for its " + p.what());
+      failure_ = "rank " + std::to_string(p.dst) + " timed out in its " + p.what();
+      cv_.notify_all();
+      throw CollectiveError(report);
+    }
+  }
+  board_->set(p.dst, "");
+  forget(p);
+  if (!p.error.empty()) throw CollectiveError(p.error);
+}
+
+void Mailbox::stopped(int rank, const std::string& how, bool failed) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  state_[rank] = how;
+  if (failed && failure_.empty()) failure_ = "rank " + std::to_string(rank) + " " + how;
+  cv_.notify_all();
+}
+
+std::string Mailbox::unreceived() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::ostringstream os;
+  for (const auto& [key, queue] : queues_)
+    for (const Message& m : queue)
+      os << (os.tellp() > 0 ? "\n  " : "a send no recv took:\n  ") << "rank " << std::get<1>(key) << "'s send #"
+         << m.seq << " to rank " << std::get<2>(key) << " (tag " << std::get<3>(key) << ", " << m.payload.shape()
+         << ")" << (m.site.empty() ? "" : " at " + m.site);
+  return os.str();
+}
+
+std::string Mailbox::pending() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pending_locked();
+}
+
+// The message to the first posted receive it matches, else to its queue.
+void Mailbox::arrive_locked(const std::string& group, int src, int dst, int tag, Message m) {
+  m.arrival = ++arrivals_;
+  for (auto& p : posted_) {
+    if (p->done || p->group != group || p->dst != dst || p->tag != tag || (p->src >= 0 && p->src != src)) continue;
+    deliver(*p, src, m);
+    cv_.notify_all();
+    return;
+  }
+  queues_[{group, src, dst, tag}].push_back(std::move(m));
+}
+
+void Mailbox::deliver(PostedRecv& p, int src, const Message& m) {
+  p.done = true;
+  p.source = src;
+  if (m.payload.numel != p.numel || m.payload.dtype != p.dtype) {
+    p.error = "rank " + std::to_string(p.dst) + "'s " + p.what() + " got rank " + std::to_string(src) + "'s send #" +
+              std::to_string(m.seq) + ", which holds " + m.payload.shape() +
+              (m.site.empty() ? "" : " (sent at " + m.site + ")");
+    return;
+  }
+  if (p.write) p.write(m.payload.bytes);
+}
+
+void Mailbox::forget(PostedRecv& p) {
+  posted_.remove_if([&](const std::shared_ptr<PostedRecv>& q) { return q.get() == &p; });
+}
+
+void Mailbox::check_peer(int me, int peer, const char* op) const {
+  if (peer < 0 || peer >= static_cast<int>(state_.size()) || peer == me)
+    throw InvalidInput("rank " + std::to_string(me) + ": " + op + " rank " + std::to_string(peer) + " in a group of " +
+                       std::to_string(state_.size()));
+}
+
+std::string Mailbox::pending_locked() const {
+  std::string out;
+  for (const auto& [key, queue] : queues_)
+    for (const Message& m : queue)
+      out += "\n  rank " + std::to_string(std::get<1>(key)) + " sent rank " + std::to_string(std::get<2>(key)) + " " +
+             m.payload.shape() + " (tag " + std::to_string(std::get<3>(key)) +
+             (m.site.empty() ? "" : ", at " + m.site) + "), not received yet";
+  for (const auto& p : posted_)
+    if (!p->done) out += "\n  rank " + std::to_string(p->dst) + " posted a " + p->what() + ", nothing came yet";
+  return out.empty() ? out : "; pending point-to-point:" + out;
+}
+
+}  // namespace cpsim

@@ -1,0 +1,134 @@
+// Point to point between the ranks of one spawn (threads) or of one process of a
+// job, in any order, with tags and any-source receives: what torch's send, recv
+// and irecv need beside the collectives (the communicator's). A send is buffered
+// and completes at once; a receive is posted and completes when a message with
+// its source (or any source: the earliest to arrive) and tag comes, whichever of
+// the two came first, so a ring that posts its irecv first is fine (NCCL's and
+// Gloo's semantics). What would hang is a named error: a receive nothing comes
+// for within the timeout (with every rank's pending messages and receives, and
+// what each rank is doing), a size or dtype that differs, a peer that returned
+// without sending, and at the end a message nobody received.
+//
+// The payload is typed bytes (a dtype name and an element count, as the caller
+// names them): this layer knows no tensor library.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace cpsim {
+
+// What each rank of a group is doing, for reports: a collective, a wait for a
+// receive, or nothing; with the call site.
+class ActivityBoard {
+ public:
+  explicit ActivityBoard(int ranks) : doing_(ranks) {}
+  // collective: the communicator sees it too (its reports name it already).
+  void set(int rank, std::string what, bool collective = false);
+  // "\n  rank q: waits for its recv from rank 0 (tag 3) at step.py:12", for every
+  // rank doing something (outside_collectives: only what the communicator does
+  // not see, the waits in point to point).
+  std::string lines(bool outside_collectives = false) const;
+
+ private:
+  struct Doing {
+    std::string what;
+    bool collective = false;
+  };
+  mutable std::mutex mutex_;
+  std::vector<Doing> doing_;
+};
+
+// The typed bytes of one message.
+struct Payload {
+  std::vector<std::uint8_t> bytes;
+  std::string dtype;  // the caller's name of the element type ("float32")
+  std::int64_t numel = 0;
+  std::string shape() const { return dtype + " x " + std::to_string(numel); }
+};
+
+// One posted receive: what it takes, where a matching message's bytes go, and
+// how it ended.
+struct PostedRecv {
+  std::string group;
+  int dst = -1, src = -1, tag = 0;  // src -1: any source
+  std::string dtype;
+  std::int64_t numel = 0;
+  // Called with the bytes of the message it takes (under the mailbox's lock).
+  std::function<void(const std::vector<std::uint8_t>&)> write;
+  std::string site;
+  bool done = false;
+  int source = -1;  // who sent it, once done
+  std::string error;
+  std::string what() const;
+};
+
+class Mailbox {
+ public:
+  struct Message {
+    Payload payload;
+    int seq = 0;
+    std::string site;
+    std::uint64_t arrival = 0;  // the order messages came to this mailbox in
+  };
+  // How a message leaves this process for rank dst of another (a job's
+  // processes: the process wire); it returns once the message is on its way.
+  using Remote = std::function<void(int src, int dst, int tag, const Message& m)>;
+  using Clock = std::chrono::steady_clock;
+
+  Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board);
+  // The mailbox of one process of a job: its receives are rank `local`'s; sends
+  // to any other rank go through `remote`.
+  void set_remote(int local, Remote remote);
+
+  void send(const std::string& group, int src, int dst, int tag, Payload payload, const std::string& site);
+  // A message from another process for this one's rank.
+  void arrive(const std::string& group, int src, int dst, int tag, Message m);
+  // Posts a receive of `numel` elements of `dtype` for rank dst from src (-1:
+  // any source); it takes the earliest queued message that matches, if any.
+  std::shared_ptr<PostedRecv> post(const std::string& group, int dst, int src, int tag, std::string dtype,
+                                   std::int64_t numel, std::function<void(const std::vector<std::uint8_t>&)> write,
+                                   const std::string& site);
+  // Waits for a posted receive, at most `limit` when it is set and shorter than
+  // the group's timeout (Work.wait(timeout)); throws what went wrong.
+  void wait(PostedRecv& p, std::chrono::milliseconds limit = std::chrono::milliseconds(0));
+  // A rank stopped: returned, or threw (then every waiting receive stops too).
+  void stopped(int rank, const std::string& how, bool failed);
+  // The messages no receive took, as one report ("" when none).
+  std::string unreceived();
+  // Every rank's pending point to point: "; pending point-to-point:\n  rank 0:
+  // sent rank 1 ... not received yet" ("" when none).
+  std::string pending();
+
+ private:
+  void arrive_locked(const std::string& group, int src, int dst, int tag, Message m);
+  void deliver(PostedRecv& p, int src, const Message& m);
+  void forget(PostedRecv& p);
+  void check_peer(int me, int peer, const char* op) const;
+  std::string pending_locked() const;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<std::tuple<std::string, int, int, int>, std::deque<Message>> queues_;
+  std::list<std::shared_ptr<PostedRecv>> posted_;
+  std::vector<std::string> state_;
+  std::vector<int> sent_;
+  std::string failure_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<ActivityBoard> board_;
+  int local_ = -1;
+  Remote remote_;
+  std::uint64_t arrivals_ = 0;
+};
+
+}  // namespace cpsim

@@ -1,0 +1,220 @@
+// The comm layer's point to point (core/comm/point_to_point.hpp) on its own, as
+// torch's send, recv and irecv use it: any order, tags, any source (the earliest
+// arrival), sizes and dtypes checked, and every way a receive would hang named.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/comm/point_to_point.hpp"
+#include "core/error.hpp"
+
+namespace cpsim {
+namespace {
+
+using std::chrono::milliseconds;
+
+Payload floats(std::vector<float> values) {
+  Payload p{std::vector<std::uint8_t>(values.size() * sizeof(float)), "float32",
+            static_cast<std::int64_t>(values.size())};
+  std::memcpy(p.bytes.data(), values.data(), p.bytes.size());
+  return p;
+}
+
+struct Inbox {
+  std::vector<float> values;
+  std::shared_ptr<PostedRecv> post(Mailbox& box, int dst, int src, int tag, std::int64_t n = 2,
+                                   const std::string& dtype = "float32") {
+    values.assign(static_cast<std::size_t>(n), 0.0f);
+    return box.post("g", dst, src, tag, dtype, n,
+                    [this](const std::vector<std::uint8_t>& bytes) { std::memcpy(values.data(), bytes.data(), bytes.size()); },
+                    "step.py:7");
+  }
+};
+
+Mailbox mailbox(int ranks, milliseconds timeout = milliseconds(5000)) {
+  return Mailbox(ranks, timeout, std::make_shared<ActivityBoard>(ranks));
+}
+
+TEST(PointToPoint, SendsAndReceivesMatchInEitherOrder) {
+  Mailbox box = mailbox(2);
+  Inbox early, late;
+  auto posted = early.post(box, 1, 0, 0);  // a ring that posts its irecv first
+  EXPECT_FALSE(posted->done);
+  box.send("g", 0, 1, 0, floats({1, 2}), "a.py:1");
+  box.wait(*posted);
+  EXPECT_EQ(early.values, (std::vector<float>{1, 2}));
+  box.send("g", 0, 1, 0, floats({3, 4}), "a.py:2");  // buffered: the send completes at once
+  auto queued = late.post(box, 1, 0, 0);
+  EXPECT_TRUE(queued->done);
+  box.wait(*queued);
+  EXPECT_EQ(late.values, (std::vector<float>{3, 4}));
+  EXPECT_EQ(box.unreceived(), "");
+}
+
+TEST(PointToPoint, MessagesFromOneSenderArriveInTheOrderSent) {
+  Mailbox box = mailbox(2);
+  box.send("g", 0, 1, 0, floats({1, 1}), "");
+  box.send("g", 0, 1, 0, floats({2, 2}), "");
+  Inbox first, second;
+  auto a = first.post(box, 1, 0, 0);
+  auto b = second.post(box, 1, 0, 0);
+  box.wait(*a), box.wait(*b);
+  EXPECT_EQ(first.values[0], 1);
+  EXPECT_EQ(second.values[0], 2);
+}
+
+TEST(PointToPoint, AnySourceTakesTheEarliestArrivalNotTheLowestRank) {
+  Mailbox box = mailbox(3);
+  box.send("g", 2, 0, 5, floats({2, 2}), "");
+  box.send("g", 1, 0, 5, floats({1, 1}), "");
+  Inbox in;
+  auto p = in.post(box, 0, -1, 5);
+  box.wait(*p);
+  EXPECT_EQ(p->source, 2);
+  EXPECT_EQ(in.values[0], 2);
+}
+
+TEST(PointToPoint, AReceiveTakesOnlyAMessageWithItsTag) {
+  Mailbox box = mailbox(2);
+  box.send("g", 0, 1, 1, floats({1, 1}), "");
+  Inbox in;
+  auto p = in.post(box, 1, 0, 2);
+  EXPECT_FALSE(p->done);  // tag 1 waits for a receive of tag 1
+  box.send("g", 0, 1, 2, floats({2, 2}), "");
+  box.wait(*p);
+  EXPECT_EQ(in.values[0], 2);
+  EXPECT_NE(box.unreceived().find("tag 1"), std::string::npos) << box.unreceived();
+}
+
+TEST(PointToPoint, AReceiveTakesOnlyAMessageOfItsGroup) {
+  Mailbox box = mailbox(2);
+  box.send("other", 0, 1, 0, floats({1, 1}), "");
+  Inbox in;
+  auto p = in.post(box, 1, 0, 0);
+  EXPECT_FALSE(p->done);
+}
+
+TEST(PointToPoint, ASizeOrDtypeThatDiffersIsNamed) {
+  Mailbox box = mailbox(2);
+  box.send("g", 0, 1, 0, floats({1, 2, 3}), "a.py:3");
+  Inbox in;
+  auto p = in.post(box, 1, 0, 0, 2);
+  try {
+    box.wait(*p);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank 1's recv from rank 0 (tag 0, float32 x 2) at step.py:7 got rank 0's send #1, which "
+                        "holds float32 x 3 (sent at a.py:3)"),
+              std::string::npos)
+        << what;
+  }
+  Inbox typed;
+  box.send("g", 0, 1, 0, floats({1, 2}), "");
+  auto q = typed.post(box, 1, 0, 0, 2, "int32");
+  EXPECT_THROW(box.wait(*q), CollectiveError);
+}
+
+TEST(PointToPoint, APeerThatReturnedWithoutSendingIsNamedAtOnce) {
+  Mailbox box = mailbox(2, milliseconds(60000));
+  Inbox in;
+  auto p = in.post(box, 1, 0, 0);
+  box.stopped(0, "returned", false);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    box.wait(*p);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("but rank 0 returned without sending it"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(5000));
+}
+
+TEST(PointToPoint, AReceiveNothingComesForTimesOutNamingWhatIsPending) {
+  Mailbox box = mailbox(3, milliseconds(100));
+  box.send("g", 2, 0, 9, floats({1, 1}), "b.py:4");
+  Inbox in;
+  auto p = in.post(box, 1, 0, 0);
+  try {
+    box.wait(*p);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("timeout: rank 1"), std::string::npos) << what;
+    EXPECT_NE(what.find("and nothing came"), std::string::npos) << what;
+    EXPECT_NE(what.find("rank 2 sent rank 0 float32 x 2 (tag 9, at b.py:4), not received yet"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("rank 1: waits for its recv from rank 0"), std::string::npos) << what;
+  }
+}
+
+TEST(PointToPoint, AWaitLimitShorterThanTheTimeoutIsHonoured) {
+  Mailbox box = mailbox(2, milliseconds(60000));
+  Inbox in;
+  auto p = in.post(box, 1, 0, 0);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(box.wait(*p, milliseconds(50)), CollectiveError);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(5000));
+}
+
+TEST(PointToPoint, AReceiveWaitedOnAnotherThreadCompletesWhenTheSendComes) {
+  Mailbox box = mailbox(2);
+  Inbox in;
+  auto p = in.post(box, 1, 0, 0);
+  std::thread sender([&] {
+    std::this_thread::sleep_for(milliseconds(20));
+    box.send("g", 0, 1, 0, floats({7, 8}), "");
+  });
+  box.wait(*p);
+  sender.join();
+  EXPECT_EQ(in.values, (std::vector<float>{7, 8}));
+}
+
+TEST(PointToPoint, AFailedRankStopsEveryWaitingReceive) {
+  Mailbox box = mailbox(3, milliseconds(60000));
+  Inbox in;
+  auto p = in.post(box, 1, 0, 0);
+  box.stopped(2, "threw: boom", true);
+  try {
+    box.wait(*p);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("but the group stopped: rank 2 threw: boom"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PointToPoint, ASendToAnotherProcessLeavesThroughTheRemote) {
+  Mailbox box = mailbox(2);
+  int remote_dst = -1;
+  std::int64_t remote_numel = 0;
+  box.set_remote(0, [&](int, int dst, int, const Mailbox::Message& m) {
+    remote_dst = dst;
+    remote_numel = m.payload.numel;
+  });
+  box.send("g", 0, 1, 0, floats({1, 2, 3}), "");
+  EXPECT_EQ(remote_dst, 1);
+  EXPECT_EQ(remote_numel, 3);
+  EXPECT_EQ(box.unreceived(), "");  // it left: nothing kept here
+}
+
+TEST(PointToPoint, APeerOutsideTheGroupIsInvalid) {
+  Mailbox box = mailbox(2);
+  EXPECT_THROW(box.send("g", 0, 2, 0, floats({1}), ""), InvalidInput);
+  EXPECT_THROW(box.send("g", 0, 0, 0, floats({1}), ""), InvalidInput);
+  Inbox in;
+  EXPECT_THROW(in.post(box, 1, 5, 0), InvalidInput);
+}
+
+TEST(PointToPoint, AMessageNobodyReceivedIsReported) {
+  Mailbox box = mailbox(2);
+  box.send("g", 0, 1, 3, floats({1, 2}), "c.py:9");
+  EXPECT_EQ(box.unreceived(), "a send no recv took:\n  rank 0's send #1 to rank 1 (tag 3, float32 x 2) at c.py:9");
+}
+
+}  // namespace
+}  // namespace cpsim
