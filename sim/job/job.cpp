@@ -46,9 +46,20 @@ ProcessJob::ProcessJob(const JobConfig& config) : config_(config) {
   // the other is refused, never joined (two jobs would pair up). Its claim (host,
   // pid) is also what peers read to say whether it is alive when it goes quiet.
   const std::string token = claim_token();
-  if (auto holder = claim_key(config.store, *base_, config.id + "/claim/" + std::to_string(config.rank), token))
-    job_in_use(config, *holder);
-  job_->set("holder/" + std::to_string(config.rank), std::vector<char>(token.begin(), token.end()));
+  try {
+    if (auto holder = claim_key(config.store, *base_, config.id + "/claim/" + std::to_string(config.rank), token))
+      job_in_use(config, *holder);
+    job_->set("holder/" + std::to_string(config.rank), std::vector<char>(token.begin(), token.end()));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    // The store's own error (Gloo's RedisStore over a lossy link: "Resource
+    // temporarily unavailable"): this rank cannot take part, as when it cannot
+    // connect, so it ends as an abort (exit 3), not as a failed check.
+    throw Aborted("rank " + std::to_string(config.rank) + " of " + std::to_string(config.size) +
+                  " could not claim its rank in the store " + config.store + " within " +
+                  std::to_string(config.timeout.count()) + " ms: " + e.what());
+  }
   all_ = connect(config.size, "all");
 }
 
