@@ -1,7 +1,17 @@
 """How the harness compares a value with its expected one: bitwise, or within a
 relative RMSE; a NaN or an inf on one side only is always a difference (the
 comparison is `not err <= tolerance`, which fails on NaN)."""
+import math
+
 import torch
+
+
+def rms(t):
+    """The root mean square of a tensor's finite values (0 when it has none): the
+    scale a comparison is held to."""
+    t = t.detach().double()
+    t = t[t.isfinite()]
+    return t.square().mean().sqrt().item() if t.numel() else 0.0
 
 
 def _nonfinite_mismatch(got, want):
@@ -17,7 +27,7 @@ def _nonfinite_mismatch(got, want):
 def difference(name, got, want, tolerance, scale=None, floor=0.0):
     """'' when got matches want (bitwise, or within the relative RMSE: rms(want - got)
     over rms(want), or over rms(scale) for a sum held to its terms; over `floor`
-    where that is larger), else why not. A NaN or an inf on one side only is
+    where that is larger and finite), else why not. A NaN or an inf on one side only is
     always a difference."""
     if not isinstance(got, torch.Tensor):
         try:
@@ -37,7 +47,8 @@ def difference(name, got, want, tolerance, scale=None, floor=0.0):
         keep = w.isfinite() & g.isfinite()  # the same non-finite value on both sides agrees
         d = torch.where(keep, w - g, torch.zeros_like(w))
         den = torch.where(keep & s.isfinite(), s, torch.zeros_like(s)).square().mean().sqrt().item() if w.numel() else 0.0
-        den = max(den, floor)
+        if math.isfinite(floor) and floor > den:
+            den = floor
         num = d.square().mean().sqrt().item() if w.numel() else 0.0
         err = 0.0 if num == 0 else (float("inf") if not den > 0 else num / den)
         if not err <= tolerance:

@@ -91,8 +91,9 @@ import tempfile
 import torch
 
 from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.torch
-from cpsim.compare import difference as _difference
-from cpsim.layer import Layer, drawn as _drawn, layer_differences as _layer_differences, layer_run as _layer_run
+from cpsim.compare import difference as _difference, rms as _rms
+from cpsim.layer import Layer  # noqa: F401 - cpsim.torch.Layer
+from cpsim.layer import drawn as _drawn, layer_differences as _layer_differences, layer_run as _layer_run
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I32": torch.int32,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -364,7 +365,7 @@ def _run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False)
         # sum), so its rounding is of that size even where the exact value is 0 (dg
         # on a segment's first token: its decay multiplies a zero state).
         def rms(*keys):
-            return max(golden.reference[k].double().square().mean().sqrt().item() for k in keys)
+            return max(_rms(golden.reference[k]) for k in keys)
         against("recurrence_o", out["recurrence_o"], "o", floor=rms("o"))
         backward("recurrence_o", out["recurrence_o"], [case.recurrence[n] for n in RECURRENCE_INPUTS],
                  golden.inputs["recurrence_grad_o"][:, lo:hi], ["d" + n for n in RECURRENCE_INPUTS],

@@ -2,7 +2,7 @@
 CP ranks, against the same step run unsharded on a group of one."""
 import torch
 
-from cpsim.compare import difference
+from cpsim.compare import difference, rms
 
 
 class Layer:
@@ -52,10 +52,6 @@ def layer_run(case, layer, who):
             "grads": {n: (torch.zeros_like(t) if g is None else g.detach()) for n, g, t in zip(names, grads, wanted)}}
 
 
-def _rms(t):
-    return t.double().square().mean().sqrt().item() if t.numel() else 0.0
-
-
 def layer_differences(layers, cp, dp, S):
     """Each rank's layer output and input gradients against the unsharded run's
     positions (those before S: the CP padding has no counterpart), and each
@@ -69,7 +65,7 @@ def layer_differences(layers, cp, dp, S):
     whole = layers[None]
     tolerance = whole["tolerance"]
     parameters = [g for n, g in whole["grads"].items() if n.startswith("parameter ")]
-    parameter_scale = _rms(torch.cat([g.reshape(-1) for g in parameters])) if parameters else 0.0
+    parameter_scale = rms(torch.cat([g.reshape(-1) for g in parameters])) if parameters else 0.0
     found = {}
     for dp_rank in range(dp):
         sums = {}
@@ -82,7 +78,7 @@ def layer_differences(layers, cp, dp, S):
             lo, hi = run["lo"], min(run["hi"], S)
             n = max(hi - lo, 0)
             why = difference("%s layer output (positions %d..%d)" % (who, lo, lo + n), run["output"][:, :n],
-                             whole["output"][:, lo:lo + n], tolerance, floor=_rms(whole["output"]))
+                             whole["output"][:, lo:lo + n], tolerance, floor=rms(whole["output"]))
             if why:
                 found.setdefault(dp_rank * cp + rank, (0, why))
             for name, grad in run["grads"].items():
@@ -91,7 +87,7 @@ def layer_differences(layers, cp, dp, S):
                     continue
                 want = whole["grads"][name]
                 why = difference("%s layer gradient of %s (positions %d..%d)" % (who, name, lo, lo + n),
-                                 grad[:, :n], want[:, lo:lo + n], tolerance, floor=_rms(want))
+                                 grad[:, :n], want[:, lo:lo + n], tolerance, floor=rms(want))
                 if why:
                     found.setdefault(dp_rank * cp + rank, (1, why))
         for name, total in sums.items():
