@@ -7,8 +7,8 @@ cpsim.torch.check:
     .venv/bin/python examples/anchors/fla_kernels_step.py kda --variant no_state_across_ranks
 
 * `kda`: `fla.ops.kda.chunk_kda(q, k, v, g, beta, scale=1, cp_context=...)`, one
-  packed row at a time with FLA's context of the row (`build_cp_context` of the
-  row's segments, as fla_step.py builds it): FLA's chunked KDA forward and
+  packed row at a time with FLA's context of the row (fla_step.row_context:
+  `build_cp_context` of the row's segments): FLA's chunked KDA forward and
   backward, and its CP kernels (`fla/ops/cp/chunk_fwd.py`, `chunk_bwd.py`,
   `chunk_merge.py`, `chunk_delta_h.py`: every rank's affine summary, their
   all-gather, and the fold over the ranks before it, mirrored in backward).
@@ -17,7 +17,7 @@ cpsim.torch.check:
 * `conv`: fla_step.py's step (FLA's context, gather, CP convolution) with FLA's
   own Triton convolution kernel in place of the torch stand-in.
 
-The conventions mapped (docs/anchors.md, "FLA's KDA and cpsim's recurrence"):
+The conventions mapped (docs/anchors.md, "Conventions that differ"):
 cpsim's recurrence is FLA's KDA with scale 1 (cpsim does not scale q), the gate
 g the per-token log-decay (FLA's `g` without `use_gate_in_kernel`, cumulated
 inside the kernel), beta as given (no sigmoid in the kernel), no l2 norm in the
@@ -45,26 +45,9 @@ import torch.nn.functional as F  # noqa: E402
 import anchor_cli  # noqa: E402
 import fla  # noqa: E402
 import fla_step  # noqa: E402
-from fla.ops.cp import build_cp_context  # noqa: E402
 from fla.ops.kda import chunk_kda  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch"))
-import cp_step  # noqa: E402 - cpsim's checked example: the layout of the raw batch
-
 WIDTH = 16  # the head width FLA's kernels are written for (tl.dot takes 16 and up)
-
-
-def _row_contexts(case, group):
-    """FLA's context of every packed row (its segments: runs of equal doc ids,
-    padding runs included, tiling the padded row), as fla_step.py builds them."""
-    ids, _, _ = cp_step.layout_of(case.batch)
-    padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
-    padded[:, :case.S] = ids
-    contexts = []
-    for b in range(padded.shape[0]):
-        cu = cp_step.segment_cu_seqlens(padded[b])
-        contexts.append(build_cp_context(cu, group=group, conv1d_kernel_size=case.conv_width, cu_seqlens_cpu=cu))
-    return contexts
 
 
 def _widen(t):
@@ -77,17 +60,14 @@ def make_kda_step(gate_unscaled=False, skip_merge=False):
         group = dist.group.WORLD
         r = case.recurrence
         V = r["v"].shape[-1]
-        contexts = _row_contexts(case, group)
         outs = []
-        for b, context in enumerate(contexts):
+        for b, row in enumerate(fla_step.padded_doc_ids(case)):
+            context, cu = fla_step.row_context(row, group, case.conv_width), None
             if skip_merge:  # PLANTED: no state from the ranks before (each shard a sequence of its own)
-                context = None
+                context, cu = None, context.cu_seqlens
             q, k, v, g = (_widen(r[n][b:b + 1]) for n in ("q", "k", "v", "g"))
             if gate_unscaled:  # PLANTED: the gate handed over as a decay factor, not its log
                 g = g.exp()
-            cu = None
-            if context is None:
-                cu = contexts[b].cu_seqlens
             o, _ = chunk_kda(q, k, v, g, r["beta"][b:b + 1], scale=1.0, initial_state=None,
                              output_final_state=False, cu_seqlens=cu, cp_context=context)
             outs.append(o[..., :V])

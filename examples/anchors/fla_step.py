@@ -135,6 +135,21 @@ class _GatherSequence(torch.autograd.Function):
 
 # --- one rank's step ---
 
+def padded_doc_ids(case):
+    """[B, P] the raw batch's global doc ids (cpsim's example), 0 on the CP padding."""
+    ids, _, _ = cp_step.layout_of(case.batch)
+    padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
+    padded[:, :case.S] = ids
+    return padded
+
+
+def row_context(row, group, conv_width):
+    """FLA's context of one padded row: its segments (runs of equal doc ids,
+    padding runs included) tile the row, as FLA's partitioning expects."""
+    cu = cp_step.segment_cu_seqlens(row)
+    return build_cp_context(cu, group=group, conv1d_kernel_size=conv_width, cu_seqlens_cpu=cu)
+
+
 def make_step(padding_joins_last_document=False, backward_local=False, conv_always=False):
     def step(case):
         W = case.conv_width
@@ -144,9 +159,7 @@ def make_step(padding_joins_last_document=False, backward_local=False, conv_alwa
         with_conv = case.x.shape[1] >= W - 1 or conv_always
         CONV_CASES[0] += with_conv
         group = dist.group.WORLD
-        ids, _, _ = cp_step.layout_of(case.batch)
-        padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
-        padded[:, :case.S] = ids
+        padded = padded_doc_ids(case)
         contexts, convs = [], []
         for b in range(padded.shape[0]):
             row = padded[b].clone()
@@ -154,8 +167,7 @@ def make_step(padding_joins_last_document=False, backward_local=False, conv_alwa
                 real = (row != 0).nonzero()
                 if len(real):
                     row[int(real.max()) + 1:] = row[int(real.max())]
-            cu = cp_step.segment_cu_seqlens(row)
-            context = build_cp_context(cu, group=group, conv1d_kernel_size=W, cu_seqlens_cpu=cu)
+            context = row_context(row, group, W)
             contexts.append(context)
             if with_conv:
                 convs.append(causal_conv1d_cp(case.x[b:b + 1], case.conv_weight, case.conv_bias,

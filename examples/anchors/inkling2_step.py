@@ -15,7 +15,6 @@ positions from the packer's lengths) to "padding" and "position_ids";
 import os
 import sys
 
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.models.inkling2 import context_parallel as inkling2_cp

@@ -73,27 +73,30 @@ def _counter_range(arg1, arg2=None, step=None, **options):
 
 
 _SEEN = set()
+_MODULES_SEEN = [0]  # len(sys.modules) at the last scan: a launch scans only after an import
+_BUILTINS = {}  # id of a triton.language builtin -> (its namespace, its name)
 
 
 def _forward_aliases():
     """6. every FLA module's alias of a triton.language builtin, forwarded to the
-    builtin of that name at call time (modules imported since the last launch)."""
-    import triton.language as tl
-    fresh = [name for name in list(sys.modules) if name.startswith("fla") and name not in _SEEN]
-    if not fresh:
+    builtin of that name at call time (modules imported since the last launch:
+    nothing to do when none was)."""
+    if len(sys.modules) == _MODULES_SEEN[0]:
         return
-    builtins = {}
-    for space in (tl, tl.math):
-        for name in dir(space):
-            value = getattr(space, name)
-            if getattr(value, "__triton_builtin__", False):
-                builtins.setdefault(id(value), (space, name))
-    for module_name in fresh:
+    _MODULES_SEEN[0] = len(sys.modules)
+    import triton.language as tl
+    if not _BUILTINS:
+        for space in (tl, tl.math):
+            for name in dir(space):
+                value = getattr(space, name)
+                if getattr(value, "__triton_builtin__", False):
+                    _BUILTINS.setdefault(id(value), (space, name))
+    for module_name in [name for name in list(sys.modules) if name.startswith("fla") and name not in _SEEN]:
         _SEEN.add(module_name)
         module = sys.modules[module_name]
         for attr, value in list(vars(module).items() if module is not None else []):
-            if id(value) in builtins and not attr.startswith("__"):
-                space, name = builtins[id(value)]
+            if id(value) in _BUILTINS and not attr.startswith("__"):
+                space, name = _BUILTINS[id(value)]
                 setattr(module, attr, _forwarder(space, name))
 
 
