@@ -319,6 +319,14 @@ def test_a_rank_stuck_in_python_ends_the_check_within_its_timeout():
 
 # --- "recurrence_o": a CP recurrence of the step's own, against cpsim's reference ---
 
+def _padded_doc_ids(case):
+    """[B, P] the raw batch's doc ids (cp_step's layout), 0 on the CP padding."""
+    ids, _, _ = cp_step.layout_of(case.batch)
+    padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
+    padded[:, :case.S] = ids
+    return padded
+
+
 def _torch_recurrence(q, k, v, beta, g, ids, initial=None):
     """The gated delta rule token by token over one rank's shard (S from `initial`
     or 0, reset where the doc id changes), batched over heads: written here, apart
@@ -346,9 +354,7 @@ def _recurrence_step(carry_state=True):
     import torch.distributed as dist
 
     def step(case):
-        ids, _, _ = cp_step.layout_of(case.batch)
-        padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
-        padded[:, :case.S] = ids
+        padded = _padded_doc_ids(case)
         lo, hi = case.cuts[case.rank], case.cuts[case.rank + 1]
         r = case.recurrence
         B, _, H, K = r["q"].shape
@@ -391,9 +397,7 @@ def test_a_recurrence_over_the_gathered_inputs_matches_cpsims_reference():
     from torch.distributed.nn.functional import all_gather
 
     def step(case):
-        ids, _, _ = cp_step.layout_of(case.batch)
-        padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
-        padded[:, :case.S] = ids
+        padded = _padded_doc_ids(case)
         whole = {n: torch.cat(all_gather(t.contiguous()), 1) for n, t in case.recurrence.items()}
         o, _ = _torch_recurrence(whole["q"], whole["k"], whole["v"], whole["beta"], whole["g"], padded)
         return {"recurrence_o": o[:, case.cuts[case.rank]:case.cuts[case.rank + 1]]}
@@ -443,9 +447,7 @@ def _layer_step(gather_without_sum=False, one_rank_detaches=False):
             return grad[:, r * ctx.L:(r + 1) * ctx.L]
 
     def step(case):
-        ids, _, _ = cp_step.layout_of(case.batch)
-        padded = torch.zeros(ids.shape[0], case.P, dtype=torch.int64)
-        padded[:, :case.S] = ids
+        padded = _padded_doc_ids(case)
         module = _CausalMix()
         x = case.activation("x", 3)
         lo = case.cuts[case.rank]
