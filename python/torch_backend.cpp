@@ -22,19 +22,14 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
-#include <atomic>
-#include <condition_variable>
 #include <functional>
-#include <thread>
 #include <cstring>
-#include <deque>
 #include <list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
-#include <tuple>
 
 #include "core/comm/call_check.hpp"
 #include "core/comm/communicator.hpp"
