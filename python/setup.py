@@ -24,7 +24,8 @@ root = os.path.dirname(here)
 # cpsim_core and cpsim_sim; the layers and kernels are not needed here).
 patterns = ["core/error.cpp", "core/device.cpp", "core/tensor.cpp", "core/reduce.cpp", "core/tensor_wire.cpp",
             "core/kernels/host.cpp", "core/comm/*.cpp", "sim/**/*.cpp"]
-sources = ["torch_backend.cpp"]
+sources = sorted(os.path.join("torch_backend", f) for f in os.listdir(os.path.join(here, "torch_backend"))
+                 if f.endswith(".cpp"))
 for pattern in patterns:
     for path in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
         sources.append(os.path.relpath(path, here))

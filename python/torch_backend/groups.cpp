@@ -1,0 +1,214 @@
+#include "python/torch_backend/groups.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/comm/registry.hpp"
+#include "core/error.hpp"
+#include "python/torch_backend/backend.hpp"
+#include "sim/gloo/process_wire.hpp"
+#include "sim/job/job.hpp"
+
+namespace cpsim::torch_backend {
+
+namespace {
+
+// thread, one mailbox for the point to point of all of them.
+
+class SpawnedGroup {
+ public:
+  SpawnedGroup(const std::string& backend, int n, double timeout_s)
+      : backend_(backend),
+        timeout_(milliseconds(timeout_s)),
+        board_(std::make_shared<ActivityBoard>(n)),
+        mailbox_(std::make_shared<Mailbox>(n, timeout_, board_)),
+        ledgers_(n),
+        memberships_(n) {
+    const Backend& b = find_backend(backend);
+    if (auto why = b.unavailable()) throw Unavailable("backend " + backend + ": " + *why);
+    for (auto& l : ledgers_) l = std::make_shared<Ledger>();
+  }
+
+  // This rank's Backend of torch's group `name` of these ranks (spawn ranks).
+  c10::intrusive_ptr<BackendCpsim> backend(const std::string& name, const std::vector<int>& ranks, int rank) {
+    const auto it = std::find(ranks.begin(), ranks.end(), rank);
+    if (it == ranks.end()) throw InvalidInput("rank " + std::to_string(rank) + " is not in group " + name);
+    const int group_rank = static_cast<int>(it - ranks.begin());
+    std::shared_ptr<Group> group;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& entry = groups_[name];
+      if (!entry.group) {
+        entry.group = find_backend(backend_).make_group(static_cast<int>(ranks.size()), timeout_);
+        entry.ranks = ranks;
+      } else if (entry.ranks != ranks) {
+        throw CollectiveError("ranks disagree on the members of group " + name);
+      }
+      group = entry.group;
+      memberships_[rank].emplace_back(group, group_rank);
+    }
+    RankContext ctx{
+        std::shared_ptr<Communicator>(group->communicator(group_rank)), mailbox_, board_, ledgers_[rank], name, ranks};
+    return c10::make_intrusive<BackendCpsim>(std::move(ctx));
+  }
+
+  void finish(int rank) {
+    mailbox_->stopped(rank, "returned", false);
+    for (auto& [group, group_rank] : memberships(rank)) group->finish(group_rank);
+  }
+  void fail(int rank, const std::string& what) {
+    mailbox_->stopped(rank, "threw: " + what, true);
+    for (auto& [group, group_rank] : memberships(rank)) group->fail(group_rank, what);
+  }
+  void done() {
+    std::vector<std::shared_ptr<Group>> all;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& [name, entry] : groups_) all.push_back(entry.group);
+    }
+    for (auto& g : all) g->done();
+  }
+  std::string unreceived() { return mailbox_->unreceived(); }
+  std::shared_ptr<Ledger> ledger(int rank) { return ledgers_.at(rank); }
+
+ private:
+  struct Entry {
+    std::shared_ptr<Group> group;
+    std::vector<int> ranks;
+  };
+  std::vector<std::pair<std::shared_ptr<Group>, int>> memberships(int rank) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return memberships_.at(rank);
+  }
+  static std::chrono::milliseconds milliseconds(double s) {
+    return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000));
+  }
+  std::string backend_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<ActivityBoard> board_;
+  std::shared_ptr<Mailbox> mailbox_;
+  std::vector<std::shared_ptr<Ledger>> ledgers_;
+  std::mutex mutex_;
+  std::map<std::string, Entry> groups_;
+  std::vector<std::vector<std::pair<std::shared_ptr<Group>, int>>> memberships_;
+};
+
+// One session of a job (sim::ProcessJob::Session) as a Backend: the program's
+// own (the job's group) or one case of the harness (a fresh group).
+class JobSession {
+ public:
+  // ranks: the job ranks of the group's ranks, in group rank order.
+  JobSession(std::unique_ptr<sim::ProcessJob::Session> session, std::shared_ptr<Ledger> ledger, std::vector<int> ranks,
+             int job_size, std::chrono::milliseconds timeout)
+      : session_(std::move(session)) {
+    const int me = session_->gloo()->rank();
+    auto board = std::make_shared<ActivityBoard>(job_size);
+    mailbox_ = std::make_shared<Mailbox>(job_size, timeout, board);
+    wire_ = std::make_unique<sim::ProcessWire>(*session_->gloo(), ranks, mailbox_, timeout);
+    mailbox_->set_remote(ranks.at(me), [wire = wire_.get()](int, int dst, int tag, const Mailbox::Message& m) {
+      wire->send(dst, tag, m);
+    });
+    backend_ = c10::make_intrusive<BackendCpsim>(
+        RankContext{session_->communicator(), mailbox_, board, std::move(ledger), "", std::move(ranks)});
+  }
+  // The messages that came and no receive took (at the end of the program).
+  std::string unreceived() { return mailbox_->unreceived(); }
+  c10::intrusive_ptr<BackendCpsim> backend() { return backend_; }
+  // The program returned: a peer still in a call learns it; a peer's call that
+  // this rank did not join is reported here.
+  void finish() {
+    if (ended_) return;
+    ended_ = true;
+    try {
+      session_->finish();
+    } catch (const CollectiveError&) {
+      collective_failed_ = true;
+      throw;
+    }
+  }
+  // The program raised: every peer fails with this rank's error.
+  void fail(const std::string& what) {
+    if (ended_) return;
+    ended_ = true;
+    session_->fail(what);
+  }
+  bool collective_failed() const { return collective_failed_ || backend_->collective_failed(); }
+
+ private:
+  std::unique_ptr<sim::ProcessJob::Session> session_;
+  std::shared_ptr<Mailbox> mailbox_;
+  std::unique_ptr<sim::ProcessWire> wire_;  // after session_: its thread ends before the connections close
+  c10::intrusive_ptr<BackendCpsim> backend_;
+  bool ended_ = false, collective_failed_ = false;
+};
+
+// This process's rank of a multi-process job (cpsim launch, torchrun, Slurm, Open
+// MPI with CPSIM_STORE): sessions over Gloo between the processes, every call
+// checked across them.
+class JobGroup {
+ public:
+  explicit JobGroup(double timeout_s)
+      : timeout_(static_cast<std::int64_t>(timeout_s * 1000)), ledger_(std::make_shared<Ledger>()) {
+    auto config = sim::job_from_environment();
+    if (!config)
+      throw InvalidInput(
+          "cpsim.torch.init_process_group: no rank in the environment; start the ranks with "
+          "cpsim launch -n N -- python3 SCRIPT (or a launcher that sets RANK and WORLD_SIZE, with CPSIM_STORE)");
+    config->timeout = timeout_;
+    job_ = std::make_unique<sim::ProcessJob>(*config);
+  }
+  int rank() const { return job_->rank(); }
+  int size() const { return job_->size(); }
+  // name "": the job's own group (the program's default group); another name: a
+  // fresh group every process opens under that name, or with `ranks` (ascending
+  // job ranks), a group of those processes only, which only they open.
+  std::shared_ptr<JobSession> session(const std::string& name, std::vector<int> ranks) {
+    if (ranks.empty())
+      for (int q = 0; q < size(); ++q) ranks.push_back(q);
+    return std::make_shared<JobSession>(job_->open_session(name, timeout_, find_backend("gloo").job_transport, ranks),
+                                        ledger_, ranks, size(), timeout_);
+  }
+  std::shared_ptr<Ledger> ledger() { return ledger_; }
+  // The job's last barrier.
+  void leave() { job_->leave(); }
+
+ private:
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<Ledger> ledger_;
+  std::unique_ptr<sim::ProcessJob> job_;
+};
+
+}  // namespace
+
+void bind_groups(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<SpawnedGroup, std::shared_ptr<SpawnedGroup>>(m, "SpawnedGroup")
+      .def(py::init<const std::string&, int, double>(), py::arg("backend"), py::arg("world_size"), py::arg("timeout"))
+      .def("backend", &SpawnedGroup::backend, py::call_guard<py::gil_scoped_release>())
+      .def("finish", &SpawnedGroup::finish, py::call_guard<py::gil_scoped_release>())
+      .def("fail", &SpawnedGroup::fail, py::call_guard<py::gil_scoped_release>())
+      .def("done", &SpawnedGroup::done, py::call_guard<py::gil_scoped_release>())
+      .def("unreceived", &SpawnedGroup::unreceived)
+      .def("ledger", &SpawnedGroup::ledger);
+  py::class_<JobSession, std::shared_ptr<JobSession>>(m, "JobSession")
+      .def("backend", &JobSession::backend)
+      .def("finish", &JobSession::finish, py::call_guard<py::gil_scoped_release>())
+      .def("fail", &JobSession::fail, py::call_guard<py::gil_scoped_release>())
+      .def("collective_failed", &JobSession::collective_failed)
+      .def("unreceived", &JobSession::unreceived);
+  py::class_<JobGroup, std::shared_ptr<JobGroup>>(m, "JobGroup")
+      .def(py::init<double>(), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def("rank", &JobGroup::rank)
+      .def("size", &JobGroup::size)
+      .def("ledger", &JobGroup::ledger)
+      .def("session", &JobGroup::session, py::arg("name"), py::arg("ranks") = std::vector<int>{},
+           py::call_guard<py::gil_scoped_release>())
+      .def("leave", &JobGroup::leave, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace cpsim::torch_backend
