@@ -28,6 +28,8 @@ cp_step.PORTABLE = True  # torch's gloo lacks the tensor forms: both sides run t
 
 import cpsim.torch as ct  # noqa: E402
 from cpsim import harness  # noqa: E402
+from cpsim.case import Golden  # noqa: E402
+from cpsim.rank import run_rank  # noqa: E402
 
 
 def dump_cases(cases, max_cp, seed, into):
@@ -41,7 +43,7 @@ def dump_cases(cases, max_cp, seed, into):
         if line.strip() == "done":
             break
         folder = line.split(" ", 1)[1].strip()
-        g = harness._Golden(folder)
+        g = Golden(folder)
         target = os.path.join(into, "%05d" % sum(len(v) for v in by_cp.values()))
         shutil.copytree(folder, target)
         by_cp.setdefault(g.cp, []).append(target)
@@ -55,11 +57,11 @@ def dump_cases(cases, max_cp, seed, into):
 
 def _worker(rank, world, folders, port, times):
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world)
-    goldens = [harness._Golden(f) for f in folders]
+    goldens = [Golden(f) for f in folders]
     dist.barrier()
     start = time.perf_counter()
     for g in goldens:
-        why = harness._run_rank(g, cp_step.step, rank)
+        why = run_rank(g, cp_step.step, rank)
         assert not why, why
     dist.barrier()
     if rank == 0:

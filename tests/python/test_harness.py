@@ -28,6 +28,36 @@ def test_cpsim_torch_imports_without_the_harness_and_offers_its_check():
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
 
 
+def test_the_docs_page_is_written_from_the_codes_tables():
+    # docs/harness.md's tables of outputs and options are the code's (one table
+    # each: cpsim.outputs, cpsim.options); the harness's help shows the same.
+    from cpsim import docs, harness, outputs
+    page = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "harness.md")
+    with open(page) as f:
+        text = f.read()
+    assert docs.rendered(text) == text, ("docs/harness.md differs from the code's tables: "
+                                         "PYTHONPATH=python python3 -m cpsim.docs docs/harness.md")
+    for o in outputs.OUTPUT_TABLE:
+        assert "| `%s` |" % o.name in text and '"%s"' % o.name in harness.__doc__, o.name
+
+
+def test_options_are_grouped_and_each_keyword_is_one_groups():
+    from cpsim.options import grouped
+    layouts, inputs, ranks = grouped(plan="random", dtype="f32", dp=2, cps=[4, 2, 2])
+    assert (layouts.plan, layouts.sizes(), inputs.dtype, ranks.dp, ranks.backend) == ("random", [2, 4], "f32", 2,
+                                                                                      "threads")
+    assert grouped(ranks=ct.Ranks(dp=3))[2].dp == 3
+    with pytest.raises(TypeError, match="no option plans"):
+        grouped(plans="equal")
+    with pytest.raises(TypeError, match="dp given both in ranks= and as keywords"):
+        grouped(ranks=ct.Ranks(dp=3), dp=2)
+    for wrong, why in [(dict(plan="cyclic"), "plan: equal, balanced or random"), (dict(dtype="f16"), "dtype"),
+                       (dict(dp=0), "dp: at least 1"), (dict(cp=2), "cp= goes with batch"),
+                       (dict(batch="b.json"), "the CP size to replay"), (dict(cps=[0, 2]), "cps: CP sizes")]:
+        with pytest.raises(ValueError, match=why):
+            grouped(**wrong)
+
+
 @pytest.mark.parametrize("backend", ["threads", "gloo"])
 def test_the_faithful_step_holds_at_cp_1_to_8(backend):
     assert ct.check(cp_step.step, cases=CASES, max_cp=8, backend=backend, seed=11) == CASES

@@ -1,0 +1,118 @@
+"""One case of cpsim.torch.check as the step sees it: the golden folder cpsim
+harness wrote (Golden) and one rank's view of it (RankCase)."""
+import json
+import os
+import struct
+
+import torch
+
+from cpsim.layer import drawn as _drawn
+from cpsim.outputs import RECURRENCE_INPUTS
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def load_safetensors(path):
+    """A safetensors file as {key: torch tensor} (copies: the step may write to them)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    body = bytearray(data[8 + n:])
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        dtype = _DTYPES[entry["dtype"]]
+        if end == begin:
+            out[key] = torch.empty(entry["shape"], dtype=dtype)
+        else:
+            out[key] = torch.frombuffer(body[begin:end], dtype=dtype).reshape(entry["shape"]).clone()
+    return out
+
+
+class RankCase:
+    """What one rank's step gets: the raw batch as the packer gave it (global
+    [B, S] tensors, this rank's own copy), the CP geometry, and this rank's
+    shards of the activations (leaves that require grad)."""
+
+    def __init__(self, golden, rank, dp=1, dp_rank=0, unsharded=False):
+        m = golden.manifest
+        # unsharded: the whole case on a group of one (a Layer's reference run):
+        # cp 1, the S positions of the rows (no CP padding).
+        cuts = [0, m["S"]] if unsharded else golden.cuts
+        lo, hi = cuts[rank], cuts[rank + 1]
+        self.rank, self.cp = rank, (1 if unsharded else golden.cp)
+        self._seed, self._lo, self._hi, self._P = m["seed"], lo, hi, m["P"]
+        self._dtype, self._B = golden.inputs["x"].dtype, golden.inputs["x"].shape[0]
+        # Data parallel replicas (check(dp=D)): D copies of the CP group, ranks
+        # dp_rank * cp + rank, as init_device_mesh("cpu", (dp, cp)) lays them out;
+        # every replica holds the same case.
+        self.dp, self.dp_rank, self.world_rank = dp, dp_rank, dp_rank * golden.cp + rank
+        self.batch = {k: v.clone() for k, v in golden.batch.items()}
+        self.pad_token_id = m["pad_token_id"]
+        self.conv_width = m["conv_width"]
+        self.cuts = list(cuts)  # rank r holds [cuts[r], cuts[r+1]) of the padded rows
+        self.S, self.P = m["S"], (m["S"] if unsharded else m["P"])
+        self.shard_primary = m.get("shard_primary", False)
+        self.softmax_scale, self.rope_base = m["softmax_scale"], m["rope_base"]
+
+        def leaf(key):
+            return golden.inputs[key][:, lo:hi].clone().requires_grad_(True)
+
+        self.x = leaf("x")
+        # The convolution's parameters: every rank's own copy (its gradient is this
+        # rank's part, before a data-parallel sum would add them).
+        self.conv_weight = golden.inputs["conv_weight"].clone().requires_grad_(True)
+        self.conv_bias = golden.inputs["conv_bias"].clone().requires_grad_(True)
+        self.q, self.k, self.v = leaf("attention_q"), leaf("attention_k"), leaf("attention_v")
+        # The recurrence's inputs (the "recurrence_o" output): q, k, v [B, L, H, K|V],
+        # beta [B, L, H], g [B, L, H, K] (log-decay, <= 0).
+        self.recurrence = {name: leaf(name) for name in RECURRENCE_INPUTS}
+        # The loss's inputs: the token ids folded into the vocabulary, global [B, S]
+        # like the batch (the targets are aligned from them), and this rank's logits.
+        self.tokens = golden.inputs["loss_tokens"][:, :self.S].clone()
+        self.logits = leaf("logits")
+        self.vocab = self.logits.shape[-1]
+
+    def activation(self, name, *tail, dtype=None):
+        """This rank's slice [B, L, *tail] of an activation drawn for the case
+        from its seed and `name` (standard normal; the case's dtype unless
+        given), a leaf that requires grad: the same global tensor on every
+        rank and in the unsharded run, for a "layer" output's inputs."""
+        whole = _drawn(self._seed, "activation." + name, (self._B, self._P) + tuple(tail), dtype or self._dtype)
+        return whole[:, self._lo:self._hi].clone().requires_grad_(True)
+
+    def __repr__(self):
+        return "RankCase(rank=%d, cp=%d, dp_rank=%d, dp=%d, S=%d, P=%d)" % (self.rank, self.cp, self.dp_rank, self.dp,
+                                                                         self.S, self.P)
+
+
+class Golden:
+    """A case's golden folder: its manifest, inputs, references and each rank's
+    expected values (read when first asked for)."""
+
+    def __init__(self, folder):
+        with open(os.path.join(folder, "manifest.json")) as f:
+            self.manifest = json.load(f)
+        m = self.manifest
+        self.cp = m["cp"]
+        self.cuts = m.get("cuts") or [r * m["L"] for r in range(self.cp + 1)]
+        self.inputs = load_safetensors(os.path.join(folder, "inputs.safetensors"))
+        self.reference = load_safetensors(os.path.join(folder, "reference.safetensors"))
+        self.folder = folder
+        self._ranks = {}
+        self.batch = {k.split(".", 1)[1]: v for k, v in self.inputs.items()
+                      if k.startswith("inputs.") or k.startswith("stand_in.")}
+
+    def rank(self, r):
+        """Rank r's expected values, read once when first asked for (a process of a
+        job reads only its own rank's file)."""
+        if r not in self._ranks:
+            self._ranks[r] = load_safetensors(os.path.join(self.folder, "rank_%d.safetensors" % r))
+        return self._ranks[r]
+
+    def tolerance(self, file, key):
+        return self.manifest["files"][file][key]["tolerance"] or 0.0

@@ -1,0 +1,130 @@
+"""A case's verdict: every rank of the step run on a simulated group (threads,
+or this process's rank of a job), its differences agreed and reported."""
+import sys
+
+import torch
+
+from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.torch
+from cpsim.case import Golden
+from cpsim.layer import layer_differences as _layer_differences
+from cpsim.rank import first_differences, run_rank
+
+
+class OutsideContract(Exception):
+    """Raised by a step, on every rank and before any collective, for a drawn
+    layout its library does not take (the library's documented contract): the
+    case is set aside and another drawn."""
+
+
+class Outside(str):
+    """A case's verdict: set aside (the text says why)."""
+
+
+def verdict(folder, step, backend, timeout, dp=1):
+    golden = Golden(folder)
+    cp = golden.cp
+    layers = {}
+    try:
+        found = ct.spawn(lambda rank, world: run_rank(golden, step, rank % cp, dp, rank // cp, layers), dp * cp,
+                         backend=backend, timeout=timeout)
+    except ct.RankFailed as e:
+        if isinstance(e.__cause__, OutsideContract):
+            return Outside(str(e.__cause__))
+        return "rank %d raised %s" % (e.rank, str(e).split(": ", 1)[1])
+    except ct.RankStuck as e:
+        return str(e)
+    except ct.CollectiveError as e:
+        return "the ranks' calls did not match: %s" % e
+    if layers:  # the step's own layer, unsharded on a group of one: the reference of "layer"
+        if backend != "threads":
+            return "a \"layer\" output is compared on thread ranks (backend='threads'), not on %s" % backend
+        try:
+            ct.spawn(lambda rank, world: run_rank(golden, step, 0, layers=layers, unsharded=True), 1,
+                     backend=backend, timeout=timeout)
+        except ct.RankFailed as e:
+            return "the unsharded run (cp 1) raised %s" % str(e).split(": ", 1)[1]
+        except (ct.RankStuck, ct.CollectiveError) as e:
+            return "the unsharded run (cp 1): %s" % e
+        for r, why in _layer_differences(layers, cp, dp, golden.manifest["S"]).items():
+            if not found[r] or why[0] < found[r][0]:
+                found[r] = why
+    return first_differences(found)
+
+
+def exchange(text, group):
+    """Every process's text, over the job's own group (a length, then the bytes as int64)."""
+    import torch.distributed as dist
+    world = dist.get_world_size(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([data.numel()]), group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.int64)
+    padded[:data.numel()] = data
+    parts = [torch.zeros(longest, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [bytes(p[:int(n)].tolist()).decode() for p, n in zip(parts, lengths)]
+
+
+job_checks = [0, 0]  # check() calls and cases of this process of a job so far
+
+
+def job_verdict(folder, step, case_number, dp=1):
+    """One case in a job: this process runs its rank of the step on a fresh group
+    of every process (the default group of a torch world of the case's own); the
+    verdicts of all processes are agreed over the job's own group, so every
+    process's generator takes the same branch."""
+    import torch.distributed as dist
+    job, main = ct._job, dist.group.WORLD
+    rank = job.rank()
+    golden = Golden(folder)
+    # Named apart from every earlier check() of this job (each counts its cases from 1).
+    session = job.session("check%d-case%d" % (job_checks[0], case_number))
+    hook = sys.excepthook  # init_process_group wraps it (a "[rank N]:" prefix): once per case, undone
+    saved = (getattr(ct._local, "world", None), getattr(ct._local, "source", None))
+    ct._install()
+    # The case's groups are named after the case (the program's own, on this
+    # thread too, keep their names).
+    world = ct._RankWorld()
+    job_checks[1] += 1  # torch registers group names process-wide: every case of every check apart
+    world.group_count = 1000 * job_checks[1]
+    groups = []  # the case's other groups (a DeviceMesh's)
+    ct._local.world, ct._local.source = world, ct._job_source([session], groups)
+    own, outside, why = False, False, ""
+    try:
+        dist.init_process_group("cpsim", store=dist.HashStore(), rank=rank, world_size=job.size())
+        mine = run_rank(golden, step, rank % golden.cp, dp, rank // golden.cp)
+        why = "%d%s" % mine if mine else ""
+        ct._unwaited(job.ledger(), rank)
+        unreceived = ct._end_sessions(groups + [session])
+        if unreceived:
+            why = "the ranks' calls did not match: " + unreceived
+    except BaseException as e:  # noqa: B902 - every failure is this case's verdict
+        if isinstance(e, OutsideContract):
+            outside, why = True, str(e)
+        elif any(s.collective_failed() for s in groups + [session]) or isinstance(e, ct.CollectiveError):
+            why = "the ranks' calls did not match: %s" % e
+        else:
+            own, why = True, "rank %d raised %s: %s" % (rank, type(e).__name__, e)
+        ct._fail_sessions(groups + [session], e)
+    finally:
+        ct._local.world, ct._local.source = saved
+        ct._uninstall()
+        sys.excepthook = hook
+    # Each process's verdict: "1" and its own exception, "2" and why the case is
+    # outside the step's contract, or "0" and a report of cpsim's, or "0", the
+    # phase of its first difference (0 value, 1 gradient) and it.
+    verdicts = exchange(("1" if own else "2" if outside else "0") + why, main)
+    del session, groups
+    # A rank's own exception first (its peers' reports are its consequence).
+    for v in verdicts:
+        if v[:1] == "1":
+            return v[1:]
+    for v in verdicts:
+        if v[:1] == "2":
+            return Outside(v[1:])
+    for v in verdicts:
+        if v[1:] and v[1] not in "01":
+            return v[1:]
+    return first_differences([(int(v[1]), v[2:]) if v[1:] else None for v in verdicts])
+
