@@ -8,7 +8,9 @@
 #include "verify/properties.hpp"
 #include "core/comm/run_ranks.hpp"
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <fstream>
 #include <map>
 #include <set>
@@ -34,30 +36,69 @@ CheckOptions conv_options(const std::string& backend) {
 }
 }  // namespace
 
-// The properties that run ranks: one suite, instantiated once per simulated backend.
+// Every file of rows of the property table (verify/rows/table.def) on every
+// registered backend: a row added to the table runs here, on every backend, with
+// no edit. A file's rows run on one prepared case per drawn layout, so the rows
+// that share a simulation (a forward and its backward) share it, as `cpsim check`
+// runs them; a file whose rows run no ranks runs once ("local"). Convolution
+// shapes are drawn for every case (every width 1-8, a few channels).
+struct RowsOn {
+  std::string file, backend;
+};
+void PrintTo(const RowsOn& r, std::ostream* os) { *os << r.file << " on " << r.backend; }
+std::vector<RowsOn> every_file_on_every_backend() {
+  std::vector<RowsOn> out;
+  for (const RowFile& f : property_files()) {
+    if (!f.runs_ranks) out.push_back({f.name, "local"});
+    else
+      for (const std::string& b : backend_names()) out.push_back({f.name, b});
+  }
+  return out;
+}
+
+class Rows : public ::testing::TestWithParam<RowsOn> {};
+INSTANTIATE_TEST_SUITE_P(Table, Rows, ::testing::ValuesIn(every_file_on_every_backend()),
+                         [](const auto& info) {
+                           std::string name = info.param.file + "_on_" + info.param.backend;
+                           for (char& ch : name)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return name;
+                         });
+
+TEST_P(Rows, HoldOnDrawnLayouts) {
+  const RowsOn on_param = GetParam();
+  const RowFile& file = *std::find_if(property_files().begin(), property_files().end(),
+                                      [&](const RowFile& f) { return f.name == on_param.file; });
+  cpsim::testing::check_property(cpsim::testing::over<LayoutCase>([&](const LayoutCase& c) {
+    const CheckOptions o = conv_options(on_param.backend == "local" ? "threads" : on_param.backend);
+    Prepared prepared(c);
+    for (const PropertyRow& row : property_table())
+      if (std::find(file.rows.begin(), file.rows.end(), row.name) != file.rows.end())
+        assert_holds(run_row(row, prepared, o));
+  }));
+}
+
+// The table's files are table.def's lines, and together they hold every row once.
+TEST(PropertyTable, ItsFilesAreTableDefsLinesAndHoldEveryRowOnce) {
+  std::vector<std::string> lines, rows;
+  std::ifstream in(std::string(CPSIM_SOURCE_DIR) + "/verify/rows/table.def");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("CPSIM_ROWS(", 0) == 0) lines.push_back(line.substr(11, line.find(')') - 11));
+  std::vector<std::string> files;
+  for (const RowFile& f : property_files()) {
+    files.push_back(f.name);
+    rows.insert(rows.end(), f.rows.begin(), f.rows.end());
+  }
+  EXPECT_EQ(files, lines);
+  std::vector<std::string> table;
+  for (const PropertyRow& row : property_table()) table.push_back(row.name);
+  EXPECT_EQ(rows, table);
+}
+
+// Properties beyond the table's rows that run ranks: once per simulated backend.
 class Distributed : public ::testing::TestWithParam<std::string> {};
 INSTANTIATE_TEST_SUITE_P(Backends, Distributed, ::testing::ValuesIn(backend_names()),
                          [](const auto& info) { return info.param; });
-
-CPSIM_PROP(Properties, LayoutRoundTripsAndDerivedPositionsAreValid, (const LayoutCase& c)) {
-  assert_holds(check_row("layout", c));
-}
-
-CPSIM_PROP(Properties, ShardsConcatenateToThePaddedGlobalTensorsAndTileTheContext, (const LayoutCase& c)) {
-  assert_holds(check_row("shard", c));
-}
-
-CPSIM_BACKEND_PROP(Distributed, GatherForwardIsBitwiseTheGlobalTensorForEveryDtype) {
-  assert_holds(check_row("gather_forward", c, on(backend)));
-}
-
-CPSIM_BACKEND_PROP(Distributed, GatherBackwardIsTheRankOrderSumOfUpstreamSlices) {
-  assert_holds(check_row("gather_backward", c, on(backend)));
-}
-
-CPSIM_BACKEND_PROP(Distributed, AnchorCompletesBackwardAndItsAbsenceIsReportedNotHung) {
-  assert_holds(check_row("anchor", c, on(backend)));
-}
 
 // A library's contract limits the random draw: only the listed forms, each as
 // often as any other at every generator size (small sizes included, where
@@ -189,14 +230,6 @@ TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
     EXPECT_GT(seen[k], 0) << "the generator never drew: " << k;
 }
 
-CPSIM_BACKEND_PROP(Distributed, HaloForwardIsTheZeroPaddedPreviousGlobalPositions) {
-  assert_holds(check_row("halo_forward", c, conv_options(backend)));
-}
-
-CPSIM_BACKEND_PROP(Distributed, HaloBackwardReturnsEachGradientToItsOwner) {
-  assert_holds(check_row("halo_backward", c, conv_options(backend)));
-}
-
 // convolution_halo (the history alone) through the same rows: the test prepends
 // it to the shard itself, so the rows' references judge the halo's values, and the
 // gradients it returns to the owners of the history positions.
@@ -233,44 +266,6 @@ TEST(Properties, ConvGradientSumsThatCancelAreJudgedByTheirTerms) {
   o.channels = 1;
   const PropertyResult r = check_row("conv_backward", c, o);
   EXPECT_TRUE(r.ok) << r.detail;
-}
-
-CPSIM_BACKEND_PROP(Distributed, ShardedConvForwardMatchesTheUnshardedConv) {
-  assert_holds(check_row("conv_forward", c, conv_options(backend)));
-}
-
-CPSIM_BACKEND_PROP(Distributed, ShardedConvBackwardMatchesTheUnshardedConv) {
-  assert_holds(check_row("conv_backward", c, conv_options(backend)));
-}
-
-CPSIM_BACKEND_PROP(Distributed, CpRecurrenceForwardMatchesTheUnshardedRecurrence) {
-  assert_holds(check_row("recurrence_forward", c, on(backend)));
-}
-
-CPSIM_BACKEND_PROP(Distributed, CpRecurrenceGradientsMatchTheUnshardedRecurrence) {
-  assert_holds(check_row("recurrence_backward", c, on(backend)));
-}
-
-CPSIM_BACKEND_PROP(Distributed, RopeRotatesByTheBatchsGlobalPositions) { assert_holds(check_row("rope", c, on(backend))); }
-
-CPSIM_BACKEND_PROP(Distributed, AttentionOverTheGatheredKvMatchesTheUnshardedAttention) {
-  assert_holds(check_row("attention_forward", c, on(backend)));
-  assert_holds(check_row("attention_backward", c, on(backend)));
-}
-
-CPSIM_BACKEND_PROP(Distributed, TopKSparseAttentionKeepsTheUnshardedKeysAndMatchesIt) {
-  const CheckOptions o = on(backend);
-  assert_holds(check_row("sparse_attention_forward", c, o));
-  assert_holds(check_row("sparse_attention_backward", c, o));
-}
-
-CPSIM_BACKEND_PROP(Distributed, RankObjectsReusedAcrossStepsKeepNoStateFromTheLastBatch) {
-  assert_holds(check_row("two_steps", c, on(backend)));
-}
-
-CPSIM_BACKEND_PROP(Distributed, TheTokenMeanLossAcrossRanksIsTheUnshardedLoss) {
-  assert_holds(check_row("loss_forward", c, on(backend)));
-  assert_holds(check_row("loss_backward", c, on(backend)));
 }
 
 namespace cpsim::testing {

@@ -122,18 +122,44 @@ PropertyResult check_row(const std::string& name, const LayoutCase& c, const Che
 // ---------------------------------------------------------------------------
 // The table: every file's rows (verify/rows/table.def), in order.
 
+namespace {
+
+struct TableFile {
+  const char* name;
+  std::vector<PropertyRow> (*rows)();
+};
+constexpr TableFile table_files[] = {
+#define CPSIM_ROWS(family) {#family, family##_rows},
+#include "verify/rows/table.def"
+#undef CPSIM_ROWS
+};
+
+}  // namespace
+
 const std::vector<PropertyRow>& property_table() {
   static const std::vector<PropertyRow> table = [] {
     std::vector<PropertyRow> t;
-    for (auto family : {
-#define CPSIM_ROWS(family) family##_rows,
-#include "verify/rows/table.def"
-#undef CPSIM_ROWS
-         })
-      for (PropertyRow& row : family()) t.push_back(std::move(row));
+    for (const TableFile& file : table_files)
+      for (PropertyRow& row : file.rows()) t.push_back(std::move(row));
     return t;
   }();
   return table;
+}
+
+const std::vector<RowFile>& property_files() {
+  static const std::vector<RowFile> files = [] {
+    std::vector<RowFile> out;
+    for (const TableFile& file : table_files) {
+      RowFile f{file.name, {}, false};
+      for (const PropertyRow& row : file.rows()) {
+        f.rows.push_back(row.name);
+        f.runs_ranks = f.runs_ranks || row.runs_ranks;
+      }
+      out.push_back(std::move(f));
+    }
+    return out;
+  }();
+  return files;
 }
 
 namespace {

@@ -234,6 +234,16 @@ struct PropertyRow {
 // Every property, in the order `cpsim check` reports them.
 const std::vector<PropertyRow>& property_table();
 
+// The table's rows by the file of verify/rows/ that defines them (a line of
+// verify/rows/table.def each), in the table's order: the property suite runs
+// each file's rows on every backend, on one prepared case per drawn layout.
+struct RowFile {
+  std::string name;               // "gather": verify/rows/gather.cpp
+  std::vector<std::string> rows;  // its rows' names
+  bool runs_ranks = false;        // whether any of its rows needs a backend
+};
+const std::vector<RowFile>& property_files();
+
 // One row on a prepared case: its verdict, named; what the check throws is its
 // failure (or, when the run could not complete, an aborted result).
 PropertyResult run_row(const PropertyRow& row, Prepared& p, const CheckOptions& o, const Impl& impl = {});
