@@ -21,8 +21,11 @@ computes (docs/anchors.md, "FLA's Triton kernels on a CPU"):
 4. One kernel at a time in the process: the interpreter patches
    triton.language module-wide while a kernel runs and keeps the grid index
    in one global builder, so two rank threads running kernels at once would
-   corrupt each other. Each launch holds a process lock (ranks still
-   interleave between launches: collectives are called outside kernels).
+   corrupt each other; and a kernel's first launch parses and rewrites its
+   source, which CPython 3.11's AST constructor cannot do on two threads at
+   once ("SystemError: AST constructor recursion depth mismatch"). Each launch,
+   its rewrite included, holds a process lock (ranks still interleave between
+   launches: collectives are called outside kernels).
 5. Masks are booleans: a mask made of a Python bool and a tensor (FLA's
    `m_t = (t < seq_len) & m_d` with `seq_len` a Python int) comes out an
    integer tensor in the interpreter, which its load and store refuse ("mask
@@ -137,15 +140,15 @@ def enable():
             return node
     interpreter.FunctionRewriter.ast_transformer = CounterRanges()
 
-    # 4. one launch at a time
-    launch = interpreter.GridExecutor.__call__
+    # 4. one launch at a time, from the kernel's rewrite to its last program
+    launch = interpreter.InterpretedFunction.run
 
     def serialised(self, *args, **kwargs):
         with _LOCK:
             _forward_aliases()
             LAUNCHES[0] += 1
             return launch(self, *args, **kwargs)
-    interpreter.GridExecutor.__call__ = serialised
+    interpreter.InterpretedFunction.run = serialised
 
     # 5. integer masks taken as bool by loads and stores
     import numpy as np
