@@ -3,7 +3,7 @@
  * host memory: the nccl backend then takes its streams and events from this table
  * instead of CUDA, keeps tensors of cuda:N in host memory and runs the host
  * kernels, so gpu/nccl.cpp (its calls, the watchdog, abort, job mode) runs on a
- * machine without a GPU. cpsim's NCCL test double (tests/nccl_double.cpp) is such a
+ * machine without a GPU. cpsim's NCCL test double (tests/doubles/nccl_double.cpp) is such a
  * library. A stream runs its work in order on its own thread, as a GPU stream
  * does; NCCL calls enqueue on it. */
 #ifndef CPSIM_NCCL_HOST_DEVICE_H

@@ -156,7 +156,7 @@ TEST(Launch, FuzzAcrossProcessesAgreesWithItself) {
 
 // run_ranks across processes: outputs reach every process, a rank's own failure is
 // rethrown everywhere, a mismatch is reported everywhere and the job goes on
-// (tests/world_probe.cpp, one process per rank).
+// (tests/doubles/world_probe.cpp, one process per rank).
 TEST(Launch, RunRanksAcrossProcessesKeepsEveryProcessInStep) {
   const auto r = run_process({kCpsim, "launch", "-n", "3", "--", CPSIM_WORLD_PROBE}, 120s);
   EXPECT_EQ(r.status, 0) << r.out << r.err;

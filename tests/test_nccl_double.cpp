@@ -1,5 +1,5 @@
 // The nccl backend (gpu/nccl.cpp) run through cpsim's NCCL test double
-// (tests/nccl_double.cpp), loaded as NCCL, on the host device it brings: the calls,
+// (tests/doubles/nccl_double.cpp), loaded as NCCL, on the host device it brings: the calls,
 // the dtype and op mapping, group calls, the call check before NCCL, the watchdog
 // and abort, the rebuild after an abort, and job mode, on every CI run without a GPU.
 // Its own binary: the double replaces CUDA's device in the process that loads it.

@@ -269,7 +269,7 @@ TEST(Properties, ConvGradientSumsThatCancelAreJudgedByTheirTerms) {
 }
 
 namespace cpsim::testing {
-extern std::atomic<std::int64_t> counting_groups;  // tests/delayed_backend.cpp
+extern std::atomic<std::int64_t> counting_groups;  // tests/doubles/delayed_backend.cpp
 extern std::atomic<std::int64_t> host_device_allocations;
 void register_counting_backend();
 void register_host_device_backend();
