@@ -33,7 +33,7 @@ void add_batch_or_family(CLI::App* cmd, std::string& batch, std::string& family,
   cmd->add_option("--seed", seed, "seed of the members drawn with --family");
 }
 
-void add_plan_options(CLI::App* cmd, PlanArg& plan, bool random) {
+void add_plan_options(CLI::App* cmd, PlanOption& plan, bool random) {
   cmd->add_option("--plan", plan.plan,
                   std::string("how the ranks cut the padded rows: equal (intervals of P/c), balanced (by --cost), ") +
                       (random ? "random (each case draws equal, balanced or random cuts, empty intervals included)"

@@ -42,14 +42,14 @@ struct ModelArgs {
 
 // --plan and --cost: equal, balanced (by --cost) or a plan file's cuts; fuzz also
 // takes random (drawn plans, its default).
-struct PlanArg {
+struct PlanOption {
   std::string plan = "equal";
   std::string cost = "attention";
 };
 
 struct CheckArgs {
   std::vector<std::string> batches;
-  PlanArg plan;
+  PlanOption plan;
   std::vector<int> cp_sizes{1, 2, 3, 4, 8};
   bool cp_given = false;
   JobArgs job;
@@ -64,7 +64,7 @@ struct CheckArgs {
 
 struct FuzzArgs {
   int cases = 200;
-  PlanArg plan{"random"};
+  PlanOption plan{"random"};
   std::uint64_t seed = 1;
   int max_cp = 16;
   JobArgs job;
@@ -81,7 +81,7 @@ struct HarnessArgs {
   std::vector<int> cp_sizes;  // drawn from this list, each as often as any other (instead of 1..max_cp)
   std::string batch;          // replay this batch file at --cp (one case, no drawing)
   std::string family;
-  PlanArg plan;  // equal, balanced (by its cost) or random (drawn cuts); with batch, a plan file too
+  PlanOption plan;  // equal, balanced (by its cost) or random (drawn cuts); with batch, a plan file too
   std::optional<std::uint64_t> seed;  // RapidCheck's (RC_PARAMS, else random) when unset
   int conv_width = kDefaultConvWidth;
   bool shard_primary = false;
@@ -94,7 +94,7 @@ struct HarnessArgs {
 
 struct ShowArgs {
   std::string batch;
-  PlanArg plan;
+  PlanOption plan;
   std::string family;  // instead of a batch: draw members of this family
   int samples = 3;
   std::uint64_t seed = 1;
@@ -106,7 +106,7 @@ struct ShowArgs {
 
 struct GoldenArgs {
   std::string batch, out;
-  PlanArg plan;
+  PlanOption plan;
   int cp = 2;
   bool shard_primary = false;
   std::string index_dtype = "int64";
@@ -169,7 +169,7 @@ Parsed parse_options(int argc, char** argv);
 // The plan --plan names: equal, balanced (by --cost), or the cuts of a plan file
 // ({"cuts": [0, a_1, ..., P]}; InvalidInput naming the file and field). nullopt
 // for random (fuzz: drawn plans).
-std::optional<PlanChoice> plan_choice_of(const PlanArg& arg);
+std::optional<PlanChoice> plan_choice_of(const PlanOption& arg);
 // A plan file's cuts must fit a batch: c + 1 cuts for CP size c, from 0 to its P.
 void expect_plan_fits(const PlanChoice& plan, std::int64_t seq_len, int cp, const std::string& batch,
                       std::int64_t pad_multiple = 1);

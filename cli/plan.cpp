@@ -184,7 +184,7 @@ int plan_family(const PlanArgs& a, const TokenCost& cost) {
 
 }  // namespace
 
-std::optional<PlanChoice> plan_choice_of(const PlanArg& arg) {
+std::optional<PlanChoice> plan_choice_of(const PlanOption& arg) {
   if (arg.plan == "random") return std::nullopt;
   if (arg.plan == "equal" || arg.plan == "balanced") return parse_plan_choice(arg.plan, arg.cost);
   std::ifstream in(arg.plan, std::ios::binary);

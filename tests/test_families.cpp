@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "tests/property_harness.hpp"
+#include "tests/rapidcheck_gtest.hpp"
 #include "tests/subprocess.hpp"
 #include "verify/family.hpp"
 #include "verify/properties.hpp"

@@ -9,7 +9,7 @@
 #include "core/conv.hpp"
 #include "core/loss.hpp"
 #include "core/token_shift.hpp"
-#include "tests/property_harness.hpp"
+#include "tests/rapidcheck_gtest.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/properties.hpp"
 

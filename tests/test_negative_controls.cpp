@@ -9,7 +9,7 @@
 #include "core/conv.hpp"
 #include "core/gather.hpp"
 #include "core/recurrence.hpp"
-#include "tests/property_harness.hpp"
+#include "tests/rapidcheck_gtest.hpp"
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
 #include "verify/rows/common.hpp"

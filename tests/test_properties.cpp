@@ -1,7 +1,7 @@
 // The SPEC §5 properties over random packed layouts, CP sizes 1-16.
 #include <gmock/gmock.h>
 
-#include "tests/property_harness.hpp"
+#include "tests/rapidcheck_gtest.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/generators.hpp"
 #include "verify/memory.hpp"

@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/shard_plan.hpp"
-#include "tests/property_harness.hpp"
+#include "tests/rapidcheck_gtest.hpp"
 #include "tests/subprocess.hpp"
 
 using namespace cpsim;

@@ -1,11 +1,11 @@
 """flash-linear-attention's CP code (fla-core 0.6.0, unmodified) on cpsim's ranks:
 its context builder, its gather helpers and its CP convolution against cpsim's
-references (examples/anchors/fla_step.py)."""
+references (examples/libraries/fla_step.py)."""
 import pytest
 
 import torch
 
-from anchors_common import FAMILIES, FAMILY, SEED, expect_reported
+from libraries_common import FAMILIES, FAMILY, SEED, expect_reported
 
 import cpsim.torch
 import fla_step

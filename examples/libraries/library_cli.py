@@ -1,4 +1,4 @@
-"""What the adapters of examples/anchors/ share: the command line, and the
+"""What the adapters of examples/libraries/ share: the command line, and the
 shield that keeps finding K4 from the tensors around a gather."""
 import argparse
 

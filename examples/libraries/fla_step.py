@@ -2,8 +2,8 @@
 cpsim's ranks: its CP context builder, its communication helpers and its CP
 causal convolution, property-tested by cpsim.torch.check.
 
-    .venv/bin/python examples/anchors/fla_step.py                  # the faithful adapter
-    .venv/bin/python examples/anchors/fla_step.py --variant padding_joins_last_document
+    .venv/bin/python examples/libraries/fla_step.py                  # the faithful adapter
+    .venv/bin/python examples/libraries/fla_step.py --variant padding_joins_last_document
 
 What runs is FLA's own code: `fla.ops.cp.build_cp_context` (one context per
 packed row, as Automodel's Kimi-Linear builds them), `all_gather_into_tensor` and
@@ -14,7 +14,7 @@ halo exchange, `conv_cp_send_recv_fwd`, and its gradient return,
 is replaced, through FLA's own backend registry (`fla.backends.register`), by
 `torch_conv_forward` / `torch_conv_backward` below: a plain torch convolution of
 each local sequence from its initial state, as FLA's kernel computes it.
-examples/anchors/fla_kernels_step.py runs the same step with FLA's own Triton
+examples/libraries/fla_kernels_step.py runs the same step with FLA's own Triton
 kernel instead (Triton's interpreter, on the CPU).
 
 The glue is small and cpsim-checked: the document layout of the raw batch comes
@@ -24,7 +24,7 @@ partitioning expects: they tile the row, so the token count is a multiple of the
 CP size).
 
 FLA's contract, drawn within: equal contiguous shards (plan "equal"; its zigzag
-layout is not contiguous, see docs/anchors.md), and, for the convolution, every
+layout is not contiguous, see docs/libraries.md), and, for the convolution, every
 rank at least W - 1 tokens (FLA's CUDA backend says so; its Triton path breaks
 with a shape error below that): random layouts are drawn with min_shard = W - 1,
 and on a family's shorter members the step returns no "conv".
@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch"))
 import cp_step  # noqa: E402 - cpsim's checked example: the layout of the raw batch
 
-import anchor_cli  # noqa: E402
+import library_cli  # noqa: E402
 import fla  # noqa: E402
 import fla.utils  # noqa: E402
 from fla.backends import BaseBackend, register  # noqa: E402
@@ -193,8 +193,8 @@ VARIANTS = {
 
 def main():
     import cpsim.torch
-    args = anchor_cli.arguments(__doc__, VARIANTS)
-    return anchor_cli.run(lambda: cpsim.torch.check(VARIANTS[args.variant] if args.variant else step, cases=args.cases,
+    args = library_cli.arguments(__doc__, VARIANTS)
+    return library_cli.run(lambda: cpsim.torch.check(VARIANTS[args.variant] if args.variant else step, cases=args.cases,
                                                     max_cp=args.max_cp, family=args.family, seed=args.seed,
                                                     min_shard=1 if args.family else MIN_SHARD),
                           lambda: "fla-core %s (%d rank-cases ran the convolution)" % (fla.__version__, CONV_CASES[0]))

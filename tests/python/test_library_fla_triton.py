@@ -1,16 +1,16 @@
 """flash-linear-attention's own Triton CP kernels (fla-core 0.6.0, unmodified),
 run on the CPU by Triton's interpreter, on cpsim's ranks
-(examples/anchors/fla_kernels_step.py): chunk_kda with cp_context against
+(examples/libraries/fla_kernels_step.py): chunk_kda with cp_context against
 cpsim's reference recurrence, and the CP convolution with FLA's kernel.
 
-A long run: `fla_kernels_step.py kda --cases 300` (docs/anchors.md)."""
+A long run: `fla_kernels_step.py kda --cases 300` (docs/libraries.md)."""
 import hashlib
 import base64
 import os
 
 import pytest
 
-from anchors_common import FAMILY, SEED, expect_reported
+from libraries_common import FAMILY, SEED, expect_reported
 
 import fla_kernels_step  # noqa: E402 - imports triton_cpu first: Triton's interpreter, its adjustments
 import triton_cpu
@@ -66,11 +66,11 @@ def test_the_adjustments_change_no_installed_file(distribution):
     assert checked > 20
 
 
-def test_the_adjustments_are_the_ones_docs_anchors_lists():
+def test_the_adjustments_are_the_ones_docs_libraries_lists():
     # The device guard is replaced in every module that imported it by name.
     assert {"fla.ops.cp.chunk_bwd", "fla.ops.cp.chunk_delta_h", "fla.ops.cp.chunk_fwd",
             "fla.ops.cp.chunk_merge"} <= set(triton_cpu.enable())
-    docs = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "anchors.md")).read()
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "libraries.md")).read()
     for words in ("TRITON_INTERPRET=1", "Autotuning without timing", "Loop counters are tensors",
                   "One kernel at a time", "Masks are booleans", "Builtins aliased by name",
                   "Every dot precision", "CP device guard"):

@@ -1,8 +1,8 @@
 """GLM-5.3's contiguous CP (nemo-automodel 0.7.0's glm5_next.cp, the module of
 seed 003, unmodified) and the GLM-5.3 layers that consume it, on cpsim's ranks
-(examples/anchors/glm5_step.py): the CP module against cpsim's references, the
+(examples/libraries/glm5_step.py): the CP module against cpsim's references, the
 layers sharded against themselves unsharded (KDA with FLA's Triton kernels under
-the interpreter), and the findings of docs/anchors.md reproduced.
+the interpreter), and the findings of docs/libraries.md reproduced.
 
 A long run: `glm5_step.py cp --cases 2000`, `glm5_step.py kda --cases 100`."""
 import importlib.util
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from anchors_common import FAMILIES, FAMILY, ROOT, SEED, expect_reported
+from libraries_common import FAMILIES, FAMILY, ROOT, SEED, expect_reported
 
 import glm5_step  # noqa: E402 - imports triton_cpu first: FLA's kernels interpreted
 from nemo_automodel.components.models.glm5_next import cp as glm5_cp
@@ -35,7 +35,7 @@ def test_flas_context_built_by_the_cp_module_holds():
 
 
 # The shipped families whose members lie outside glm5_next.cp's contract, by the
-# finding that puts them there (docs/anchors.md); every other family holds.
+# finding that puts them there (docs/libraries.md); every other family holds.
 OUTSIDE = {"interior_padding": "G2", "nemo_automodel_pack_dataset": "G2", "nemo_automodel_seq_lens": "G2, G3",
            "unpacked_left_padding": "G3", "te_thd_2cp": "G8"}
 
@@ -84,7 +84,7 @@ def _shard(batch, loss_mask=None):
     return local
 
 
-def test_the_minimal_layouts_of_docs_anchors_show_glm5s_findings():
+def test_the_minimal_layouts_of_docs_libraries_show_glm5s_findings():
     # G2 (as K1): a document's padded slots are real in the padding_mask
     local = _shard({"input_ids": [[1, 0]], "labels": [[5, -100]], "seq_lens": [[1]], "seq_lens_padded": [[2]]})
     assert local["padding_mask"].tolist() == [[False, False]]  # expected [[False, True]]
@@ -151,8 +151,8 @@ SEED_003 = ("Glm5NextPackedContext", "doc_ids_from_seq_lens", "doc_ids_from_cu_s
             "shard_batch_for_glm5_next_cp", "_PAD_DOC_ID")
 
 
-def test_every_name_of_seed_003_is_in_the_module_and_in_docs_anchors_table():
-    with open(os.path.join(ROOT, "docs", "anchors.md")) as f:
+def test_every_name_of_seed_003_is_in_the_module_and_in_docs_libraries_table():
+    with open(os.path.join(ROOT, "docs", "libraries.md")) as f:
         docs = f.read()
     table = docs[docs.index("## Seed 003"):]
     for name in SEED_003:
@@ -161,7 +161,7 @@ def test_every_name_of_seed_003_is_in_the_module_and_in_docs_anchors_table():
 
 
 def test_inkling2_context_parallel_is_run_when_a_pin_ships_it():
-    # nemo-automodel 0.7.0 ships models/inkling without a CP module (docs/anchors.md);
+    # nemo-automodel 0.7.0 ships models/inkling without a CP module (docs/libraries.md);
     # a later pin that ships it makes this test run its adapter.
     name = "nemo_automodel.components.models.inkling2.context_parallel"
     try:  # Automodel's model registry raises ModuleNotFoundError for a model it lacks

@@ -2,12 +2,12 @@
 seed 003) and the GLM-5.3 layers that consume it (`glm5_next.layers`),
 unmodified, on cpsim's ranks, property-tested by cpsim.torch.check:
 
-    .venv/bin/python examples/anchors/glm5_step.py cp           # the CP module against cpsim's references
-    .venv/bin/python examples/anchors/glm5_step.py kda          # KDA, FLA's kernels (interpreted), sharded vs unsharded
-    .venv/bin/python examples/anchors/glm5_step.py kda_torch    # KDA's CPU path as shipped (finding G1: fails)
-    .venv/bin/python examples/anchors/glm5_step.py dsa          # KPool-DSA with its indexer
-    .venv/bin/python examples/anchors/glm5_step.py decoder      # one decoder layer (DSA, mHC, dense MLP)
-    .venv/bin/python examples/anchors/glm5_step.py cp --variant rank_from_world
+    .venv/bin/python examples/libraries/glm5_step.py cp           # the CP module against cpsim's references
+    .venv/bin/python examples/libraries/glm5_step.py kda          # KDA, FLA's kernels (interpreted), sharded vs unsharded
+    .venv/bin/python examples/libraries/glm5_step.py kda_torch    # KDA's CPU path as shipped (finding G1: fails)
+    .venv/bin/python examples/libraries/glm5_step.py dsa          # KPool-DSA with its indexer
+    .venv/bin/python examples/libraries/glm5_step.py decoder      # one decoder layer (DSA, mHC, dense MLP)
+    .venv/bin/python examples/libraries/glm5_step.py cp --variant rank_from_world
 
 * `cp` and `fla_context`: `shard_batch_for_glm5_next_cp` on the raw batch as the
   collator gives it (a THD collator's [S] rows too: `_normalize_batch_axis`),
@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-import anchor_cli  # noqa: E402
+import library_cli  # noqa: E402
 import fla.utils  # noqa: E402
 from nemo_automodel.components.models.common import BackendConfig  # noqa: E402
 from nemo_automodel.components.models.glm5_next import cp as glm5_cp  # noqa: E402
@@ -120,22 +120,22 @@ def _contract(batch, findings=True):
     if not findings:
         return
     if _padded_slots(batch):
-        raise OutsideContract("finding G2 (docs/anchors.md, K1): a document's padded slots are real in the "
+        raise OutsideContract("finding G2 (docs/libraries.md, K1): a document's padded slots are real in the "
                               "padding_mask")
     if not _arange_positions_fit(batch):
-        raise OutsideContract("finding G3 (docs/anchors.md, K2): without position_ids, arange positions")
+        raise OutsideContract("finding G3 (docs/libraries.md, K2): without position_ids, arange positions")
     keys = set(batch)
     if not keys & {"seq_lens", "cu_seqlens", "cu_seqlens_padded"} and int(cp_step.layout_of(batch)[0].max()) > 1:
-        raise OutsideContract("finding G4 (docs/anchors.md, K3): documents given by position resets are one "
+        raise OutsideContract("finding G4 (docs/libraries.md, K3): documents given by position resets are one "
                               "document a row")
     if _padded_slots(batch, "cu_seqlens"):
-        raise OutsideContract("finding G8 (docs/anchors.md): THD cu_seqlens (real lengths, cumulated) are read as "
+        raise OutsideContract("finding G8 (docs/libraries.md): THD cu_seqlens (real lengths, cumulated) are read as "
                               "positions in the padded row when cu_seqlens_padded differs")
     if "cu_seqlens" in keys and int((batch["cu_seqlens"] >= 0).sum()) < 2:
-        raise OutsideContract("finding G7 (docs/anchors.md): THD boundaries of no document ([0]) are read as one "
+        raise OutsideContract("finding G7 (docs/libraries.md): THD boundaries of no document ([0]) are read as one "
                               "document over the whole row")
     if "cu_seqlens_padded" in keys and "cu_seqlens" not in keys:
-        raise OutsideContract("finding G5 (docs/anchors.md): THD boundaries given only as cu_seqlens_padded are "
+        raise OutsideContract("finding G5 (docs/libraries.md): THD boundaries given only as cu_seqlens_padded are "
                               "not read: the row is one document")
 
 
@@ -171,7 +171,7 @@ def make_cp_step(fla_context=False, rank_from_world=False, guarded=True, gradien
             shard["attention_mask"] = (~shard["padding_mask"].bool()).to(torch.int64)
         gathered = glm5_cp.all_gather_sequence(case.x, group, dim=1)
         if not gradient_in_place:  # K4 shows on the gather's own output (an add would hand it a sum)
-            gathered = anchor_cli.FreshGradient.apply(gathered)
+            gathered = library_cli.FreshGradient.apply(gathered)
             gathered = gathered + glm5_cp.all_gather_backward_anchor(gathered)
         out = {"batch": shard, "doc_ids": context.doc_ids, "local_doc_ids": context.local_doc_ids,
                "gathered": gathered}
@@ -280,7 +280,7 @@ def kernel_path(module):
 
 
 _NO_ANCHOR_FORWARD = _rewritten(glm5_layers.Glm5NextSparseAttention.forward, _DropAnchor())
-LAYER_TOLERANCE = 1e-5  # relative RMSE, fp32 (sharded against unsharded: 3e-8 to 5e-7 seen, docs/anchors.md)
+LAYER_TOLERANCE = 1e-5  # relative RMSE, fp32 (sharded against unsharded: 3e-8 to 5e-7 seen, docs/libraries.md)
 
 
 def make_layer_step(name, kernels=True, no_anchor=False):
@@ -352,7 +352,7 @@ def check(name, step=None, **kwargs):
 
 
 def main():
-    return anchor_cli.run_steps(__doc__, STEPS, VARIANTS, check, lambda name: "nemo-automodel glm5_next %s" % name)
+    return library_cli.run_steps(__doc__, STEPS, VARIANTS, check, lambda name: "nemo-automodel glm5_next %s" % name)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 run on the CPU by Triton's interpreter on cpsim's ranks, property-tested by
 cpsim.torch.check:
 
-    .venv/bin/python examples/anchors/fla_kernels_step.py kda            # chunk_kda with cp_context
-    .venv/bin/python examples/anchors/fla_kernels_step.py conv           # the CP convolution's Triton kernel
-    .venv/bin/python examples/anchors/fla_kernels_step.py kda --variant no_state_across_ranks
+    .venv/bin/python examples/libraries/fla_kernels_step.py kda            # chunk_kda with cp_context
+    .venv/bin/python examples/libraries/fla_kernels_step.py conv           # the CP convolution's Triton kernel
+    .venv/bin/python examples/libraries/fla_kernels_step.py kda --variant no_state_across_ranks
 
 * `kda`: `fla.ops.kda.chunk_kda(q, k, v, g, beta, scale=1, cp_context=...)`, one
   packed row at a time with FLA's context of the row (fla_step.row_context:
@@ -17,7 +17,7 @@ cpsim.torch.check:
 * `conv`: fla_step.py's step (FLA's context, gather, CP convolution) with FLA's
   own Triton convolution kernel in place of the torch stand-in.
 
-The conventions mapped (docs/anchors.md, "Conventions that differ"):
+The conventions mapped (docs/libraries.md, "Conventions that differ"):
 cpsim's recurrence is FLA's KDA with scale 1 (cpsim does not scale q), the gate
 g the per-token log-decay (FLA's `g` without `use_gate_in_kernel`, cumulated
 inside the kernel), beta as given (no sigmoid in the kernel), no l2 norm in the
@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import anchor_cli  # noqa: E402
+import library_cli  # noqa: E402
 import fla  # noqa: E402
 import fla_step  # noqa: E402
 from fla.ops.kda import chunk_kda  # noqa: E402
@@ -101,7 +101,7 @@ def check(name, step=None, **kwargs):
 
 
 def main():
-    return anchor_cli.run_steps(__doc__, STEPS, VARIANTS, check, lambda name: "fla-core %s %s, Triton's interpreter "
+    return library_cli.run_steps(__doc__, STEPS, VARIANTS, check, lambda name: "fla-core %s %s, Triton's interpreter "
                                 "(%d kernel launches)" % (fla.__version__, name, triton_cpu.LAUNCHES[0]), max_cp=4)
 
 

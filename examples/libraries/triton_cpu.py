@@ -4,7 +4,7 @@ the adapters make to run them, in one place, applied to this process only
 anything imports triton or fla; `enable()` applies the adjustments once.
 
 What each adjustment changes, and why it does not change what a kernel
-computes (docs/anchors.md, "FLA's Triton kernels on a CPU"):
+computes (docs/libraries.md, "FLA's Triton kernels on a CPU"):
 
 1. TRITON_INTERPRET=1: `@triton.jit` functions become Triton's
    InterpretedFunction, which runs each program of the grid in turn with

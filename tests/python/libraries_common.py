@@ -1,4 +1,4 @@
-"""What the anchor suites share: where the adapters and the families are, and
+"""What the library suites share: where the adapters and the families are, and
 the check that a planted bug (or a known finding) is reported."""
 import glob
 import os
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(ROOT, "examples", "anchors"))
+sys.path.insert(0, os.path.join(ROOT, "examples", "libraries"))
 FAMILIES = sorted(glob.glob(os.path.join(ROOT, "examples", "families", "*.json")))
 FAMILY = {os.path.basename(f)[:-len(".json")]: f for f in FAMILIES}
 

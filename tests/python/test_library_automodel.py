@@ -1,14 +1,14 @@
 """NeMo Automodel's CP batch code (nemo-automodel 0.7.0, unmodified) on cpsim's
 ranks: Kimi-Linear's CP helpers, the contiguous sharder and the THD input
-utility against cpsim's references (examples/anchors/automodel_step.py), and
-the findings of docs/anchors.md reproduced."""
+utility against cpsim's references (examples/libraries/automodel_step.py), and
+the findings of docs/libraries.md reproduced."""
 import json
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from anchors_common import FAMILY, SEED, expect_reported
+from libraries_common import FAMILY, SEED, expect_reported
 
 import automodel_step
 import cpsim.torch
@@ -64,7 +64,7 @@ def test_finding_k1_padded_slots_are_real_in_kimis_padding_mask():
 
 
 def _replay(tmp_path, name, batch):
-    """The library's step on one layout of docs/anchors.md, its guards off."""
+    """The library's step on one layout of docs/libraries.md, its guards off."""
     path = tmp_path / "layout.json"
     path.write_text(json.dumps(dict(batch, pad_token_id=0)))
     settings = automodel_step.SETTINGS[name]
@@ -73,7 +73,7 @@ def _replay(tmp_path, name, batch):
                                      shard_primary=settings.get("shard_primary", False))
 
 
-def test_the_minimal_layouts_of_docs_anchors_show_their_findings(tmp_path):
+def test_the_minimal_layouts_of_docs_libraries_show_their_findings(tmp_path):
     expect_reported(_replay(tmp_path, "kimi", {"input_ids": [[1, 0]], "labels": [[5, -100]], "seq_lens": [[1]],
                                                "seq_lens_padded": [[2]]}),
                     "batch padding_mask: 1 wrong elements, first at [0, 1]: False, expected True")  # K1

@@ -1,8 +1,8 @@
 """Megatron-core's context-parallel batch split (megatron-core 0.16.1),
 unmodified, on cpsim's ranks, property-tested by cpsim.torch.check:
 
-    .venv/bin/python examples/anchors/megatron_step.py
-    .venv/bin/python examples/anchors/megatron_step.py --variant chunks_in_rank_order
+    .venv/bin/python examples/libraries/megatron_step.py
+    .venv/bin/python examples/libraries/megatron_step.py --variant chunks_in_rank_order
 
 `megatron.core.utils.get_batch_on_this_cp_rank` cuts every [B, S] key into
 2 * cp chunks and gives rank r chunks r and 2 * cp - 1 - r (causal attention's
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch"))
-import anchor_cli  # noqa: E402
+import library_cli  # noqa: E402
 import cp_step  # noqa: E402 - cpsim's checked example: the padded global batch
 
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
@@ -84,8 +84,8 @@ SETTINGS = {"pad_multiple": 2, "shard_primary": True}
 
 def main():
     import cpsim.torch
-    args = anchor_cli.arguments(__doc__, VARIANTS)
-    return anchor_cli.run(lambda: cpsim.torch.check(VARIANTS[args.variant] if args.variant else step, cases=args.cases,
+    args = library_cli.arguments(__doc__, VARIANTS)
+    return library_cli.run(lambda: cpsim.torch.check(VARIANTS[args.variant] if args.variant else step, cases=args.cases,
                                                     max_cp=args.max_cp, family=args.family, seed=args.seed,
                                                     **SETTINGS),
                           "megatron-core get_batch_on_this_cp_rank")

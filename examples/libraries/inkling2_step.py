@@ -1,10 +1,10 @@
 """Inkling2's contiguous CP (`nemo_automodel.components.models.inkling2.
 context_parallel`, the module of seed 000) on cpsim's ranks, for a pin that ships
 it: nemo-automodel 0.7.0 ships `models/inkling` without a CP module, so this
-adapter is imported only when the module exists (tests/python/test_anchor_glm5.py
+adapter is imported only when the module exists (tests/python/test_library_glm5.py
 checks which), and examples/torch/cp_step.py stays the reference user step for it.
 
-    .venv/bin/python examples/anchors/inkling2_step.py
+    .venv/bin/python examples/libraries/inkling2_step.py
 
 What it maps, by the seed's API page: `unpack_row_layout(batch)` (padding and
 positions from the packer's lengths) to "padding" and "position_ids";
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from nemo_automodel.components.models.inkling2 import context_parallel as inkling2_cp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import anchor_cli  # noqa: E402
+import library_cli  # noqa: E402
 from cpsim.torch import OutsideContract  # noqa: E402
 
 
@@ -38,8 +38,8 @@ def step(case):
 
 def main():
     import cpsim.torch
-    args = anchor_cli.arguments(__doc__, {})
-    return anchor_cli.run(lambda: cpsim.torch.check(step, cases=args.cases, max_cp=args.max_cp, family=args.family,
+    args = library_cli.arguments(__doc__, {})
+    return library_cli.run(lambda: cpsim.torch.check(step, cases=args.cases, max_cp=args.max_cp, family=args.family,
                                                     seed=args.seed, forms=["seq_lens_padded"]),
                           "nemo-automodel inkling2.context_parallel")
 

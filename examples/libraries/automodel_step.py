@@ -1,10 +1,10 @@
 """NeMo Automodel's context-parallel batch code (nemo-automodel 0.7.0), unmodified,
 on cpsim's ranks, property-tested by cpsim.torch.check:
 
-    .venv/bin/python examples/anchors/automodel_step.py kimi        # Kimi-Linear's CP
-    .venv/bin/python examples/anchors/automodel_step.py contiguous  # the contiguous sharder
-    .venv/bin/python examples/anchors/automodel_step.py thd         # the THD input utility
-    .venv/bin/python examples/anchors/automodel_step.py kimi --variant rank_from_world
+    .venv/bin/python examples/libraries/automodel_step.py kimi        # Kimi-Linear's CP
+    .venv/bin/python examples/libraries/automodel_step.py contiguous  # the contiguous sharder
+    .venv/bin/python examples/libraries/automodel_step.py thd         # the THD input utility
+    .venv/bin/python examples/libraries/automodel_step.py kimi --variant rank_from_world
 
 Each step calls Automodel's own functions on the raw batch cpsim draws and
 returns what they give, in cpsim's terms:
@@ -22,7 +22,7 @@ returns what they give, in cpsim's terms:
   flattened into one THD stream, its padding mask from the pack lengths),
   unflattened to [B, S] and compared with cpsim's padding and positions.
 
-What each takes (its contract, drawn within; see docs/anchors.md for why):
+What each takes (its contract, drawn within; see docs/libraries.md for why):
 `kimi` takes the layouts whose documents it can read (seq_lens forms, an
 unpacked row with a mask); `contiguous` takes HF-style rows (unpacked, with
 labels); `thd` takes Automodel's packed rows (seq_lens with seq_lens_padded
@@ -54,7 +54,7 @@ fla.utils.FLA_DISABLE_TENSOR_CACHE = True
 _PACKED = ("seq_lens", "seq_lens_padded", "cu_seqlens", "cu_seqlens_padded")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch"))
 import cp_step  # noqa: E402 - cpsim's checked example: here only to tell whether a layout is in a contract
-import anchor_cli  # noqa: E402
+import library_cli  # noqa: E402
 
 
 def _arange_positions_fit(batch):
@@ -105,7 +105,7 @@ def make_kimi_step(rank_from_world=False, guarded=True, gradient_in_place=False)
         batch = _raw(case)
         keys = set(batch)
         if guarded and _padded_slots(batch):
-            raise OutsideContract("finding K1 (docs/anchors.md): a document's padded slots are marked real in the "
+            raise OutsideContract("finding K1 (docs/libraries.md): a document's padded slots are marked real in the "
                                   "padding_mask Kimi-Linear's sharder derives")
         if "token_type_ids" in keys:
             raise OutsideContract("Kimi-Linear shards only the keys its model reads (input_ids, labels, "
@@ -114,10 +114,10 @@ def make_kimi_step(rank_from_world=False, guarded=True, gradient_in_place=False)
             raise OutsideContract("Kimi-Linear reads documents from seq_lens, _packed_seq_ids or an attention mask, "
                                   "not from THD cu_seqlens (it drops them)")
         if guarded and not _arange_positions_fit(batch):
-            raise OutsideContract("finding K2 (docs/anchors.md): without position_ids, arange positions, wrong "
+            raise OutsideContract("finding K2 (docs/libraries.md): without position_ids, arange positions, wrong "
                                   "for packed rows and left padding")
         if guarded and "seq_lens" not in keys and int(cp_step.layout_of(batch)[0].max()) > 1:
-            raise OutsideContract("finding K3 (docs/anchors.md): documents given by position resets (a flattening "
+            raise OutsideContract("finding K3 (docs/libraries.md): documents given by position resets (a flattening "
                                   "collator's) are read as one document a row")
         mesh = _cp_mesh(case)
         loss_mask = batch.pop("loss_mask", None)
@@ -135,7 +135,7 @@ def make_kimi_step(rank_from_world=False, guarded=True, gradient_in_place=False)
                "local_doc_ids": context.local_doc_ids,
                "gathered": all_gather_sequence(case.x, group, dim=1)}
         if not gradient_in_place:
-            out["gathered"] = anchor_cli.FreshGradient.apply(out["gathered"])
+            out["gathered"] = library_cli.FreshGradient.apply(out["gathered"])
         if case.cp > 1:  # FLA's context exists only under CP (Kimi builds none at cp 1)
             contexts = [build_fla_cp_context(context, b, group, case.conv_width)
                         for b in range(context.doc_ids.shape[0])]
@@ -154,10 +154,10 @@ def make_contiguous_step(extra_keys_undeclared=False, guarded=True):
         if set(batch) & set(_PACKED):
             raise OutsideContract("shard_batch_contiguous takes HF-style rows: packed lengths are the THD path's")
         if guarded and not set(batch) & {"attention_mask", "padding_mask"}:
-            raise OutsideContract("finding A1 (docs/anchors.md): without a mask, the positions it pads are not "
+            raise OutsideContract("finding A1 (docs/libraries.md): without a mask, the positions it pads are not "
                                   "marked as padding")
         if guarded and not _arange_positions_fit(batch):
-            raise OutsideContract("finding K2 (docs/anchors.md): without position_ids, arange positions, wrong "
+            raise OutsideContract("finding K2 (docs/libraries.md): without position_ids, arange positions, wrong "
                                   "for packed rows and left padding")
         mesh = _cp_mesh(case)
         loss_mask = batch.pop("loss_mask", None)
@@ -226,11 +226,11 @@ def check(name, step=None, family=None, **kwargs):
 
 def main():
     variants = {name for steps in VARIANTS.values() for name in steps}
-    args = anchor_cli.arguments(__doc__, variants, STEPS)
+    args = library_cli.arguments(__doc__, variants, STEPS)
     if args.variant and args.variant not in VARIANTS[args.step]:
         raise SystemExit("%s has the variants %s" % (args.step, sorted(VARIANTS[args.step])))
     step = VARIANTS[args.step][args.variant] if args.variant else None
-    return anchor_cli.run(lambda: check(args.step, step, cases=args.cases, max_cp=args.max_cp, family=args.family,
+    return library_cli.run(lambda: check(args.step, step, cases=args.cases, max_cp=args.max_cp, family=args.family,
                                         seed=args.seed),
                           "nemo-automodel %s" % args.step)
 

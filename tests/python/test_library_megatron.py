@@ -1,9 +1,9 @@
 """Megatron-core's CP batch split (megatron-core 0.16.1, unmodified) on cpsim's
 ranks: the 2 * cp chunks every rank gets, put back in order, are cpsim's
-contiguous shards (examples/anchors/megatron_step.py)."""
+contiguous shards (examples/libraries/megatron_step.py)."""
 import pytest
 
-from anchors_common import FAMILIES, SEED, expect_reported
+from libraries_common import FAMILIES, SEED, expect_reported
 
 import cpsim.torch
 import megatron_step
