@@ -18,28 +18,6 @@ namespace cpsim::verify {
 
 using namespace rows;
 
-LayoutFn default_layout() { return derive_layout; }
-ShardFn default_shard() {
-  return [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
-    return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
-  };
-}
-GatherFn default_gather() {
-  return [](const Var& x, Communicator* comm, bool differentiable, const ShardPlan* plan) {
-    return gather_sequence(x, comm, differentiable, plan);
-  };
-}
-RecurrenceFn default_recurrence() {
-  return [](const Var& q, const Var& k, const Var& v, const Var& beta, const Var& g, const PackedContext& context,
-            Communicator* comm) { return gated_delta_rule(q, k, v, beta, g, context, comm); };
-}
-HaloFn default_halo() {
-  return [](const Var& x, Communicator* comm, int width, HaloExchange exchange, const ShardPlan* plan) {
-    return convolution_history(x, comm, width, exchange, plan);
-  };
-}
-ConvFn default_conv() { return packed_causal_conv; }
-AnchorFn default_anchor() { return all_gather_backward_anchor; }
 
 
 Prepared::Prepared(LayoutCase c_in) : c(std::move(c_in)), runs(std::make_shared<Runs>()) {

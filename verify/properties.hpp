@@ -2,7 +2,7 @@
 // gathered from every rank of a group of a registered backend, with an unsharded
 // reference. They form one table (property_table): each row names what it runs,
 // how it compares (bitwise, or within a tolerance) and the bytes a rank moves, and
-// one harness (check_all) runs every row on a case prepared once, on the model's
+// one driver (check_all) runs every row on a case prepared once, on the model's
 // path: shard_batch gives each rank its packed context, and the operators run on
 // it as a training step calls them.
 //
@@ -148,6 +148,7 @@ using LossFn = std::function<Var(const Var& logits, const Tensor& targets, Commu
 // zigzag (rank r holds chunks r and 2c-1-r) that recurrent layers cannot use.
 enum class Sharding { contiguous, zigzag };
 
+// The model's own operators (verify/model_operators.cpp).
 LayoutFn default_layout();
 RecurrenceFn default_recurrence();
 HaloFn default_halo();
@@ -161,6 +162,7 @@ TargetsFn default_targets();
 LossFn default_loss();
 // One rank's token shift of its shard (core/token_shift.hpp's form).
 using TokenShiftFn = std::function<Var(const Var& x_masked, const PackedContext& context, Communicator* comm)>;
+TokenShiftFn default_token_shift();
 
 // The implementation under test: the operators the rows run, each the model's own
 // where it is left empty. A negative control replaces one with a broken variant

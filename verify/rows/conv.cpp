@@ -17,18 +17,34 @@ namespace {
 // (the reference's y and dx come after the ranks' run): one run serves both rows.
 double conv_bytes(const RowShapes& s) { return 8 * s.C * 10.5 + 60; }
 
-const RowHead kHaloForward{"halo_forward", "convolution_history is the zero-padded previous W-1 positions",
-                           Comparison::bitwise, 0, true,
-    {[](const RowShapes& s) { return 8 * s.C * 4.2 + 100; }, 0.13, 0.015}};
-const RowHead kHaloBackward{"halo_backward", "history gradients return to the ranks that own the positions",
-                            Comparison::tolerance, kConvTolerance, true,
-    {[](const RowShapes& s) { return 8 * s.C * 9.3 + 80; }, 0.3, 0.02}};
-const RowHead kConvForward{"conv_forward", "the sharded packed causal conv matches the unsharded one",
-                           Comparison::tolerance, kConvTolerance, true,
-    {conv_bytes, 0.57, 0.03}};
-const RowHead kConvBackward{"conv_backward", "dx, and dw, dbias summed over ranks, match the unsharded conv",
-                            Comparison::tolerance, kConvTolerance, true,
-    {conv_bytes, 0.08, 0}};
+const RowHead kHaloForward{.name = "halo_forward",
+    .claim = "convolution_history is the zero-padded previous W-1 positions",
+    .comparison = Comparison::bitwise,
+    .tolerance = 0,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = [](const RowShapes& s) { return 8 * s.C * 4.2 + 100; },
+             .us_per_token = 0.13,
+             .us_per_token_per_rank = 0.015}};
+const RowHead kHaloBackward{.name = "halo_backward",
+    .claim = "history gradients return to the ranks that own the positions",
+    .comparison = Comparison::tolerance,
+    .tolerance = kConvTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = [](const RowShapes& s) { return 8 * s.C * 9.3 + 80; },
+             .us_per_token = 0.3,
+             .us_per_token_per_rank = 0.02}};
+const RowHead kConvForward{.name = "conv_forward",
+    .claim = "the sharded packed causal conv matches the unsharded one",
+    .comparison = Comparison::tolerance,
+    .tolerance = kConvTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = conv_bytes, .us_per_token = 0.57, .us_per_token_per_rank = 0.03}};
+const RowHead kConvBackward{.name = "conv_backward",
+    .claim = "dx, and dw, dbias summed over ranks, match the unsharded conv",
+    .comparison = Comparison::tolerance,
+    .tolerance = kConvTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = conv_bytes, .us_per_token = 0.08, .us_per_token_per_rank = 0}};
 
 std::int64_t halo_bytes(const Prepared& p, const CheckOptions& o) {
   // Both exchanges, the busiest rank: the all_gather of its tail slot, and its send_recv hops.
@@ -54,9 +70,9 @@ std::string exchange_tag(HaloExchange e) { return std::string(" (") + halo_excha
 
 }  // namespace
 
-PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
+static PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
   const LayoutCase& c = s.c;
-  Tally t;
+  BitwiseTally t;
   const Tensor x = inputs::halo_forward_x(s.truth, s.g.padded_len, o, c.seed);
   std::vector<std::vector<Tensor>> got(std::size(kExchanges), std::vector<Tensor>(c.cp));
   run_reading({{"x", &x}}, c.cp, [&](Communicator& comm) {
@@ -73,9 +89,9 @@ PropertyResult halo_forward_of(const Prepared& s, const CheckOptions& o, const H
   return t.result();
 }
 
-PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
+static PropertyResult halo_backward_of(const Prepared& s, const CheckOptions& o, const HaloFn& halo) {
   const LayoutCase& c = s.c;
-  ErrorTally t;
+  ToleranceTally t;
   const std::int64_t H = o.conv_width - 1, P = s.g.padded_len, C = o.channels;
   const Tensor x = inputs::halo_backward_x(s.truth, P, o, c.seed);
   std::vector<Tensor> upstream;
@@ -126,8 +142,8 @@ ConvRun run_conv(const Prepared& s, const CheckOptions& o, const HaloFn& halo, c
   const inputs::Conv in = inputs::conv(s.truth, s.shape.rows, P, o, c.seed);
   const Tensor &x = in.x, &w = in.weight, &bias = in.bias, &gy = in.grad_y;
   const bool layer = !halo && !conv;
-  const HaloFn& halo_fn = halo ? halo : default_halo();
-  const ConvFn& conv_fn = conv ? conv : default_conv();
+  const HaloFn halo_fn = or_default(halo, default_halo);
+  const ConvFn conv_fn = or_default(conv, default_conv);
   ConvRun run;
   // Both exchanges in one run: [exchange][rank].
   const std::size_t E = std::size(kExchanges);
@@ -181,8 +197,8 @@ std::shared_ptr<const ConvRun> conv_run(Prepared& s, const CheckOptions& o, cons
 
 }  // namespace
 
-PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
-  ErrorTally t;
+static PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  ToleranceTally t;
   const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
   const ConvRun& run = *held;
   for (std::size_t e = 0; e < run.y.size(); ++e)
@@ -190,8 +206,8 @@ PropertyResult conv_forward_of(Prepared& s, const CheckOptions& o, const HaloFn&
   return t.result(kConvForward.tolerance);
 }
 
-PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
-  ErrorTally t;
+static PropertyResult conv_backward_of(Prepared& s, const CheckOptions& o, const HaloFn& halo, const ConvFn& conv) {
+  ToleranceTally t;
   const auto held = conv_run(s, o, halo, conv);  // keeps a fresh run alive
   const ConvRun& run = *held;
   for (std::size_t e = 0; e < run.dx.size(); ++e) {

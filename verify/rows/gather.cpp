@@ -17,20 +17,31 @@ namespace {
 // itself, not a copy), and a few per-rank positions.
 double gather_backward_bytes(const RowShapes& s) { return 8 * s.C * (3.3 + 2.2 * s.cp) + 100 + 16 * s.cp; }
 
-const RowHead kGatherForward{"gather_forward", "gather_sequence is bitwise the global tensor, every dtype",
-                             Comparison::bitwise, 0, true,
-    {[](const RowShapes& s) { return (6 * s.C + 40) * (1.2 + 1.3 * s.cp); }, 0.05, 0.05}};
-const RowHead kGatherBackward{"gather_backward", "each rank's gradient is the rank-order sum of the upstream slices",
-                              Comparison::bitwise, 0, true,
-    {gather_backward_bytes, 0.02, 0.17}};
-const RowHead kAnchor{"anchor", "the anchor makes every rank run backward; without it the skip is reported",
-                      Comparison::bitwise, 0, true,
-    {gather_backward_bytes, 0.02, 0.12}};
+const RowHead kGatherForward{.name = "gather_forward",
+    .claim = "gather_sequence is bitwise the global tensor, every dtype",
+    .comparison = Comparison::bitwise,
+    .tolerance = 0,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = [](const RowShapes& s) { return (6 * s.C + 40) * (1.2 + 1.3 * s.cp); },
+             .us_per_token = 0.05,
+             .us_per_token_per_rank = 0.05}};
+const RowHead kGatherBackward{.name = "gather_backward",
+    .claim = "each rank's gradient is the rank-order sum of the upstream slices",
+    .comparison = Comparison::bitwise,
+    .tolerance = 0,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = gather_backward_bytes, .us_per_token = 0.02, .us_per_token_per_rank = 0.17}};
+const RowHead kAnchor{.name = "anchor",
+    .claim = "the anchor makes every rank run backward; without it the skip is reported",
+    .comparison = Comparison::bitwise,
+    .tolerance = 0,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = gather_backward_bytes, .us_per_token = 0.02, .us_per_token_per_rank = 0.12}};
 }  // namespace
 
-PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {
+static PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {
   const LayoutCase& c = s.c;
-  Tally t;
+  BitwiseTally t;
   const std::vector<std::pair<DType, Shape>> cases = {
       {DType::f32, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::f64, {s.shape.rows, s.g.padded_len, 2}},
       {DType::bf16, {s.shape.rows, s.g.padded_len, o.channels}}, {DType::i32, {s.shape.rows, s.g.padded_len, 3}},
@@ -59,9 +70,9 @@ PropertyResult gather_forward_of(const Prepared& s, const CheckOptions& o, const
 }
 
 
-PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {
+static PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather) {
   const LayoutCase& c = s.c;
-  Tally t;
+  BitwiseTally t;
   // One dtype at a time: every rank's upstream gradient is a whole [B, P, C]
   // tensor, so the cp of them are what this row holds at its peak; a run per
   // dtype holds one dtype's at a time.
@@ -89,9 +100,9 @@ PropertyResult gather_backward_of(const Prepared& s, const CheckOptions& o, cons
   return t.result();
 }
 
-PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
+static PropertyResult anchor_of(const Prepared& s, const CheckOptions& o, const GatherFn& gather, const AnchorFn& anchor) {
   const LayoutCase& c = s.c;
-  Tally t;
+  BitwiseTally t;
   const Shape shape{s.shape.rows, s.g.padded_len, o.channels};
   const inputs::Anchor drawn = inputs::anchor(shape, c.cp, c.seed);
   const Tensor& global = drawn.global;

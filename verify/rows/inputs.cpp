@@ -68,4 +68,12 @@ LossInputs loss(const Tensor& padded_input_ids, const CheckOptions& o, std::uint
   return random_loss_inputs(padded_input_ids, o.vocab, mix_seed(seed, 91));
 }
 
+TokenShift token_shift(const LayoutTruth& truth, std::int64_t rows, std::int64_t padded_len, const CheckOptions& o,
+                       std::uint64_t seed) {
+  return {masked_activation(truth, padded_len, o.channels, mix_seed(seed, 81)),
+          random_tensor({rows, padded_len, o.channels}, DType::f64, mix_seed(seed, 82))};
+}
+
+SplitMix64 query_sampler(std::uint64_t seed) { return SplitMix64(mix_seed(seed, 75)); }
+
 }  // namespace cpsim::verify::inputs

@@ -1,5 +1,8 @@
 // The inputs each property row draws from its case's seed, one function each,
-// and the only place their seeds are written: the rows (verify/rows/) and
+// and the only place their seeds are written (every draw of a row is
+// mix_seed(case seed, stream) in inputs.cpp; a helper that draws several tensors
+// from one stream mixes it further; Golden.EveryRowSeedIsWrittenInInputsCpp
+// holds the rule): the rows (verify/rows/) and
 // `cpsim golden` (verify/golden.cpp) both call these, so a golden folder holds
 // exactly the inputs `cpsim check` compares on (tests/test_golden.cpp holds
 // them equal).
@@ -9,6 +12,7 @@
 #include <vector>
 
 #include "verify/properties.hpp"
+#include "verify/random.hpp"
 #include "verify/reference.hpp"
 #include "verify/reference_layers.hpp"
 
@@ -68,5 +72,14 @@ AttentionInputs attention(std::int64_t rows, std::int64_t padded_len, const Chec
 
 // The loss's: the padded input ids folded into the vocabulary, and logits.
 LossInputs loss(const Tensor& padded_input_ids, const CheckOptions& o, std::uint64_t seed);
+// The token shift's: the activation [B, P, C] (zero at padding) and the upstream
+// gradient of its output.
+struct TokenShift {
+  Tensor x, grad_y;
+};
+TokenShift token_shift(const LayoutTruth& truth, std::int64_t rows, std::int64_t padded_len, const CheckOptions& o,
+                       std::uint64_t seed);
+// The attention rows' sampler of queries beyond the chosen ones.
+SplitMix64 query_sampler(std::uint64_t seed);
 
 }  // namespace cpsim::verify::inputs

@@ -10,15 +10,25 @@ using namespace rows;
 
 namespace {
 
-const RowHead kLayout{"layout", "doc ids, padding and positions of the layout (docs/layout.md); round trips; unpack_row_layout",
-                      Comparison::bitwise, 0, false,
-    {[](const RowShapes&) { return 120.0; }, 0.12, 0}};
-const RowHead kShard{"shard", "shards concatenate to the padded global tensors; contexts tile each shard",
-                     Comparison::bitwise, 0, false,
-    {[](const RowShapes&) { return 150.0; }, 0.11, 0.07}};
+const RowHead kLayout{.name = "layout",
+    .claim = "doc ids, padding and positions of the layout (docs/layout.md); round trips; unpack_row_layout",
+    .comparison = Comparison::bitwise,
+    .tolerance = 0,
+    .runs_ranks = false,
+    .cost = {.bytes_per_token = [](const RowShapes&) { return 120.0; },
+             .us_per_token = 0.12,
+             .us_per_token_per_rank = 0}};
+const RowHead kShard{.name = "shard",
+    .claim = "shards concatenate to the padded global tensors; contexts tile each shard",
+    .comparison = Comparison::bitwise,
+    .tolerance = 0,
+    .runs_ranks = false,
+    .cost = {.bytes_per_token = [](const RowShapes&) { return 150.0; },
+             .us_per_token = 0.11,
+             .us_per_token_per_rank = 0.07}};
 
 PropertyResult layout_of(const LayoutCase& c, const LayoutFn& layout_fn) {
-  Tally t;
+  BitwiseTally t;
   const LayoutTruth want = reference_layout(c.batch);
   const std::int64_t B = want.doc_ids.dim(0), S = want.doc_ids.dim(1);
   if (c.truth) {
@@ -76,7 +86,7 @@ PropertyResult layout_of(const LayoutCase& c, const LayoutFn& layout_fn) {
 }
 
 PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
-  Tally t;
+  BitwiseTally t;
   const auto [B, S] = reference_shape(c.batch);
   ReferenceGeometry g = reference_geometry(S, c.cp);
   const Batch ref = reference_padded_global(c, g.padded_len);

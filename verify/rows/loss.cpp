@@ -17,21 +17,21 @@ namespace {
 // Cost (RowCost): the logits, the reference's softmax gradient and every rank's gradient.
 double loss_bytes_per_token(const RowShapes& s) { return 8.0 * s.vocab * 4 + 80; }
 
-const RowHead kLossForward{"loss_forward", "targets aligned on whole rows; sum and count all-reduced: every rank's loss",
-                           Comparison::tolerance, kAttentionTolerance, true,
-    {loss_bytes_per_token, 0.85, 0.02}};
-const RowHead kLossBackward{"loss_backward", "each rank's logits gradient is its slice of the unsharded one",
-                            Comparison::tolerance, kAttentionTolerance, true,
-    {loss_bytes_per_token, 0.06, 0}};
+const RowHead kLossForward{.name = "loss_forward",
+    .claim = "targets aligned on whole rows; sum and count all-reduced: every rank's loss",
+    .comparison = Comparison::tolerance,
+    .tolerance = kAttentionTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = loss_bytes_per_token, .us_per_token = 0.85, .us_per_token_per_rank = 0.02}};
+const RowHead kLossBackward{.name = "loss_backward",
+    .claim = "each rank's logits gradient is its slice of the unsharded one",
+    .comparison = Comparison::tolerance,
+    .tolerance = kAttentionTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = loss_bytes_per_token, .us_per_token = 0.06, .us_per_token_per_rank = 0}};
 
 }  // namespace
 
-TargetsFn default_targets() {
-  return [](const Tensor& tokens, const Tensor& doc_ids, const Tensor& padding, const PackedContext& context) {
-    return narrow(next_token_targets(tokens, doc_ids, padding), 1, context.seq_start(), context.local_seq_len()).clone();
-  };
-}
-LossFn default_loss() { return token_mean_loss; }
 
 // ---------------------------------------------------------------------------
 // Targets and the loss across ranks.
@@ -72,15 +72,15 @@ std::shared_ptr<const LossRun> loss_run(Prepared& s, const CheckOptions& o, cons
                                         const LossFn& loss_fn) {
   if (targets_fn || loss_fn)
     return std::make_shared<LossRun>(
-        run_loss(s, o, targets_fn ? targets_fn : default_targets(), loss_fn ? loss_fn : default_loss()));
+        run_loss(s, o, or_default(targets_fn, default_targets), or_default(loss_fn, default_loss)));
   if (!s.runs->loss) s.runs->loss = std::make_shared<LossRun>(run_loss(s, o, default_targets(), default_loss()));
   return s.runs->loss;
 }
 
 }  // namespace
 
-PropertyResult loss_forward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn, const LossFn& loss_fn) {
-  ErrorTally t;
+static PropertyResult loss_forward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn, const LossFn& loss_fn) {
+  ToleranceTally t;
   const auto run = loss_run(s, o, targets_fn, loss_fn);
   for (std::size_t r = 0; r < run->losses.size(); ++r)
     t.expect_close(Tensor::full({1}, DType::f64, run->ref.loss), Tensor::full({1}, DType::f64, run->losses[r]),
@@ -91,9 +91,9 @@ PropertyResult loss_forward_of(Prepared& s, const CheckOptions& o, const Targets
   return t.result(kLossForward.tolerance);
 }
 
-PropertyResult loss_backward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn,
+static PropertyResult loss_backward_of(Prepared& s, const CheckOptions& o, const TargetsFn& targets_fn,
                                 const LossFn& loss_fn) {
-  ErrorTally t;
+  ToleranceTally t;
   const auto run = loss_run(s, o, targets_fn, loss_fn);
   s.runs->loss.reset();
   t.expect_close(run->ref.grad, run->grad, kLossBackward.tolerance, "d logits");

@@ -17,12 +17,18 @@ struct RecurrenceRun {
 
 namespace {
 
-const RowHead kRecurrenceForward{"recurrence_forward", "the CP gated delta rule matches the unsharded recurrence (o)",
-                                 Comparison::tolerance, kRecurrenceTolerance, true,
-    {recurrence_bytes, 2.7, 0.15}};
-const RowHead kRecurrenceBackward{"recurrence_backward", "gradients of q, k, v, beta, g match the unsharded recurrence",
-                                  Comparison::tolerance, kRecurrenceTolerance, true,
-    {recurrence_bytes, 0.12, 0}};
+const RowHead kRecurrenceForward{.name = "recurrence_forward",
+    .claim = "the CP gated delta rule matches the unsharded recurrence (o)",
+    .comparison = Comparison::tolerance,
+    .tolerance = kRecurrenceTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = recurrence_bytes, .us_per_token = 2.7, .us_per_token_per_rank = 0.15}};
+const RowHead kRecurrenceBackward{.name = "recurrence_backward",
+    .claim = "gradients of q, k, v, beta, g match the unsharded recurrence",
+    .comparison = Comparison::tolerance,
+    .tolerance = kRecurrenceTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = recurrence_bytes, .us_per_token = 0.12, .us_per_token_per_rank = 0}};
 
 // out[:, i] = t[:, perm[i]].
 Tensor permute_sequence(const Tensor& t, const std::vector<std::int64_t>& perm) {
@@ -95,23 +101,23 @@ RecurrenceRun run_recurrence(const Prepared& s, const CheckOptions& opt, const R
 std::shared_ptr<const RecurrenceRun> recurrence_run(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn,
                                                     Sharding sharding) {
   if (fn || sharding != Sharding::contiguous)
-    return std::make_shared<RecurrenceRun>(run_recurrence(s, o, fn ? fn : default_recurrence(), sharding));
+    return std::make_shared<RecurrenceRun>(run_recurrence(s, o, or_default(fn, default_recurrence), sharding));
   if (!s.runs->recurrence) s.runs->recurrence = std::make_shared<RecurrenceRun>(run_recurrence(s, o, default_recurrence(), sharding));
   return s.runs->recurrence;
 }
 
 }  // namespace
 
-PropertyResult recurrence_forward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
-  ErrorTally t;
+static PropertyResult recurrence_forward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
+  ToleranceTally t;
   const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
   const RecurrenceRun& run = *held;
   t.expect_close(run.ref.o, run.o, kRecurrenceForward.tolerance, "recurrence output o");
   return t.result(kRecurrenceForward.tolerance);
 }
 
-PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
-  ErrorTally t;
+static PropertyResult recurrence_backward_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn, Sharding sharding) {
+  ToleranceTally t;
   const auto held = recurrence_run(s, o, fn, sharding);  // keeps a fresh run alive
   const RecurrenceRun& run = *held;
   t.expect_close(run.ref.dq, run.dq, kRecurrenceBackward.tolerance, "dq");

@@ -12,9 +12,14 @@ using namespace rows;
 namespace {
 
 // Cost (RowCost): x, its upstream gradient, every rank's y and dx, the reference's two.
-const RowHead kRope{"rope", "each rank rotates by its shard of the batch's positions, forward and backward",
-                    Comparison::tolerance, kAttentionTolerance, true,
-    {[](const RowShapes& s) { return 8 * s.H * s.K * 8 + 40; }, 0.44, 0.015}};
+const RowHead kRope{.name = "rope",
+    .claim = "each rank rotates by its shard of the batch's positions, forward and backward",
+    .comparison = Comparison::tolerance,
+    .tolerance = kAttentionTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = [](const RowShapes& s) { return 8 * s.H * s.K * 8 + 40; },
+             .us_per_token = 0.44,
+             .us_per_token_per_rank = 0.015}};
 
 // The rotated attention inputs, whole and each rank's slice.
 void rope_golden(GoldenBuild& build) {
@@ -30,16 +35,13 @@ void rope_golden(GoldenBuild& build) {
 
 }  // namespace
 
-RopeFn default_rope() {
-  return [](const Var& x, const Tensor& positions) { return rope(x, positions); };
-}
 
 // ---------------------------------------------------------------------------
 // RoPE alone.
 
-PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& fn) {
+static PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const RopeFn& fn) {
   const LayoutCase& c = s.c;
-  ErrorTally t;
+  ToleranceTally t;
   const std::int64_t B = s.shape.rows, P = s.g.padded_len;
   const LayerRows rows = layer_rows(s);
   const inputs::Rope in = inputs::rope(B, P, o, c.seed);

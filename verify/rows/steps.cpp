@@ -17,10 +17,12 @@ using namespace rows;
 
 namespace {
 
-const RowHead kTwoSteps{"two_steps",
-                        "rank objects reused across steps (the packed context reassigned) keep no state from the last batch",
-                        Comparison::tolerance, kRecurrenceTolerance, true,
-    {recurrence_bytes, 2.0, 0.1}};
+const RowHead kTwoSteps{.name = "two_steps",
+    .claim = "rank objects reused across steps (the packed context reassigned) keep no state from the last batch",
+    .comparison = Comparison::tolerance,
+    .tolerance = kRecurrenceTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = recurrence_bytes, .us_per_token = 2.0, .us_per_token_per_rank = 0.1}};
 
 // The second step's batch: the rows of the case, as documents of three tokens.
 Batch second_step(const Prepared& s) {
@@ -37,9 +39,9 @@ Batch second_step(const Prepared& s) {
 
 }  // namespace
 
-PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn) {
+static PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn) {
   const LayoutCase& c = s.c;
-  ErrorTally t;
+  ToleranceTally t;
   LayoutCase c2 = c;
   c2.batch = second_step(s);
   c2.truth.reset();

@@ -6,6 +6,7 @@
 #include "core/token_shift.hpp"
 #include "verify/random.hpp"
 #include "verify/rows/common.hpp"
+#include "verify/rows/inputs.hpp"
 
 namespace cpsim::verify::rows {
 
@@ -13,22 +14,17 @@ namespace {
 
 // Cost: x and the upstream gradient of y, the reference's y and dx, every rank's
 // slices of x and of the gradient, its window, y and dx, and their gradients on
-// the tape: about 14 float64 values a channel and token at the peak (measured
-// with --row-memory on 64k tokens: 72 MB at cp 1, 74 MB at cp 8, of which about
-// 10 MB every row holds); 1.3 us a token at cp 1 and 0.9 at cp 8 (measured:
-// counted as 1.2 + 0.02 x cp, as the halo rows are).
-const RowHead kTokenShift{"token_shift",
-                          "each position takes the previous one of its document, over a one-token halo: bitwise",
-                          Comparison::bitwise, 0, true,
-                          {[](const RowShapes& s) { return 8 * s.C * 14 + 100; }, 1.2, 0.02}};
+// the tape: 14 float64 values a channel and token at the peak; 1.2 + 0.02 x cp
+// us a token, as the halo rows (docs/operators.md, Memory, has the measurement).
+const RowHead kTokenShift{.name = "token_shift",
+    .claim = "each position takes the previous one of its document, over a one-token halo: bitwise",
+    .comparison = Comparison::bitwise,
+    .tolerance = 0,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = [](const RowShapes& s) { return 8 * s.C * 14 + 100; },
+             .us_per_token = 1.2,
+             .us_per_token_per_rank = 0.02}};
 
-struct Inputs {
-  Tensor x, grad_y;  // [B, P, C]: x zero at padding
-};
-Inputs inputs_of(const Prepared& s, const CheckOptions& o) {
-  return {masked_activation(s.truth, s.g.padded_len, o.channels, mix_seed(s.c.seed, 81)),
-          random_tensor({s.shape.rows, s.g.padded_len, o.channels}, DType::f64, mix_seed(s.c.seed, 82))};
-}
 
 // The unsharded token shift on the reference's doc ids [B, P]: y[t] = x[t-1]
 // where t-1 is in t's document, and its gradient dx[t] = dy[t+1] where t+1 is
@@ -57,7 +53,7 @@ namespace {
 // The row's check, with the operator under test (Impl::token_shift, or the model's).
 PropertyResult token_shift_of(const Prepared& s, const CheckOptions& o, const TokenShiftFn& shift) {
   const LayoutCase& c = s.c;
-  const Inputs in = inputs_of(s, o);
+  const inputs::TokenShift in = inputs::token_shift(s.truth, s.shape.rows, s.g.padded_len, o, s.c.seed);
   const Reference ref = reference(in.x, in.grad_y, s.padded_ids);
   std::vector<Tensor> y(c.cp), dx(c.cp);
   run_reading({{"x", &in.x}, {"grad_y", &in.grad_y}}, c.cp, [&](Communicator& comm) {
@@ -69,7 +65,7 @@ PropertyResult token_shift_of(const Prepared& s, const CheckOptions& o, const To
     backward(dot(yr, on(comm, local(in.grad_y, ctx))));
     dx[r] = host(xr.grad());
   }, run_options(o), {&y, &dx});
-  Tally t;
+  BitwiseTally t;
   for (int r = 0; r < c.cp; ++r) {
     t.expect_equal(narrow(ref.y, 1, s.g.start(r), s.g.size(r)), y[r], "y of rank " + std::to_string(r));
     t.expect_equal(narrow(ref.dx, 1, s.g.start(r), s.g.size(r)), dx[r], "dx of rank " + std::to_string(r));
@@ -84,10 +80,7 @@ std::vector<PropertyRow> token_shift_rows() {
       // Forward and backward, one position of every batch row to or from a neighbour.
       [](const Prepared& p, const CheckOptions& o) { return p.c.cp > 1 ? 2 * p.shape.rows * o.channels * 8 : 0; },
       [](Prepared& p, const CheckOptions& o, const Impl& impl) {
-        return token_shift_of(p, o, impl.token_shift ? impl.token_shift : [](const Var& x, const PackedContext& ctx,
-                                                                            Communicator* comm) {
-          return token_shift(x, ctx, comm);
-        });
+        return token_shift_of(p, o, or_default(impl.token_shift, default_token_shift));
       })};
 }
 

@@ -25,30 +25,39 @@ namespace {
 double attention_bytes_per_token(const RowShapes& s) { return 8 * s.H * (2 * s.K + 2 * s.V) * (2.1 + 0.96 * s.cp) + 200; }
 double sparse_bytes_per_token(const RowShapes& s) { return attention_bytes_per_token(s) + 24 * s.Di + 16 * s.topk; }
 
-const RowHead kAttentionForward{"attention_forward",
-                                "RoPE, then document-masked causal attention over the gathered K/V (o)",
-                                Comparison::tolerance, kAttentionTolerance, true,
-    {attention_bytes_per_token, 1.5, 0.075, 0.2}};
-const RowHead kAttentionBackward{"attention_backward", "gradients of q, k, v through attention, the gather and RoPE",
-                                 Comparison::tolerance, kAttentionTolerance, true,
-    {attention_bytes_per_token, 0.09, 0}};
-const RowHead kSparseForward{"sparse_attention_forward",
-                             "the top-k indexer keeps the unsharded keys exactly; o over them", Comparison::tolerance,
-                             kAttentionTolerance, true,
-    {sparse_bytes_per_token, 1.5, 0.075, 0.1}};
-const RowHead kSparseBackward{"sparse_attention_backward", "gradients of q, k, v over the kept keys",
-                              Comparison::tolerance, kAttentionTolerance, true,
-    {sparse_bytes_per_token, 0.09, 0}};
+const RowHead kAttentionForward{.name = "attention_forward",
+    .claim = "RoPE, then document-masked causal attention over the gathered K/V (o)",
+    .comparison = Comparison::tolerance,
+    .tolerance = kAttentionTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = attention_bytes_per_token,
+             .us_per_token = 1.5,
+             .us_per_token_per_rank = 0.075,
+             .us_per_pair = 0.2}};
+const RowHead kAttentionBackward{.name = "attention_backward",
+    .claim = "gradients of q, k, v through attention, the gather and RoPE",
+    .comparison = Comparison::tolerance,
+    .tolerance = kAttentionTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = attention_bytes_per_token, .us_per_token = 0.09, .us_per_token_per_rank = 0}};
+const RowHead kSparseForward{.name = "sparse_attention_forward",
+    .claim = "the top-k indexer keeps the unsharded keys exactly; o over them",
+    .comparison = Comparison::tolerance,
+    .tolerance = kAttentionTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = sparse_bytes_per_token,
+             .us_per_token = 1.5,
+             .us_per_token_per_rank = 0.075,
+             .us_per_pair = 0.1}};
+const RowHead kSparseBackward{.name = "sparse_attention_backward",
+    .claim = "gradients of q, k, v over the kept keys",
+    .comparison = Comparison::tolerance,
+    .tolerance = kAttentionTolerance,
+    .runs_ranks = true,
+    .cost = {.bytes_per_token = sparse_bytes_per_token, .us_per_token = 0.09, .us_per_token_per_rank = 0}};
 
 }  // namespace
 
-AttentionFn default_attention() {
-  return [](const Var& q, const Var& k, const Var& v, const PackedContext& context, const Tensor& local_padding,
-            Communicator* comm, const SparseIndexer* indexer, const Tensor& probe) {
-    return cp_document_attention(q, k, v, visible_doc_ids(context, local_padding), &context.plan(), comm, indexer, 0,
-                                 probe);
-  };
-}
 // ---------------------------------------------------------------------------
 // RoPE then attention.
 
@@ -144,7 +153,7 @@ QueryChoice choose_queries(const Tensor& doc_ids, const Tensor& padding_in, cons
     }
   }
   // A seeded sample of the rest, within the budget of pairs.
-  SplitMix64 rng(mix_seed(seed, 75));
+  auto rng = inputs::query_sampler(seed);
   const std::int64_t budget = pairs + kSampledPairs;
   for (std::int64_t tries = 0; pairs < budget && c.chosen < c.real && tries < 8 * B * P; ++tries)
     take(rng.below(B), rng.below(P));
@@ -216,8 +225,8 @@ AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const Att
 
 std::shared_ptr<const AttentionRun> attention_run(Prepared& s, const CheckOptions& o, const AttentionFn& fn,
                                                   const RopeFn& rope_fn, std::int64_t topk) {
-  if (fn || rope_fn) return std::make_shared<AttentionRun>(run_attention(s, o, fn ? fn : default_attention(),
-                                                                         rope_fn ? rope_fn : default_rope(), topk));
+  if (fn || rope_fn) return std::make_shared<AttentionRun>(run_attention(s, o, or_default(fn, default_attention),
+                                                                         or_default(rope_fn, default_rope), topk));
   auto& cached = topk >= 0 ? s.runs->sparse_attention : s.runs->attention;
   if (!cached) cached = std::make_shared<AttentionRun>(run_attention(s, o, default_attention(), default_rope(), topk));
   return cached;
@@ -241,9 +250,9 @@ AttentionWork attention_work(const Tensor& doc_ids, const Tensor& padding, const
   return w;
 }
 
-PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn, const RopeFn& rope_fn,
+static PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn, const RopeFn& rope_fn,
                                     std::int64_t topk) {
-  ErrorTally t;
+  ToleranceTally t;
   const auto run = attention_run(s, o, fn, rope_fn, topk);
   if (topk >= 0) {
     const std::int64_t wrong = count_wrong(run->ref.kept, run->kept);
@@ -256,9 +265,9 @@ PropertyResult attention_forward_of(Prepared& s, const CheckOptions& o, const At
   return evaluated(t.result(tol), *run);
 }
 
-PropertyResult attention_backward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn,
+static PropertyResult attention_backward_of(Prepared& s, const CheckOptions& o, const AttentionFn& fn,
                                      const RopeFn& rope_fn, std::int64_t topk) {
-  ErrorTally t;
+  ToleranceTally t;
   const auto run = attention_run(s, o, fn, rope_fn, topk);
   (topk >= 0 ? s.runs->sparse_attention : s.runs->attention).reset();  // the pair is done
   const double tol = (topk >= 0 ? kSparseBackward : kAttentionBackward).tolerance;
@@ -327,7 +336,7 @@ void sparse_attention_golden(GoldenBuild& build) {
 
 namespace rows {
 
-std::vector<PropertyRow> layer_rows() {
+std::vector<PropertyRow> attention_rows() {
   // Each rank's gathered k and v ([B, P, H, D] float64), and their gradients back.
   const auto attention_bytes = [](const Prepared& p, const CheckOptions& o) -> std::int64_t {
     return p.shape.rows * p.g.largest() * o.heads * (o.rope_dim() + o.value_dim) * 8 * p.c.cp;
