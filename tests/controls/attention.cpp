@@ -1,31 +1,17 @@
-// Negative controls of the layers that consume the layout (SPEC §3b): each row is
-// run against a planted variant of a bug CP stacks have shipped, and must find a
-// counterexample (shrunk by RapidCheck). A variant that skips a collective on one
-// rank must be a named call mismatch within the timeout, never a hang.
-#include <gmock/gmock.h>
-
-#include "core/attention.hpp"
-#include "core/gather.hpp"
-#include "core/conv.hpp"
-#include "core/loss.hpp"
-#include "core/token_shift.hpp"
-#include "tests/rapidcheck_gtest.hpp"
-#include "verify/batch_io.hpp"
-#include "verify/properties.hpp"
+// Controls of the rope and attention rows (verify/rows/rope.cpp, attention.cpp):
+// bugs CP stacks have shipped (RoPE or masks by local index, a layer skipped on
+// a padding rank: a named call mismatch within the timeout, never a hang).
+#include "tests/controls/controls.hpp"
 
 using namespace cpsim;
 using namespace cpsim::verify;
 using cpsim::testing::expect_counterexample;
-using ::testing::AnyOf;
+using cpsim::testing::expect_row_catches;
+using cpsim::testing::expect_found;
 using ::testing::HasSubstr;
+using cpsim::testing::quick;
 
 namespace {
-
-void expect_found(const std::string& report) {
-  EXPECT_FALSE(report.empty()) << "the property passed every case against a broken implementation";
-  EXPECT_THAT(report, HasSubstr("cp=")) << "the counterexample is not printed as a batch";
-  if (std::getenv("CPSIM_SHOW_COUNTEREXAMPLES")) std::cout << report << "\n";
-}
 
 // Positions 0..L-1 on every rank instead of the batch's global positions.
 Var rope_by_local_index(const Var& x, const Tensor& positions) {
@@ -88,95 +74,22 @@ CpAttention attention_skipped_on_padding(const Var& q, const Var& k, const Var& 
   return a;
 }
 
-// Targets aligned on each shard after sharding: the target at every shard edge
-// inside a document is lost.
-Tensor targets_after_sharding(const Tensor& tokens, const Tensor& doc_ids, const Tensor& padding,
-                              const PackedContext& ctx) {
-  auto mine = [&](const Tensor& t) { return narrow(t, 1, ctx.seq_start(), ctx.local_seq_len()).clone(); };
-  return next_token_targets(mine(tokens), mine(doc_ids), mine(padding));
-}
-
-// Each rank's own mean, averaged over the ranks.
-Var mean_of_rank_means(const Var& logits, const Tensor& targets, Communicator* comm) {
-  const Var local = token_mean_loss(logits, targets, nullptr);
-  const double n = comm ? comm->size() : 1;
-  Tensor sum = local.value().clone();
-  if (comm && comm->size() > 1) comm->all_reduce(sum.raw(), 1, DType::f64);
-  return record(Tensor::full({1}, DType::f64, sum.get(0) / n), "mean_of_rank_means", {local},
-                [n](const Tensor& g) { return std::vector<Tensor>{Tensor::full({1}, DType::f64, g.get(0) / n)}; });
-}
-
-// A rank without targets returns early, skipping the all-reduce its peers enter.
-Var loss_skipped_without_targets(const Var& logits, const Tensor& targets, Communicator* comm) {
-  const Tensor t = targets.is_cpu() ? targets : targets.to(Device::host());
-  bool any = false;
-  for (std::int64_t i = 0; i < t.numel(); ++i) any = any || t.get_int(i) >= 0;
-  return token_mean_loss(logits, targets, any ? comm : nullptr);
-}
-
-CheckOptions quick() {
-  CheckOptions o;
-  o.timeout = std::chrono::milliseconds(3000);
-  return o;
-}
-
 }  // namespace
-
-namespace {
-
-// No halo: a shard's first position takes zeros, not the previous rank's last token.
-Var token_shift_without_halo(const Var& x, const PackedContext& ctx, Communicator*) {
-  return token_shift(x, ctx, nullptr);
-}
-
-// Across documents: the previous token whatever its document (a conv of taps [1, 0]
-// over one document id).
-Var token_shift_across_documents(const Var& x, const PackedContext& ctx, Communicator* comm) {
-  const Var window = convolution_history(x, comm, 2, HaloExchange::send_recv, &ctx.plan());
-  const std::int64_t C = x.value().dim(2);
-  Tensor taps({C, 2}, x.value().dtype());
-  for (std::int64_t k = 0; k < C; ++k) taps.set(2 * k, 1.0);
-  return packed_causal_conv(window, Tensor({x.value().dim(0), x.value().dim(1) + 1}, DType::i64), Var(taps), Var());
-}
-
-}  // namespace
-
-TEST(LayerControls, TokenShiftCatchesAMissingHaloAndAShiftAcrossDocuments) {
-  for (const auto& [name, variant] : std::vector<std::pair<std::string, TokenShiftFn>>{
-           {"token shift without its halo", token_shift_without_halo},
-           {"token shift across documents", token_shift_across_documents}}) {
-    const std::string report = expect_counterexample(name, [&, v = variant](const LayoutCase& c) {
-      RC_ASSERT(check_row("token_shift", c, quick(), {.token_shift = v}).ok);
-    });
-    expect_found(report);
-  }
-  // The operator itself holds on the same draws.
-  cpsim::testing::check_property(cpsim::testing::over<LayoutCase>(
-      [](const LayoutCase& c) { RC_ASSERT(check_row("token_shift", c, quick()).ok); }));
-}
 
 TEST(LayerControls, RopeCatchesRotationByLocalIndex) {
-  expect_found(expect_counterexample("rope by 0..L-1", [](const LayoutCase& c) {
-    RC_ASSERT(check_row("rope", c, quick(), {.rope = rope_by_local_index}).ok);
-  }));
+  expect_row_catches("rope by 0..L-1", "rope", quick(), {.rope = rope_by_local_index});
 }
 
 TEST(LayerControls, AttentionCatchesRopeByLocalIndex) {
-  expect_found(expect_counterexample("attention after rope by 0..L-1", [](const LayoutCase& c) {
-    RC_ASSERT(check_row("attention_forward", c, quick(), {.rope = rope_by_local_index}).ok);
-  }));
+  expect_row_catches("attention after rope by 0..L-1", "attention_forward", quick(), {.rope = rope_by_local_index});
 }
 
 TEST(LayerControls, AttentionCatchesAMaskByLocalIndex) {
-  expect_found(expect_counterexample("attention masked by local index", [](const LayoutCase& c) {
-    RC_ASSERT(check_row("attention_forward", c, quick(), {.attention = attention_by_local_index}).ok);
-  }));
+  expect_row_catches("attention masked by local index", "attention_forward", quick(), {.attention = attention_by_local_index});
 }
 
 TEST(LayerControls, AttentionCatchesAMaskByLocalDocIds) {
-  expect_found(expect_counterexample("attention masked by local doc ids", [](const LayoutCase& c) {
-    RC_ASSERT(check_row("attention_forward", c, quick(), {.attention = attention_by_local_doc_ids}).ok);
-  }));
+  expect_row_catches("attention masked by local doc ids", "attention_forward", quick(), {.attention = attention_by_local_doc_ids});
 }
 
 TEST(LayerControls, SparseAttentionCatchesAMaskByLocalIndex) {
@@ -272,25 +185,4 @@ TEST(LayerControls, TheAttentionRowsChooseTheirQueriesByTheLayout) {
   EXPECT_NE(a.pairs, other.pairs);
   EXPECT_LE(a.pairs, 6 * 8 * 150000 + 2 * 262144 + (std::int64_t{1} << 22) + 150000);
   EXPECT_GE(a.pairs, std::int64_t{1} << 22);
-}
-
-TEST(LayerControls, LossCatchesTargetsAlignedAfterSharding) {
-  expect_found(expect_counterexample("targets aligned after sharding", [](const LayoutCase& c) {
-    RC_ASSERT(check_row("loss_forward", c, quick(), {.targets = targets_after_sharding}).ok);
-  }));
-}
-
-TEST(LayerControls, LossCatchesAMeanOfRankMeans) {
-  expect_found(expect_counterexample("per-rank mean averaged over ranks", [](const LayoutCase& c) {
-    RC_ASSERT(check_row("loss_forward", c, quick(), {.loss = mean_of_rank_means}).ok);
-  }));
-}
-
-TEST(LayerControls, ALossSkippedOnARankWithoutTargetsIsANamedMismatch) {
-  const auto report = expect_counterexample("loss all-reduce skipped without targets", [](const LayoutCase& c) {
-    const auto r = check_row("loss_forward", c, quick(), {.loss = loss_skipped_without_targets});
-    if (!r.ok) RC_FAIL(r.detail);
-  });
-  expect_found(report);
-  EXPECT_THAT(report, HasSubstr("returned without joining all_reduce"));
 }

@@ -1,0 +1,157 @@
+// Controls of the layout and shard rows (verify/rows/layout.cpp): each must find a
+// counterexample against a deliberately broken layout or shard_batch.
+#include "tests/controls/controls.hpp"
+
+using namespace cpsim;
+using namespace cpsim::verify;
+using cpsim::testing::expect_counterexample;
+using cpsim::testing::expect_found;
+using cpsim::testing::expect_reported;
+using cpsim::testing::Planted;
+using ::testing::HasSubstr;
+
+namespace {
+
+// Doc ids decided from token ids: PAD tokens end documents and count as padding.
+Layout layout_from_token_ids(const Batch& b) {
+  const std::int64_t pad = 0;
+  Layout layout = derive_layout(b);
+  const Tensor& ids = b.at("input_ids");
+  Tensor out(ids.shape(), DType::i64);
+  const std::int64_t B = ids.dim(0), S = ids.dim(1);
+  for (std::int64_t r = 0; r < B; ++r) {
+    std::int64_t doc = 1;
+    for (std::int64_t s = 0; s < S; ++s) {
+      const bool is_pad = ids.get_int(r * S + s) == pad;
+      out.data<std::int64_t>()[r * S + s] = is_pad ? 0 : doc;
+      if (is_pad && s > 0 && ids.get_int(r * S + s - 1) != pad) ++doc;
+    }
+  }
+  layout.doc_ids = out;
+  return layout;
+}
+
+// Each rank keeps [a_r + 1, a_{r+1} + 1): one token too far right.
+ShardedBatch off_by_one_shard(int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
+  ShardedBatch mine = shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
+  if (rank + 1 >= cp) return mine;
+  const ShardedBatch next = shard_batch_at(rank + 1, cp, b, std::nullopt, pad, primary, 1, plan);
+  for (auto& [key, t] : mine.local) {
+    if (!next.local.count(key) || t.ndim() != 2 || t.dim(1) != mine.context.local_seq_len()) continue;
+    t = narrow(cat({t, next.local.at(key)}, 1), 1, 1, t.dim(1));
+  }
+  return mine;
+}
+
+Layout layout_throws(const Batch&) { throw Planted(); }
+// Doc ids and positions one column short; padding a row short.
+Layout layout_short(const Batch& b) {
+  Layout l = derive_layout(b);
+  l.doc_ids = narrow(l.doc_ids, 1, 0, l.doc_ids.dim(1) - 1);
+  l.positions = narrow(l.positions, 1, 0, l.positions.dim(1) - 1);
+  l.padding = narrow(l.padding, 0, 0, l.padding.dim(0) - 1);
+  return l;
+}
+
+ShardedBatch shard_throws(int, int, const Batch&, std::int64_t, bool, const PlanChoice&) { throw Planted(); }
+
+// P rounded down instead of up: the context and every local tensor cover
+// floor(S / c) * c positions (which may be none), cut equally.
+ShardedBatch shard_rounded_down(int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice&) {
+  Batch batch = b;
+  normalize_batch_axis(batch);
+  const std::int64_t S = sequence_length(batch), P = S / cp * cp, L = P / cp;
+  ShardedBatch out = shard_batch_at(rank, cp, batch, std::nullopt, pad, primary);
+  for (auto& [key, t] : out.local)
+    if (t.dim(1) > L) t = narrow(t, 1, 0, key == "input_ids" && !primary ? P : L);
+  out.context = PackedContext(narrow(out.context.doc_ids(), 1, 0, P), equal_plan(P, cp), rank, S);
+  return out;
+}
+
+}  // namespace
+
+TEST(NegativeControls, LayoutCatchesDocIdsBuiltFromTokenIds) {
+  expect_found(expect_counterexample("layout vs doc ids from token ids", [](const LayoutCase& c) {
+    const auto r = check_row("layout", c, {}, {.layout = layout_from_token_ids});
+    RC_ASSERT(r.ok);
+  }));
+}
+
+TEST(NegativeControls, ShardCatchesAnOffByOneShard) {
+  expect_found(expect_counterexample("shard vs off-by-one shard", [](const LayoutCase& c) {
+    const auto r = check_row("shard", c, {}, {.shard = off_by_one_shard});
+    RC_ASSERT(r.ok);
+  }));
+}
+
+// A balanced plan each rank computes from its own row (rank r balances row r % B):
+// the ranks cut differently, and the shard property names the context's cuts.
+TEST(NegativeControls, ShardCatchesAPlanComputedFromRankLocalRows) {
+  const auto local_plan = [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
+    if (plan.kind != PlanChoice::Kind::balanced) return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
+    Batch batch = b;
+    normalize_batch_axis(batch);
+    const Layout layout = derive_layout(batch);
+    const std::int64_t row = rank % layout.doc_ids.dim(0), P = shard_geometry(layout.doc_ids.dim(1), cp).padded_len;
+    PlanChoice mine;
+    mine.kind = PlanChoice::Kind::cuts;
+    mine.cuts = balanced_plan({token_costs(layout, P, plan.cost)[row]}, P, cp).cuts;
+    return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, mine);
+  };
+  const std::string report = expect_counterexample("shard vs plans from rank-local rows", [&](const LayoutCase& c) {
+    const auto r = check_row("shard", c, {}, {.shard = local_plan});
+    if (!r.ok) RC_FAIL(r.detail);
+  });
+  expect_found(report);
+  EXPECT_THAT(report, HasSubstr("plan=balanced"));
+  EXPECT_THAT(report, HasSubstr("its plan cuts"));
+}
+
+TEST(PlantedFaults, LayoutThatThrowsOrReturnsTheWrongSize) {
+  expect_reported("layout throws", [](const LayoutCase& c) { return check_row("layout", c, {}, {.layout = layout_throws}); });
+  expect_reported("layout short", [](const LayoutCase& c) { return check_row("layout", c, {}, {.layout = layout_short}); });
+}
+
+TEST(PlantedFaults, ShardThatThrowsOrRoundsThePaddedLengthDown) {
+  expect_reported("shard throws", [](const LayoutCase& c) { return check_row("shard", c, {}, {.shard = shard_throws}); });
+  expect_reported("shard rounds P down", [](const LayoutCase& c) { return check_row("shard", c, {}, {.shard = shard_rounded_down}); });
+}
+
+// A user's batch has no construction truth: the layout property must still compare
+// with an independent reference, never with the code under test. The old bug of
+// reading cu_seqlens_padded alone as an unpacked row is caught on such cases.
+TEST(NegativeControls, LayoutOfAUserBatchCatchesCuSeqlensPaddedReadAsUnpacked) {
+  const auto merged = [](const Batch& b) {
+    Batch copy = b;
+    if (!copy.count("cu_seqlens")) copy.erase("cu_seqlens_padded");
+    return derive_layout(copy);
+  };
+  expect_found(expect_counterexample("layout of user batches vs cu_seqlens_padded ignored", [&](LayoutCase c) {
+    c.truth.reset();
+    const auto r = check_row("layout", c, {}, {.layout = merged});
+    RC_ASSERT(r.ok);
+  }));
+}
+
+// A layout that ignores position_ids resets (reads a flattening collator's row as
+// one document, the attention leak across documents) is caught on user batches.
+TEST(NegativeControls, LayoutOfAUserBatchCatchesPositionResetsIgnored) {
+  const auto one_document = [](const Batch& b) {
+    Batch copy = b;
+    if (!copy.count("seq_lens") && !copy.count("cu_seqlens") && !copy.count("cu_seqlens_padded")) copy.erase("position_ids");
+    Layout layout = derive_layout(copy);
+    if (b.count("position_ids")) layout.positions = b.at("position_ids").to(DType::i64);
+    return layout;
+  };
+  // Only rows packed by position resets: the bug shows on no other form.
+  const auto resets = rc::gen::map(gen_layout_spec(8), [](LayoutSpec spec) {
+    spec.form = LayoutForm::position_resets;
+    return build_case(spec);
+  });
+  expect_found(expect_counterexample("layout of user batches vs position resets ignored", [&] {
+    LayoutCase c = *resets;
+    c.truth.reset();
+    const auto r = check_row("layout", c, {}, {.layout = one_document});
+    RC_ASSERT(r.ok);
+  }));
+}
