@@ -3,6 +3,7 @@ CP ranks, against the same step run unsharded on a group of one."""
 import torch
 
 from cpsim.compare import difference, rms
+from cpsim.upstream import laid_out, layout_for
 
 
 class Layer:
@@ -31,13 +32,15 @@ def drawn(seed, name, shape, dtype):
 
 def layer_run(case, layer, who):
     """A Layer's output and gradients on one rank (or the unsharded run): the
-    upstream gradient is drawn for the whole output and sliced to the rank."""
+    upstream gradient is drawn for the whole output and sliced to the rank, in
+    the case's drawn layout."""
     if not isinstance(layer, Layer):
         raise TypeError("%s: \"layer\" must be a cpsim.torch.Layer, not %s" % (who, type(layer).__name__))
     output = layer.output
     upstream = drawn(case._seed, "layer_grad", (case._B, case._P) + tuple(output.shape[2:]), output.dtype)
     upstream[:, case.S:] = 0  # no loss reaches the CP padding (the unsharded run has no such position)
-    upstream = upstream[:, case._lo:case._hi]
+    # This rank's slice, in the layout drawn for the case (cpsim.upstream).
+    upstream, _ = laid_out(upstream[:, case._lo:case._hi].contiguous(), layout_for(case._seed, "layer"))
     names = list(layer.inputs) + ["parameter " + n for n in layer.parameters]
     wanted = list(layer.inputs.values()) + list(layer.parameters.values())
     # A tensor that does not require grad (a rank's frozen copy) has no gradient: 0.

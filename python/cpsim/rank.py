@@ -6,6 +6,7 @@ from cpsim.case import RankCase
 from cpsim.compare import difference as _difference, rms as _rms
 from cpsim.layer import layer_run as _layer_run
 from cpsim.outputs import CP_CONTEXT_FIELDS, OUTPUTS, RECURRENCE_INPUTS
+from cpsim.upstream import laid_out, layout_for
 
 
 def run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False):
@@ -96,7 +97,11 @@ def run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False):
         # wrote into it: autograd hands one gradient tensor to every input of an
         # add, so a backward that changes its grad_output in place changes a
         # sibling's gradient too.
-        given = upstream.clone() if isinstance(upstream, torch.Tensor) else upstream
+        # It comes in the layout drawn for this case and output (cpsim.upstream).
+        layout = "contiguous"
+        given = upstream
+        if isinstance(upstream, torch.Tensor):
+            given, layout = laid_out(upstream, layout_for(golden.manifest["seed"], name))
         try:
             grads = torch.autograd.grad(output, leaves, grad_outputs=given, retain_graph=True, allow_unused=True)
         finally:
@@ -107,8 +112,9 @@ def run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False):
                                   "output's other consumers)" % (who, name))
         before = len(found)
         for i, (leaf, grad, key) in enumerate(zip(leaves, grads, expected)):
-            against("%s gradient (%s)" % (name, key), torch.zeros_like(leaf) if grad is None else grad, key,
-                    floor=floors[i] if floors else 0.0)
+            against("%s gradient (%s)%s" % (name, key, "" if layout == "contiguous" else
+                                            " from a %s upstream gradient" % layout),
+                    torch.zeros_like(leaf) if grad is None else grad, key, floor=floors[i] if floors else 0.0)
         found_backward.extend(found[before:])
         del found[before:]
 

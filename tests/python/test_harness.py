@@ -216,6 +216,36 @@ def test_a_backward_that_writes_into_its_upstream_gradient_is_reported():
     assert "wrote into the upstream gradient" in e.value.failure, e.value.failure
 
 
+def test_upstream_gradients_come_in_every_layout_autograd_makes():
+    from cpsim.upstream import LAYOUTS, laid_out, layout_for
+    assert {layout_for(seed, "gathered") for seed in range(40)} == set(LAYOUTS)
+    u = torch.randn(2, 6, 3)
+    for layout in LAYOUTS:
+        t, got = laid_out(u, layout)
+        assert torch.equal(t, u) and (got == "contiguous") == t.is_contiguous(), (layout, got, t.stride())
+    t, got = laid_out(torch.full((2, 3), 0.5), "expanded")
+    assert got == "expanded" and t.stride() == (0, 0)
+
+
+def test_a_backward_right_only_for_a_contiguous_upstream_gradient_is_caught():
+    # Reads the gradient's storage as if it were contiguous (as a kernel handed
+    # grad.data_ptr() does): right for a fresh gradient, wrong for a transposed
+    # or sliced view, which autograd hands a backward as readily.
+    def backward(ctx, grad):
+        raw = torch.as_strided(grad, grad.shape, torch.empty(grad.shape).stride())  # PLANTED
+        moved = raw.movedim(1, 0).contiguous()
+        world = torch.distributed.get_world_size()
+        mine = torch.empty((moved.shape[0] // world,) + tuple(moved.shape[1:]), dtype=grad.dtype)
+        torch.distributed.reduce_scatter_tensor(mine, moved)
+        return mine.movedim(0, 1)
+
+    Raw = _gather_with_backward(backward)
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(lambda case: {"gathered": Raw.apply(case.x)}, cases=CASES, max_cp=4, seed=3)
+    assert "gathered gradient (gather_grad_x) from a" in e.value.failure, e.value.failure
+    assert "upstream gradient" in e.value.failure, e.value.failure
+
+
 # Ranks as processes: cpsim launch -n N -- python3 job_harness.py VARIANTS CASES, each
 # process calling cpsim.torch.init_process_group() and then cpsim.torch.check for
 # each variant in turn (one launch serves several tests: each process imports
