@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from cpsim import _C
+from cpsim import where
 
 # Modules whose functions take `group=group.WORLD` as a default argument read the
 # default group when they are imported: imported here, on no rank's thread, so
@@ -44,6 +45,7 @@ import torch.distributed.device_mesh  # noqa: E402,F401
 # (and the thread module, where a spawned rank's stack begins).
 _C.set_internal_paths([os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
                        threading.__file__])
+where.INTERNAL.append(os.path.dirname(torch.__file__) + os.sep)
 _C.set_own_path(os.path.dirname(__file__) + os.sep)
 
 CollectiveError = _C.CollectiveError
@@ -207,16 +209,6 @@ class _Abandoned(BaseException):
     its next bytecode; a call blocked in C code stops when it returns)."""
 
 
-def _where(thread):
-    """The innermost frames of a running thread, as 'file:line in function' text."""
-    import traceback
-    frame = sys._current_frames().get(thread.ident)
-    if frame is None:
-        return "(it ended meanwhile)"
-    stack = traceback.extract_stack(frame)
-    return " <- ".join("%s:%d in %s" % (os.path.basename(f.filename), f.lineno, f.name) for f in reversed(stack[-3:]))
-
-
 def _stop_thread(thread):
     import ctypes
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Abandoned))
@@ -293,7 +285,7 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
             first = min(e for e in ended if e is not None)
             first_rank = ended.index(first)
             lines = ["rank %d is still running %.3g s after rank %d ended, in no cpsim call: at %s"
-                     % (r, time.monotonic() - first, first_rank, _where(threads[r])) for r in stuck]
+                     % (r, time.monotonic() - first, first_rank, where.running(threads[r])) for r in stuck]
             for r in stuck:
                 group.fail(r, "stuck")
                 _stop_thread(threads[r])
@@ -318,7 +310,7 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
     reported = [(r, e) for r, e in enumerate(errors) if e is not None]
     if own:
         rank, error = own[0]
-        raise RankFailed(rank, "%s: %s" % (type(error).__name__, error)) from error
+        raise RankFailed(rank, where.failure(error)) from error
     if reported:
         rank, error = reported[0]
         raise CollectiveError(str(error)) from error

@@ -5,6 +5,7 @@ import sys
 import torch
 
 from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.torch
+from cpsim import where
 from cpsim.case import Golden
 from cpsim.layer import layer_differences as _layer_differences
 from cpsim.rank import first_differences, run_rank
@@ -105,7 +106,7 @@ def job_verdict(folder, step, case_number, dp=1):
         elif any(s.collective_failed() for s in groups + [session]) or isinstance(e, ct.CollectiveError):
             why = "the ranks' calls did not match: %s" % e
         else:
-            own, why = True, "rank %d raised %s: %s" % (rank, type(e).__name__, e)
+            own, why = True, "rank %d raised %s" % (rank, where.failure(e))
         ct._fail_sessions(groups + [session], e)
     finally:
         ct._local.world, ct._local.source = saved

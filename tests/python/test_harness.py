@@ -146,6 +146,8 @@ def test_a_step_that_raises_or_returns_what_cpsim_does_not_compare_is_reported()
     with pytest.raises(ct.CheckFailed) as e:
         ct.check(raises, cases=20, max_cp=4, seed=1)
     assert "raised KeyError" in e.value.failure and e.value.cp == 2, e.value.failure
+    line = raises.__code__.co_firstlineno + 2  # where the step raised, in the user's file
+    assert "at test_harness.py:%d in raises: raise KeyError" % line in e.value.failure, e.value.failure
 
     with pytest.raises(ct.CheckFailed) as e:
         ct.check(lambda case: {"logits": case.x}, cases=5, max_cp=2, seed=1)

@@ -295,6 +295,30 @@ def test_a_rank_that_raises_is_the_error_and_its_peers_stop():
     assert e.value.rank == 2 and "a planted failure" in str(e.value)
 
 
+def _shard_index(ranks, rank):
+    return ranks[rank]  # the slip: a global rank used as an index into the CP group's ranks
+
+
+def test_an_exception_in_the_step_names_the_users_file_line_and_source(monkeypatch):
+    def step(rank, world):
+        dist.all_reduce(torch.ones(1))
+        return _shard_index([0, 1], rank)
+
+    with pytest.raises(ct.RankFailed) as e:
+        ct.spawn(step, 3, timeout=5)
+    text = str(e.value)
+    line = _shard_index.__code__.co_firstlineno + 1
+    assert e.value.rank == 2 and "IndexError: list index out of range" in text, text
+    assert "at test_torch_backend.py:%d in _shard_index: return ranks[rank]" % line in text, text
+    assert "Traceback" not in text and "CPSIM_TRACEBACK=1" in text, text
+    # A flag away: the whole traceback, the step's frame in it.
+    monkeypatch.setenv("CPSIM_TRACEBACK", "1")
+    with pytest.raises(ct.RankFailed) as e:
+        ct.spawn(step, 3, timeout=5)
+    text = str(e.value)
+    assert "Traceback (most recent call last)" in text and "in step" in text and "in _shard_index" in text, text
+
+
 def test_what_cpsim_does_not_support_is_a_typed_error():
     def step(rank, world):
         dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
