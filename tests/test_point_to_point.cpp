@@ -1,6 +1,7 @@
 // The comm layer's point to point (core/comm/point_to_point.hpp) on its own, as
 // torch's send, recv and irecv use it: any order, tags, any source (the earliest
-// arrival), sizes and dtypes checked, and every way a receive would hang named.
+// arrival), sizes and dtypes checked, blocking sends that return when a receive
+// takes them, and every way a send or a receive would hang named.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -48,7 +49,7 @@ TEST(PointToPoint, SendsAndReceivesMatchInEitherOrder) {
   box.send("g", 0, 1, 0, floats({1, 2}), "a.py:1");
   box.wait(*posted);
   EXPECT_EQ(early.values, (std::vector<float>{1, 2}));
-  box.send("g", 0, 1, 0, floats({3, 4}), "a.py:2");  // buffered: the send completes at once
+  box.send("g", 0, 1, 0, floats({3, 4}), "a.py:2");  // posted at once (an isend): queued until a receive takes it
   auto queued = late.post(box, 1, 0, 0);
   EXPECT_TRUE(queued->done);
   box.wait(*queued);
@@ -214,6 +215,87 @@ TEST(PointToPoint, AMessageNobodyReceivedIsReported) {
   Mailbox box = mailbox(2);
   box.send("g", 0, 1, 3, floats({1, 2}), "c.py:9");
   EXPECT_EQ(box.unreceived(), "a send no recv took:\n  rank 0's send #1 to rank 1 (tag 3, float32 x 2) at c.py:9");
+}
+
+TEST(PointToPoint, ABlockingSendReturnsWhenAReceiveTakesItsMessage) {
+  Mailbox box = mailbox(2);
+  auto sent = box.send("g", 0, 1, 0, floats({5, 6}), "a.py:3");
+  EXPECT_FALSE(sent->taken);
+  Inbox in;
+  std::thread receiver([&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    box.wait(*in.post(box, 1, 0, 0));
+  });
+  const auto start = std::chrono::steady_clock::now();
+  box.wait(*sent);
+  EXPECT_TRUE(sent->taken);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, milliseconds(90));
+  receiver.join();
+  EXPECT_EQ(in.values, (std::vector<float>{5, 6}));
+  // Eager sends complete at once, as MPI's small sends do.
+  Mailbox eager(2, milliseconds(5000), std::make_shared<ActivityBoard>(2), Sends::eager);
+  EXPECT_TRUE(eager.send("g", 0, 1, 0, floats({1}), "")->taken);
+}
+
+// Every rank sends to the next before it receives: on Gloo and NCCL each send
+// waits for a receive that is never posted. Named at once, with every rank's call.
+TEST(PointToPoint, ARingThatSendsBeforeItReceivesIsADeadlockNamedAtOnce) {
+  const int n = 3;
+  Mailbox box = mailbox(n, milliseconds(60000));
+  std::vector<std::string> errors(n);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        box.wait(*box.send("g", r, (r + 1) % n, 0, floats({1, 2, 3}), "ring.py:" + std::to_string(10 + r)));
+        Inbox in;
+        box.wait(*in.post(box, r, (r + n - 1) % n, 0, 3));
+      } catch (const CollectiveError& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(5000));
+  for (int r = 0; r < n; ++r) {
+    EXPECT_NE(errors[r].find("deadlock: every rank still running waits in point to point"), std::string::npos)
+        << errors[r];
+    for (int q = 0; q < n; ++q)
+      EXPECT_NE(errors[r].find("rank " + std::to_string(q) + ": waits for its send to rank " +
+                               std::to_string((q + 1) % n) + " (tag 0, float32 x 3) at ring.py:" +
+                               std::to_string(10 + q) + " to be received"),
+                std::string::npos)
+          << errors[r];
+  }
+}
+
+TEST(PointToPoint, ASendToARankThatReturnedWithoutReceivingIsNamed) {
+  Mailbox box = mailbox(2, milliseconds(60000));
+  auto sent = box.send("g", 0, 1, 4, floats({1, 2}), "d.py:2");
+  box.stopped(1, "returned", false);
+  try {
+    box.wait(*sent);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 waits for its send to rank 1 (tag 4, float32 x 2) at d.py:2 to be "
+                                         "received, but rank 1 returned without receiving it"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(PointToPoint, ASendWaitNothingTakesTimesOut) {
+  Mailbox box = mailbox(3, milliseconds(100));  // rank 2 runs on: no deadlock, the timeout ends it
+  auto sent = box.send("g", 0, 1, 0, floats({1}), "e.py:1");
+  try {
+    box.wait(*sent);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("timeout: rank 0 waited"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("for its send to rank 1 (tag 0, float32 x 1) at e.py:1 and no receive took it"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "core/comm/point_to_point.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 #include "core/comm/call_check.hpp"
@@ -26,21 +27,33 @@ std::string PostedRecv::what() const {
          std::to_string(tag) + ", " + dtype + " x " + std::to_string(numel) + ")" + (site.empty() ? "" : " at " + site);
 }
 
-Mailbox::Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board)
-    : state_(ranks, "running"), sent_(ranks, 0), timeout_(timeout), board_(std::move(board)) {}
+std::string PostedSend::what() const {
+  return "send to rank " + std::to_string(dst) + " (tag " + std::to_string(tag) + ", " + shape + ")" +
+         (site.empty() ? "" : " at " + site);
+}
+
+Mailbox::Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board, Sends sends)
+    : state_(ranks, "running"), sent_(ranks, 0), timeout_(timeout), board_(std::move(board)), sends_(sends) {}
 
 void Mailbox::set_remote(int local, Remote remote) { local_ = local, remote_ = std::move(remote); }
 
-void Mailbox::send(const std::string& group, int src, int dst, int tag, Payload payload, const std::string& site) {
+std::shared_ptr<PostedSend> Mailbox::send(const std::string& group, int src, int dst, int tag, Payload payload,
+                                          const std::string& site) {
   std::unique_lock<std::mutex> lock(mutex_);
   check_peer(src, dst, "send to");
+  auto receipt = std::make_shared<PostedSend>();
+  receipt->src = src, receipt->dst = dst, receipt->tag = tag, receipt->shape = payload.shape(), receipt->site = site;
   Message m{std::move(payload), ++sent_[src], site};
   if (remote_ && dst != local_) {  // another process's rank: it leaves before the send returns
+    receipt->taken = true;
     lock.unlock();
     remote_(src, dst, tag, m);
-    return;
+    return receipt;
   }
+  if (sends_ == Sends::eager) receipt->taken = true;
+  else m.receipt = receipt;
   arrive_locked(group, src, dst, tag, std::move(m));
+  return receipt;
 }
 
 void Mailbox::arrive(const std::string& group, int src, int dst, int tag, Message m) {
@@ -69,42 +82,91 @@ std::shared_ptr<PostedRecv> Mailbox::post(const std::string& group, int dst, int
     Message m = std::move(earliest->front());
     earliest->pop_front();
     deliver(*p, from, m);
+    cv_.notify_all();  // its sender may wait for it to be taken
     return p;
   }
   posted_.push_back(p);
   return p;
 }
 
-void Mailbox::wait(PostedRecv& p, std::chrono::milliseconds limit) {
-  std::unique_lock<std::mutex> lock(mutex_);
+void Mailbox::wait_locked(std::unique_lock<std::mutex>& lock, const Waiting& w, std::chrono::milliseconds limit,
+                          const std::function<std::string()>& stopped) {
+  if (w.over()) return;
   const auto start = Clock::now();
   const std::chrono::milliseconds timeout = limit.count() > 0 ? std::min(limit, timeout_) : timeout_;
   const auto deadline = start + timeout;
-  if (!p.done) board_->set(p.dst, "waits for its " + p.what());
-  while (!p.done) {
-    if (!failure_.empty()) {
-      board_->set(p.dst, "");
-      throw CollectiveError("rank " + std::to_string(p.dst) + " waits for its " + p.what() +
-                            ", but the group stopped: " + failure_);
-    }
-    if (p.src >= 0 && state_[p.src] != "running") {
-      board_->set(p.dst, "");
-      throw CollectiveError("rank " + std::to_string(p.dst) + " waits for its " + p.what() + ", but rank " +
-                            std::to_string(p.src) + " " + state_[p.src] + " without sending it" + pending_locked());
-    }
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !p.done) {
-      const std::string report = "timeout: rank " + std::to_string(p.dst) + " " + waited_since(start, timeout) +
-                                 " for its " + p.what() + " and nothing came" + pending_locked() +
-                                 "\n what the ranks are doing:" + board_->lines();
-      board_->set(p.dst, "timed out waiting for its " + p.what());
-      failure_ = "rank " + std::to_string(p.dst) + " timed out in its " + p.what();
+  const std::string me = "rank " + std::to_string(w.rank) + " ";
+  board_->set(w.rank, w.doing);
+  waiting_.push_back(&w);
+  struct Leave {
+    Mailbox& box;
+    const Waiting& w;
+    ~Leave() { box.waiting_.remove(&w); }
+  } leave{*this, w};
+  auto end = [&](const std::string& report, const std::string& doing = "") {
+    board_->set(w.rank, doing);
+    throw CollectiveError(report);
+  };
+  while (!w.over()) {
+    if (!deadlock_.empty()) end(deadlock_);
+    if (!failure_.empty()) end(me + w.doing + ", but the group stopped: " + failure_);
+    const std::string peer = stopped();
+    if (!peer.empty()) end(me + w.doing + ", but " + peer + pending_locked());
+    if (deadlocked_locked()) {
+      deadlock_ =
+          "deadlock: every rank still running waits in point to point for what none of them will send or receive "
+          "(a blocking send returns only when a receive takes it, as on Gloo and NCCL):";
+      std::vector<const Waiting*> all(waiting_.begin(), waiting_.end());
+      std::sort(all.begin(), all.end(), [](const Waiting* a, const Waiting* b) { return a->rank < b->rank; });
+      for (const Waiting* x : all) deadlock_ += "\n  rank " + std::to_string(x->rank) + ": " + x->doing;
       cv_.notify_all();
-      throw CollectiveError(report);
+      end(deadlock_);
+    }
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !w.over()) {
+      const std::string report = "timeout: " + me + waited_since(start, timeout) + " for its " + w.what + " " +
+                                 w.not_came + pending_locked() + "\n what the ranks are doing:" + board_->lines();
+      failure_ = me + "timed out in its " + w.what;
+      cv_.notify_all();
+      end(report, "timed out waiting for its " + w.what);
     }
   }
-  board_->set(p.dst, "");
+  board_->set(w.rank, "");
+}
+
+void Mailbox::wait(PostedRecv& p, std::chrono::milliseconds limit) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const Waiting w{p.dst, p.what(), "waits for its " + p.what(), "and nothing came", [&p] { return p.done; }};
+  wait_locked(lock, w, limit, [&]() -> std::string {
+    if (p.src >= 0 && state_[p.src] != "running") return "rank " + std::to_string(p.src) + " " + state_[p.src] +
+                                                           " without sending it";
+    return "";
+  });
   forget(p);
   if (!p.error.empty()) throw CollectiveError(p.error);
+}
+
+void Mailbox::wait(PostedSend& s, std::chrono::milliseconds limit) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const Waiting w{s.src, s.what(), "waits for its " + s.what() + " to be received", "and no receive took it",
+                  [&s] { return s.taken; }};
+  wait_locked(lock, w, limit, [&]() -> std::string {
+    if (state_[s.dst] != "running") return "rank " + std::to_string(s.dst) + " " + state_[s.dst] + " without receiving it";
+    return "";
+  });
+}
+
+bool Mailbox::deadlocked_locked() const {
+  if (remote_) return false;  // what another process's ranks do is not known here
+  bool any = false;
+  for (std::size_t q = 0; q < state_.size(); ++q) {
+    if (state_[q] != "running") continue;
+    const bool stuck = std::any_of(waiting_.begin(), waiting_.end(), [&](const Waiting* w) {
+      return w->rank == static_cast<int>(q) && !w->over();
+    });
+    if (!stuck) return false;
+    any = true;
+  }
+  return any;
 }
 
 void Mailbox::stopped(int rank, const std::string& how, bool failed) {
@@ -145,6 +207,7 @@ void Mailbox::arrive_locked(const std::string& group, int src, int dst, int tag,
 void Mailbox::deliver(PostedRecv& p, int src, const Message& m) {
   p.done = true;
   p.source = src;
+  if (m.receipt) m.receipt->taken = true;
   if (m.payload.numel != p.numel || m.payload.dtype != p.dtype) {
     p.error = "rank " + std::to_string(p.dst) + "'s " + p.what() + " got rank " + std::to_string(src) + "'s send #" +
               std::to_string(m.seq) + ", which holds " + m.payload.shape() +

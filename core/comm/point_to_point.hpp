@@ -1,13 +1,18 @@
 // Point to point between the ranks of one spawn (threads) or of one process of a
 // job, in any order, with tags and any-source receives: what torch's send, recv
-// and irecv need beside the collectives (the communicator's). A send is buffered
-// and completes at once; a receive is posted and completes when a message with
-// its source (or any source: the earliest to arrive) and tag comes, whichever of
-// the two came first, so a ring that posts its irecv first is fine (NCCL's and
-// Gloo's semantics). What would hang is a named error: a receive nothing comes
-// for within the timeout (with every rank's pending messages and receives, and
-// what each rank is doing), a size or dtype that differs, a peer that returned
-// without sending, and at the end a message nobody received.
+// and irecv need beside the collectives (the communicator's). A send is posted at
+// once (isend); waiting on it (a blocking send) returns when a receive took its
+// message, as on Gloo and NCCL, whatever its size (Sends::rendezvous, the
+// default; Sends::eager: at once, as MPI's small sends). A receive is posted and
+// completes when a message with its source (or any source: the earliest to
+// arrive) and tag comes, whichever of the two came first, so a ring that posts
+// its irecv first is fine. What would hang is a named error: ranks that all wait
+// in point to point with nothing to take (a deadlock, named at once with each
+// rank's call), a wait nothing ends within the timeout (with every rank's pending
+// messages and receives, and what each rank is doing), a size or dtype that
+// differs, a peer that returned without sending or receiving, and at the end a
+// message nobody received. Between the processes of a job a send completes when
+// it has left (the process wire carries no receipt).
 //
 // The payload is typed bytes (a dtype name and an element count, as the caller
 // names them): this layer knows no tensor library.
@@ -73,6 +78,18 @@ struct PostedRecv {
   std::string what() const;
 };
 
+// One posted send: taken once a receive took its message (at once when sends are
+// eager, or when it left for another process).
+struct PostedSend {
+  int src = -1, dst = -1, tag = 0;
+  std::string shape, site;
+  bool taken = false;
+  std::string what() const;  // "send to rank 1 (tag 0, float32 x 3) at ring.py:5"
+};
+
+// How a blocking send completes: when its receive takes it, or at once.
+enum class Sends { rendezvous, eager };
+
 class Mailbox {
  public:
   struct Message {
@@ -80,18 +97,22 @@ class Mailbox {
     int seq = 0;
     std::string site;
     std::uint64_t arrival = 0;  // the order messages came to this mailbox in
+    std::shared_ptr<PostedSend> receipt{};  // its sender's, until a receive takes it
   };
   // How a message leaves this process for rank dst of another (a job's
   // processes: the process wire); it returns once the message is on its way.
   using Remote = std::function<void(int src, int dst, int tag, const Message& m)>;
   using Clock = std::chrono::steady_clock;
 
-  Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board);
+  Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board,
+          Sends sends = Sends::rendezvous);
   // The mailbox of one process of a job: its receives are rank `local`'s; sends
   // to any other rank go through `remote`.
   void set_remote(int local, Remote remote);
 
-  void send(const std::string& group, int src, int dst, int tag, Payload payload, const std::string& site);
+  // Posts a send; wait() on what it returns is a blocking send.
+  std::shared_ptr<PostedSend> send(const std::string& group, int src, int dst, int tag, Payload payload,
+                                   const std::string& site);
   // A message from another process for this one's rank.
   void arrive(const std::string& group, int src, int dst, int tag, Message m);
   // Posts a receive of `numel` elements of `dtype` for rank dst from src (-1:
@@ -102,6 +123,8 @@ class Mailbox {
   // Waits for a posted receive, at most `limit` when it is set and shorter than
   // the group's timeout (Work.wait(timeout)); throws what went wrong.
   void wait(PostedRecv& p, std::chrono::milliseconds limit = std::chrono::milliseconds(0));
+  // Waits until a receive took the send's message (a blocking send), likewise.
+  void wait(PostedSend& s, std::chrono::milliseconds limit = std::chrono::milliseconds(0));
   // A rank stopped: returned, or threw (then every waiting receive stops too).
   void stopped(int rank, const std::string& how, bool failed);
   // The messages no receive took, as one report ("" when none).
@@ -116,6 +139,20 @@ class Mailbox {
   void forget(PostedRecv& p);
   void check_peer(int me, int peer, const char* op) const;
   std::string pending_locked() const;
+  // A rank's wait, while it lasts: what it waits for, and whether that came.
+  struct Waiting {
+    int rank;
+    std::string what;      // "recv from rank 0 (tag 3, float32 x 2) at step.py:12"
+    std::string doing;     // "waits for its recv from ..."
+    std::string not_came;  // how a timeout ends it: "and nothing came"
+    std::function<bool()> over;
+  };
+  // Waits until over() (or throws what ended the wait: `stopped` says why a
+  // peer's end ends it, "" while it does not).
+  void wait_locked(std::unique_lock<std::mutex>& lock, const Waiting& w, std::chrono::milliseconds limit,
+                   const std::function<std::string()>& stopped);
+  // Every rank still running waits in point to point for what cannot come.
+  bool deadlocked_locked() const;
 
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -129,6 +166,9 @@ class Mailbox {
   int local_ = -1;
   Remote remote_;
   std::uint64_t arrivals_ = 0;
+  Sends sends_;
+  std::list<const Waiting*> waiting_;
+  std::string deadlock_;
 };
 
 }  // namespace cpsim

@@ -220,7 +220,7 @@ def _unwaited(ledger, rank):
         raise CollectiveError("a request never waited on:\n  " + text)
 
 
-def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
+def spawn(fn, world_size, backend="threads", timeout=20.0, args=(), sends="rendezvous"):
     """Runs fn(rank, world_size, *args) on world_size ranks of a cpsim group of
     `backend` (threads or gloo), as threads of this process; returns every rank's
     result in rank order. The first failure is raised on the caller's thread once
@@ -228,8 +228,11 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=()):
     are its consequence), or a CollectiveError naming every rank's call. A rank
     still running `timeout` seconds after a peer ended (and so in no cpsim call,
     whose own wait would have ended) is RankStuck, with where it was; its thread
-    is stopped at its next Python bytecode."""
-    group = _C.SpawnedGroup(backend, world_size, float(timeout))
+    is stopped at its next Python bytecode. `sends`: "rendezvous" (a blocking
+    send returns when a receive took its message, as on Gloo and NCCL: a ring
+    that sends before it receives is a deadlock, named at once) or "eager" (at
+    once, as MPI's small sends)."""
+    group = _C.SpawnedGroup(backend, world_size, float(timeout), sends)
     store = dist.HashStore()
     results, errors, backends = [None] * world_size, [None] * world_size, [[] for _ in range(world_size)]
     ended = [None] * world_size  # when each rank's thread ended (time.monotonic)

@@ -12,11 +12,12 @@ c10::intrusive_ptr<c10d::Work> BackendCpsim::send(std::vector<at::Tensor>& tenso
   const at::Tensor& t = tensors[0];
   expect_cpu(t, "send");
   const std::string site = python_call_site();
-  point_to_point([&] { ctx_.mailbox->send(ctx_.group, global(getRank()), global(dst), tag, payload_of(t), site); });
-  return work(
-      c10d::OpType::SEND,
-      "send to rank " + std::to_string(global(dst)) + " (tag " + std::to_string(tag) + ", " + shape_text(t) + ")", {},
-      site);
+  std::shared_ptr<PostedSend> posted;
+  point_to_point(
+      [&] { posted = ctx_.mailbox->send(ctx_.group, global(getRank()), global(dst), tag, payload_of(t), site); });
+  // Its wait (a blocking send) returns when a receive took the message.
+  return c10::make_intrusive<CpsimWork>(getRank(), c10d::OpType::SEND, posted->what(), std::vector<at::Tensor>{},
+                                        ctx_.ledger, ctx_.mailbox, nullptr, posted);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendCpsim::recv(std::vector<at::Tensor>& tensors, int src, int tag) {

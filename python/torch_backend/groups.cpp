@@ -22,11 +22,12 @@ namespace {
 
 class SpawnedGroup {
  public:
-  SpawnedGroup(const std::string& backend, int n, double timeout_s)
+  // sends: "rendezvous" (a blocking send returns when a receive took it) or "eager".
+  SpawnedGroup(const std::string& backend, int n, double timeout_s, const std::string& sends)
       : backend_(backend),
         timeout_(milliseconds(timeout_s)),
         board_(std::make_shared<ActivityBoard>(n)),
-        mailbox_(std::make_shared<Mailbox>(n, timeout_, board_)),
+        mailbox_(std::make_shared<Mailbox>(n, timeout_, board_, sends_of(sends))),
         ledgers_(n),
         memberships_(n) {
     const Backend& b = find_backend(backend);
@@ -84,6 +85,11 @@ class SpawnedGroup {
   std::vector<std::pair<std::shared_ptr<Group>, int>> memberships(int rank) {
     std::lock_guard<std::mutex> lock(mutex_);
     return memberships_.at(rank);
+  }
+  static Sends sends_of(const std::string& name) {
+    if (name == "rendezvous") return Sends::rendezvous;
+    if (name == "eager") return Sends::eager;
+    throw InvalidInput("sends: rendezvous or eager, not " + name);
   }
   static std::chrono::milliseconds milliseconds(double s) {
     return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000));
@@ -188,7 +194,8 @@ class JobGroup {
 void bind_groups(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<SpawnedGroup, std::shared_ptr<SpawnedGroup>>(m, "SpawnedGroup")
-      .def(py::init<const std::string&, int, double>(), py::arg("backend"), py::arg("world_size"), py::arg("timeout"))
+      .def(py::init<const std::string&, int, double, const std::string&>(), py::arg("backend"), py::arg("world_size"),
+           py::arg("timeout"), py::arg("sends") = "rendezvous")
       .def("backend", &SpawnedGroup::backend, py::call_guard<py::gil_scoped_release>())
       .def("finish", &SpawnedGroup::finish, py::call_guard<py::gil_scoped_release>())
       .def("fail", &SpawnedGroup::fail, py::call_guard<py::gil_scoped_release>())

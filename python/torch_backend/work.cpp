@@ -40,13 +40,15 @@ std::string Ledger::unwaited(int rank) {
 }
 
 CpsimWork::CpsimWork(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
-                     std::shared_ptr<Ledger> ledger, std::shared_ptr<Mailbox> mailbox, std::shared_ptr<PostedRecv> recv)
+                     std::shared_ptr<Ledger> ledger, std::shared_ptr<Mailbox> mailbox, std::shared_ptr<PostedRecv> recv,
+                     std::shared_ptr<PostedSend> send)
     : c10d::Work(rank, type),
       outputs_(outputs),
       ledger_(std::move(ledger)),
       request_(ledger_ ? ledger_->open(std::move(what), std::move(outputs)) : nullptr),
       mailbox_(std::move(mailbox)),
-      recv_(std::move(recv)) {}
+      recv_(std::move(recv)),
+      send_(std::move(send)) {}
 
 // (torch's binding of wait releases the GIL.)
 bool CpsimWork::wait(std::chrono::milliseconds timeout) {
@@ -54,6 +56,7 @@ bool CpsimWork::wait(std::chrono::milliseconds timeout) {
     waited_ = true;
     if (ledger_) ledger_->close(request_);
     if (recv_) mailbox_->wait(*recv_, timeout);
+    if (send_) mailbox_->wait(*send_, timeout);
   }
   return true;
 }

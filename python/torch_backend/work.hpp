@@ -40,13 +40,14 @@ class Ledger {
 };
 
 // torch's Work of one call: a collective's is complete when it returns, a
-// receive's when its message came (recv is the receive the mailbox posted).
+// receive's when its message came (recv is the receive the mailbox posted), a
+// send's when a receive took its message (send: the mailbox's receipt).
 class CpsimWork : public c10d::Work {
  public:
   CpsimWork(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
             std::shared_ptr<Ledger> ledger, std::shared_ptr<Mailbox> mailbox = nullptr,
-            std::shared_ptr<PostedRecv> recv = nullptr);
-  bool isCompleted() override { return recv_ == nullptr || recv_->done; }
+            std::shared_ptr<PostedRecv> recv = nullptr, std::shared_ptr<PostedSend> send = nullptr);
+  bool isCompleted() override { return (recv_ == nullptr || recv_->done) && (send_ == nullptr || send_->taken); }
   bool isSuccess() const override { return true; }
   bool wait(std::chrono::milliseconds timeout) override;
   std::vector<at::Tensor> result() override { return outputs_; }
@@ -59,6 +60,7 @@ class CpsimWork : public c10d::Work {
   std::shared_ptr<Request> request_;
   std::shared_ptr<Mailbox> mailbox_;
   std::shared_ptr<PostedRecv> recv_;
+  std::shared_ptr<PostedSend> send_;
   bool waited_ = false;
 };
 

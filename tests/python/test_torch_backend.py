@@ -349,7 +349,7 @@ def test_send_and_recv_pair_up_around_a_ring():
     def step(rank, world):
         out = torch.full((3,), float(rank))
         got = torch.empty(3)
-        if rank % 2 == 0:  # even ranks send first: blocking sends return once buffered
+        if rank % 2 == 0:  # even ranks send first: each send returns when its receiver takes it
             dist.send(out, dst=(rank + 1) % world)
             dist.recv(got, src=(rank - 1) % world)
         else:
@@ -396,9 +396,34 @@ def test_send_and_recv_of_different_sizes_or_a_send_nobody_takes_are_named():
         if rank == 0:
             dist.send(torch.ones(2), dst=1, tag=3)
 
-    with pytest.raises(ct.CollectiveError) as e:
+    with pytest.raises(ct.CollectiveError) as e:  # a blocking send waits for its receive: rank 1 returned
         ct.spawn(unreceived, 2, timeout=5)
+    assert ("rank 0 waits for its send to rank 1 (tag 3, float32 x 2) at test_torch_backend.py:" in str(e.value)
+            and "but rank 1 returned without receiving it" in str(e.value)), str(e.value)
+    with pytest.raises(ct.CollectiveError) as e:  # eager sends return at once: the message is left over
+        ct.spawn(unreceived, 2, timeout=5, sends="eager")
     assert "a send no recv took" in str(e.value) and "tag 3" in str(e.value), str(e.value)
+
+
+def test_a_ring_that_sends_before_it_receives_is_a_deadlock_named_at_once():
+    # On Gloo and NCCL every rank's blocking send waits for a receive that is
+    # never posted (even of 3 floats); with eager sends (MPI's small messages) it runs.
+    def step(rank, world):
+        dist.send(torch.full((3,), float(rank)), dst=(rank + 1) % world)
+        got = torch.empty(3)
+        dist.recv(got, src=(rank - 1) % world)
+        return got
+
+    start = time.monotonic()
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(step, 3, timeout=20)
+    assert time.monotonic() - start < 10, time.monotonic() - start
+    text = str(e.value)
+    assert "deadlock: every rank still running waits in point to point" in text, text
+    for r in range(3):
+        assert "rank %d: waits for its send to rank %d (tag 0, float32 x 3) at test_torch_backend.py:" % (
+            r, (r + 1) % 3) in text, text
+    assert [g[0].item() for g in ct.spawn(step, 3, timeout=20, sends="eager")] == [2.0, 0.0, 1.0]
 
 
 # Sends and receives match in any order within a rank's outstanding requests, as
@@ -431,15 +456,17 @@ def test_a_ring_that_posts_its_irecv_first_completes():
 
 def test_a_recv_from_any_source_takes_the_message_that_came_first():
     def step(rank, world):
+        sent = None
         if rank == 2:
-            dist.send(torch.full((2,), 2.0), dst=0)
+            sent = dist.isend(torch.full((2,), 2.0), dst=0)
         dist.barrier()  # rank 2's message is in before rank 1 sends
         if rank == 1:
-            dist.send(torch.full((2,), 1.0), dst=0)
+            sent = dist.isend(torch.full((2,), 1.0), dst=0)
         dist.barrier()
         if rank == 0:
             first, second = torch.empty(2), torch.empty(2)
             return dist.recv(first), first[0].item(), dist.recv(second), second[0].item()
+        sent.wait()
 
     assert ct.spawn(step, 3)[0] == (2, 2.0, 1, 1.0)
 
