@@ -22,15 +22,19 @@ std::string ActivityBoard::lines(bool outside_collectives) const {
   return out;
 }
 
+namespace {
+// "recv from rank 0 (tag 3, float32 x 2) at step.py:12": a posted call, as reports name it.
+std::string posted_call(const std::string& op, int tag, const std::string& shape, const std::string& site) {
+  return op + " (tag " + std::to_string(tag) + ", " + shape + ")" + (site.empty() ? "" : " at " + site);
+}
+}  // namespace
+
 std::string PostedRecv::what() const {
-  return "recv from " + (src < 0 ? std::string("any rank") : "rank " + std::to_string(src)) + " (tag " +
-         std::to_string(tag) + ", " + dtype + " x " + std::to_string(numel) + ")" + (site.empty() ? "" : " at " + site);
+  return posted_call("recv from " + (src < 0 ? std::string("any rank") : "rank " + std::to_string(src)), tag,
+                     Payload{{}, dtype, numel}.shape(), site);
 }
 
-std::string PostedSend::what() const {
-  return "send to rank " + std::to_string(dst) + " (tag " + std::to_string(tag) + ", " + shape + ")" +
-         (site.empty() ? "" : " at " + site);
-}
+std::string PostedSend::what() const { return posted_call("send to rank " + std::to_string(dst), tag, shape, site); }
 
 Mailbox::Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board, Sends sends)
     : state_(ranks, "running"), sent_(ranks, 0), timeout_(timeout), board_(std::move(board)), sends_(sends) {}

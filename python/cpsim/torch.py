@@ -41,11 +41,11 @@ from cpsim import where
 import torch.distributed.nn.functional  # noqa: E402,F401
 import torch.distributed.device_mesh  # noqa: E402,F401
 
-# A call's site is the innermost frame outside these (torch's and cpsim's own files).
-# (and the thread module, where a spawned rank's stack begins).
-_C.set_internal_paths([os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
-                       threading.__file__])
+# A call's site, and where an exception came from, is the innermost frame outside
+# where.INTERNAL (cpsim's own files, the thread module where a spawned rank's
+# stack begins, and torch's files): one list for both.
 where.INTERNAL.append(os.path.dirname(torch.__file__) + os.sep)
+_C.set_internal_paths(where.INTERNAL)
 _C.set_own_path(os.path.dirname(__file__) + os.sep)
 
 CollectiveError = _C.CollectiveError
