@@ -4,6 +4,7 @@ cpsim's property harness on cpsim's simulated ranks:
 
     PYTHONPATH=build/python /usr/bin/python3 examples/torch/cp_step.py            # the faithful step
     PYTHONPATH=build/python /usr/bin/python3 examples/torch/cp_step.py --variant no_anchor
+    cpsim launch -n 3 -- python3 examples/torch/cp_step.py --job           # ranks as processes
 
 `step` is what one rank runs in a training step: derive the document layout from
 the raw packed batch, shard it contiguously, gather K/V with autograd (with the
@@ -374,14 +375,22 @@ def main():
     p.add_argument("--backend", default="threads")
     p.add_argument("--family", default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--job", action="store_true",
+                   help="run as one process of a job (cpsim launch -n N, torchrun): the ranks are the job's processes")
     a = p.parse_args()
     fn = VARIANTS[a.variant] if a.variant else step
+    if a.job:
+        ct.init_process_group(timeout=30)
     try:
         n = ct.check(fn, cases=a.cases, max_cp=a.max_cp, family=a.family, backend=a.backend, seed=a.seed)
     except ct.CheckFailed as e:
         print(e)
         return 1
-    print("cp_step: %d layouts hold at cp 1-%d (%s)" % (n, a.max_cp, a.backend))
+    if a.job:
+        import torch.distributed as dist
+        print("cp_step: rank %d: %d layouts hold at cp %d (processes)" % (dist.get_rank(), n, dist.get_world_size()))
+    else:
+        print("cp_step: %d layouts hold at cp 1-%d (%s)" % (n, a.max_cp, a.backend))
     return 0
 
 

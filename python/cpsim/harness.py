@@ -40,6 +40,7 @@ import torch
 
 from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.torch
 from cpsim import outputs as _outputs
+from cpsim import program
 from cpsim import verdict as _verdict
 from cpsim.case import RankCase
 from cpsim.layer import Layer
@@ -76,22 +77,9 @@ class Checked(int):
 
 
 
-def _cpsim_binary():
-    binary = os.environ.get("CPSIM_BINARY")
-    if binary:
-        return binary
-    try:
-        from cpsim._build import CPSIM_BINARY  # written by the build
-        return CPSIM_BINARY
-    except ImportError:
-        return shutil.which("cpsim") or "cpsim"
-
-
-
-
 def _generator(workdir, cases, layouts, inputs, sizes, seed, in_job):
     """The command line of `cpsim harness` that draws (or replays) the cases."""
-    command = [_cpsim_binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--plan", layouts.plan,
+    command = [program.binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--plan", layouts.plan,
                "--conv-width", str(int(inputs.conv_width)), "--dtype", inputs.dtype,
                "--pad-multiple", str(int(layouts.pad_multiple)), "--min-shard", str(int(layouts.min_shard))]
     if layouts.batch is not None:

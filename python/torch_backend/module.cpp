@@ -2,8 +2,8 @@
 // requests (work.hpp) and groups (groups.hpp), and cpsim's errors as Python
 // exceptions.
 //
-// Built by python/setup.py with torch's own build helper (pip install
-// --no-build-isolation ./python), against the torch that is installed.
+// Built by python/CMakeLists.txt (make test; pip install . through
+// scikit-build-core), against the torch that is installed.
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
