@@ -21,8 +21,8 @@ constexpr Capabilities kCudaSimCapabilities{/*rank_order_sums=*/true, /*device_b
 // One group's shared state: the rendezvous, and each rank's stream and "ready"
 // event (recorded after the work that wrote its buffers, before it posts a call).
 struct SimState {
-  SimState(int n, std::chrono::milliseconds timeout, int device)
-      : rendezvous(std::make_shared<Rendezvous>(n, timeout)), device(device), streams(n), ready(n) {
+  SimState(int n, std::chrono::milliseconds timeout, int device, const RankNames& names)
+      : rendezvous(std::make_shared<Rendezvous>(n, timeout, names)), device(device), streams(n), ready(n) {
     for (int r = 0; r < n; ++r) {
       streams[r] = rank_stream(device, r);
       CPSIM_CUDA(cudaEventCreateWithFlags(&ready[r], cudaEventDisableTiming));
@@ -87,9 +87,9 @@ class CudaSimCommunicator final : public SharedMemoryCommunicator {
 
 class CudaSimGroup final : public Group {
  public:
-  CudaSimGroup(int n, std::chrono::milliseconds timeout) {
+  CudaSimGroup(int n, std::chrono::milliseconds timeout, const RankNames& names) {
     activate_cuda();
-    state_ = std::make_shared<SimState>(n, timeout, 0);
+    state_ = std::make_shared<SimState>(n, timeout, 0, names);
   }
   std::unique_ptr<Communicator> communicator(int rank) override {
     bind_rank_thread(state_->device, state_->streams.at(rank));
@@ -116,7 +116,9 @@ class CudaSimGroup final : public Group {
 const BackendRegistrar registrar{Backend{
     "cuda-sim", "ranks as threads sharing one GPU, a stream each; device-to-device copies, sums in rank order",
     kCudaSimCapabilities,
-    [](int n, std::chrono::milliseconds timeout) { return std::make_shared<CudaSimGroup>(n, timeout); },
+    [](int n, std::chrono::milliseconds timeout, const RankNames& names) {
+      return std::make_shared<CudaSimGroup>(n, timeout, names);
+    },
     [] { return cuda_unavailable(); }}};
 
 }  // namespace

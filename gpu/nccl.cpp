@@ -349,12 +349,12 @@ std::vector<std::shared_ptr<NcclRank>> clique(int n) {
 
 class NcclGroup final : public Group {
  public:
-  NcclGroup(int n, std::chrono::milliseconds timeout) : timeout_(timeout) {
+  NcclGroup(int n, std::chrono::milliseconds timeout, const RankNames& names) : timeout_(timeout) {
     if (auto why = nccl_backend_unavailable()) throw Unavailable(*why);
     rank_device().activate();
     if (n > rank_device().count()) throw Unavailable(too_many_ranks(n, rank_device().count()));
     ranks_ = clique(n);
-    rendezvous_ = std::make_shared<Rendezvous>(n, timeout);
+    rendezvous_ = std::make_shared<Rendezvous>(n, timeout, names);
   }
   std::unique_ptr<Communicator> communicator(int rank) override {
     const auto& r = ranks_.at(rank);
@@ -429,7 +429,9 @@ std::unique_ptr<Communicator> job_transport(const std::shared_ptr<SideChannel>& 
 const BackendRegistrar registrar{Backend{
     "nccl", "NCCL, one rank per GPU: threads over this process's GPUs, or one process per GPU (cpsim launch)",
     kNcclCapabilities,
-    [](int n, std::chrono::milliseconds timeout) { return std::make_shared<NcclGroup>(n, timeout); },
+    [](int n, std::chrono::milliseconds timeout, const RankNames& names) {
+      return std::make_shared<NcclGroup>(n, timeout, names);
+    },
     [] { return nccl_backend_unavailable(); },  // NCCL is looked for on first use, not at start
     job_transport,
     [] {

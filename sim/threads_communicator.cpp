@@ -78,8 +78,8 @@ class ThreadsCommunicator final : public SharedMemoryCommunicator {
 // A run's ranks as threads over one rendezvous.
 class ThreadsGroup final : public Group {
  public:
-  ThreadsGroup(int n, std::chrono::milliseconds timeout)
-      : rendezvous_(std::make_shared<Rendezvous>(n, timeout)), staging_(std::make_shared<Staging>(n)) {}
+  ThreadsGroup(int n, std::chrono::milliseconds timeout, const RankNames& names)
+      : rendezvous_(std::make_shared<Rendezvous>(n, timeout, names)), staging_(std::make_shared<Staging>(n)) {}
   std::unique_ptr<Communicator> communicator(int rank) override {
     CPSIM_ENFORCE(rank >= 0 && rank < rendezvous_->size(), "rank ", rank, " of ", rendezvous_->size());
     return std::make_unique<ThreadsCommunicator>(rendezvous_, staging_, rank);
@@ -94,7 +94,9 @@ class ThreadsGroup final : public Group {
 
 const BackendRegistrar registrar{Backend{
     "threads", "ranks as threads of this process, shared memory, sums in rank order", kThreadsCapabilities,
-    [](int n, std::chrono::milliseconds timeout) { return std::make_shared<ThreadsGroup>(n, timeout); }}};
+    [](int n, std::chrono::milliseconds timeout, const RankNames& names) {
+      return std::make_shared<ThreadsGroup>(n, timeout, names);
+    }}};
 
 }  // namespace
 

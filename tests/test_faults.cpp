@@ -13,8 +13,10 @@
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
+#include <regex>
 #include <thread>
 
+#include "core/comm/registry.hpp"
 #include "core/comm/run_ranks.hpp"
 
 using namespace cpsim;
@@ -304,5 +306,54 @@ TEST(FaultReports, TheRankAtFaultReadsTheSameOnEveryInProcessBackend) {
     for (const auto& [backend, report] : by_backend)
       EXPECT_EQ(at_fault(report), at_fault(on_threads)) << "on " << backend << ":\n" << report << "\non threads:\n"
                                                         << on_threads;
+  }
+}
+
+// A subgroup (new_group, a DeviceMesh dimension) reports in the numbers its user
+// reads: every fault of the matrix on a group of global ranks 1, 3, 4 (of 6)
+// names only those ranks, and every report of a call names the group.
+TEST(FaultReports, ASubgroupNamesGlobalRanksAndTheGroup) {
+  const RankNames names = RankNames::of({1, 3, 4}, 6);
+  ASSERT_EQ(names.group, "the group of ranks 1, 3, 4");
+  EXPECT_TRUE(RankNames::of({0, 1, 2}, 3).world()) << "every rank in order is the world";
+  const std::regex rank_numbers(R"(\branks? (\d+(, \d+)*))");
+  for (const std::string& backend : backend_names()) {
+    if (find_backend(backend).unavailable()) continue;
+    for (const Fault& f : faults(1)) {
+      if (f.ranks != 3) continue;
+      SCOPED_TRACE(backend + ": " + f.name);
+      const auto group = find_backend(backend).make_group(f.ranks, kTimeout, names);
+      std::vector<std::string> reports(f.ranks);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < f.ranks; ++r)
+        threads.emplace_back([&, r] {
+          try {
+            const auto comm = group->communicator(r);
+            f.body(*comm);
+            group->finish(r);
+          } catch (const std::exception& e) {
+            reports[r] = e.what();
+            group->fail(r, e.what());
+          }
+        });
+      for (auto& t : threads) t.join();
+      group->done();
+      for (const std::string& report : reports) {
+        if (report.empty() || report.find("injected") == 0) continue;  // the rank's own exception
+        for (std::sregex_iterator it(report.begin(), report.end(), rank_numbers), end; it != end; ++it) {
+          std::string list = (*it)[1];
+          for (std::size_t at = 0; at != std::string::npos;) {
+            const int number = std::stoi(list.substr(at));
+            EXPECT_TRUE(number == 1 || number == 3 || number == 4) << "rank " << number << " in:\n" << report;
+            at = list.find(", ", at);
+            if (at != std::string::npos) at += 2;
+          }
+        }
+        const std::string first = report.substr(0, report.find('\n'));
+        if (first.find(" threw: ") == std::string::npos)
+          EXPECT_THAT(first, HasSubstr("on the group of ranks 1, 3, 4")) << report;
+        EXPECT_THAT(report, ::testing::Not(HasSubstr("not in a collective"))) << "a subgroup's rank may be in another's";
+      }
+    }
   }
 }

@@ -34,31 +34,68 @@ CallRecord send_recv_record(const SendRecv& step, DType dtype) {
   return c;
 }
 
-std::string describe_ranks(const std::vector<RankActivity>& ranks) {
+RankNames RankNames::of(std::vector<int> global, int world) {
+  RankNames names;
+  bool everyone = static_cast<int>(global.size()) == world;
+  for (std::size_t q = 0; q < global.size(); ++q) everyone = everyone && global[q] == static_cast<int>(q);
+  if (!everyone) names.group = "the group of " + name_ranks(global);
+  names.global = std::move(global);
+  return names;
+}
+
+int RankNames::number(int q) const {
+  return q >= 0 && q < static_cast<int>(global.size()) ? global[q] : q;
+}
+
+std::string RankNames::rank(int q) const { return "rank " + std::to_string(number(q)); }
+
+std::string RankNames::ranks(const std::vector<int>& qs) const {
+  std::vector<int> numbers;
+  for (int q : qs) numbers.push_back(number(q));
+  return name_ranks(numbers);
+}
+
+std::string RankNames::on() const { return group.empty() ? "" : " on " + group; }
+
+std::string describe_ranks(const std::vector<RankActivity>& ranks, const RankNames& names) {
   std::string out;
   for (std::size_t q = 0; q < ranks.size(); ++q) {
     const RankActivity& a = ranks[q];
-    const std::string last = "(last completed: " + (a.call.seq > 0 ? describe_call(a.call) : "nothing") + ")";
-    out += "\n  rank " + std::to_string(q) + ": ";
+    const int rank = static_cast<int>(q);
+    const std::string elsewhere =
+        a.phase == RankActivity::Phase::idle && names.elsewhere ? names.elsewhere(names.number(rank)) : "";
+    const bool here = names.world() && elsewhere.empty();
+    const std::string last = (here ? "(last completed: " : "(last completed on this group: ") +
+                             (a.call.seq > 0 ? describe_call(a.call, names) : "nothing") + ")";
+    out += "\n  " + names.rank(rank) + ": ";
     switch (a.phase) {
-      case RankActivity::Phase::calling: out += "in " + describe_call(a.call); break;
-      case RankActivity::Phase::idle: out += "not in a collective " + last; break;
+      case RankActivity::Phase::calling: out += "in " + describe_call(a.call, names); break;
+      case RankActivity::Phase::idle:
+        out += (!elsewhere.empty() ? elsewhere + " "
+                : names.world()    ? std::string("not in a collective ")
+                                   : std::string("not in a call on this group ")) +
+               last;
+        break;
       case RankActivity::Phase::returned: out += "returned " + last; break;
-      case RankActivity::Phase::threw: out += "threw: " + a.failure + " " + last; break;
+      case RankActivity::Phase::threw: {
+        const std::string first = a.failure.substr(0, a.failure.find('\n'));
+        out += "threw" + (first.empty() ? std::string() : ": " + first) + " " + last;
+        break;
+      }
     }
   }
   return out;
 }
 
-std::string describe_calls(const std::vector<CallRecord>& calls) {
+std::string describe_calls(const std::vector<CallRecord>& calls, const RankNames& names) {
   std::vector<RankActivity> ranks(calls.size());
   for (std::size_t q = 0; q < calls.size(); ++q) ranks[q] = {RankActivity::Phase::calling, calls[q], ""};
-  return describe_ranks(ranks);
+  return describe_ranks(ranks, names);
 }
 
 std::string call_name(const CallRecord& c) { return c.label.empty() ? collective_name(c.kind) : c.label.name; }
 
-std::string describe_call(const CallRecord& c) {
+std::string describe_call(const CallRecord& c, const RankNames& names) {
   std::ostringstream os;
   const std::string site = c.label.site[0] ? std::string(" at ") + c.label.site : "";
   if (!c.label.empty()) {
@@ -69,13 +106,13 @@ std::string describe_call(const CallRecord& c) {
   os << collective_name(c.kind) << " #" << c.seq << " (";
   switch (c.kind) {
     case CollectiveKind::send_recv:
-      os << "send " << c.count << " to " << (c.dst < 0 ? std::string("nobody") : "rank " + std::to_string(c.dst))
-         << ", recv " << c.recv_count << " from "
-         << (c.src < 0 ? std::string("nobody") : "rank " + std::to_string(c.src)) << ", " << dtype_name(c.dtype);
+      os << "send " << c.count << " to " << (c.dst < 0 ? std::string("nobody") : names.rank(c.dst)) << ", recv "
+         << c.recv_count << " from " << (c.src < 0 ? std::string("nobody") : names.rank(c.src)) << ", "
+         << dtype_name(c.dtype);
       break;
     case CollectiveKind::barrier: os << "no data"; break;
     case CollectiveKind::broadcast:
-      os << "count " << c.count << ", " << dtype_name(c.dtype) << ", root " << c.root;
+      os << "count " << c.count << ", " << dtype_name(c.dtype) << ", root " << names.number(c.root);
       break;
     default: os << "count " << c.count << ", " << dtype_name(c.dtype);
   }
@@ -96,16 +133,17 @@ std::string waited_since(std::chrono::steady_clock::time_point start, std::chron
 }
 
 std::string call_timeout(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
-                         std::chrono::milliseconds limit) {
-  return "timeout: rank " + std::to_string(rank) + " " + waited_since(start, limit) + " in " + describe_call(call);
+                         std::chrono::milliseconds limit, const RankNames& names) {
+  return "timeout: " + names.rank(rank) + " " + waited_since(start, limit) + " in " + describe_call(call, names) +
+         names.on();
 }
 
 bool is_call_timeout(const std::string& report) { return report.rfind("timeout: rank ", 0) == 0; }
 
-std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls) {
+std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls, const RankNames& names) {
   const CallRecord& a = calls.at(0);
   const int n = static_cast<int>(calls.size());
-  const std::string at = " #" + std::to_string(a.seq);
+  const std::string at = " #" + std::to_string(a.seq) + names.on();
   for (int q = 1; q < n; ++q) {
     const CallRecord& b = calls[q];
     if (b.kind != a.kind || std::strcmp(b.label.name, a.label.name) != 0)
@@ -124,12 +162,12 @@ std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls) {
     for (int q = 0; q < n; ++q) {
       const CallRecord& c = calls[q];
       if (c.dst >= n || c.src >= n || c.dst < -1 || c.src < -1)
-        return "send_recv" + at + ": rank " + std::to_string(q) + " names a peer outside the group";
+        return "send_recv" + at + ": " + names.rank(q) + " names a peer outside the group";
       if (c.src >= 0 && (calls[c.src].dst != q || calls[c.src].count != c.recv_count))
-        return "send_recv" + at + ": rank " + std::to_string(q) + " receives " + std::to_string(c.recv_count) +
-               " from rank " + std::to_string(c.src) + ", which does not send that to it";
+        return "send_recv" + at + ": " + names.rank(q) + " receives " + std::to_string(c.recv_count) + " from " +
+               names.rank(c.src) + ", which does not send that to it";
       if (c.dst >= 0 && calls[c.dst].src != q)
-        return "send_recv" + at + ": rank " + std::to_string(q) + " sends to rank " + std::to_string(c.dst) +
+        return "send_recv" + at + ": " + names.rank(q) + " sends to " + names.rank(c.dst) +
                ", which does not receive from it";
     }
   }
@@ -154,7 +192,8 @@ class CheckedCommunicator final : public ForwardingCommunicator {
     mine.label = o.label;
     const auto calls = channel_->exchange(mine, o.timeout_or(timeout()));
     if (channel_->checks()) return;
-    if (auto why = find_mismatch(calls)) channel_->stop("collective mismatch: " + *why + describe_calls(calls));
+    const RankNames names = channel_->names();
+    if (auto why = find_mismatch(calls, names)) channel_->stop("collective mismatch: " + *why + describe_calls(calls, names));
   }
   std::shared_ptr<CallChannel> channel_;
 };

@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,6 +49,27 @@ struct CallRecord {
   CallLabel label;  // the caller's name for the call (CallOptions::label), or empty
 };
 
+// How a group's reports name its ranks: by the number its user reads (the rank in
+// the spawn or the job: `global`), and the group itself where it is not every rank
+// (a subgroup: new_group, a DeviceMesh dimension). Every report of a group's call
+// goes through its names, on every backend.
+struct RankNames {
+  std::vector<int> global;  // group rank -> global rank; empty: the same numbers
+  std::string group;        // "the group of ranks 1, 3"; empty: the world (every rank)
+  // What a global rank does in another group's collective ("in all_reduce at
+  // step.py:9 on the group of ranks 1, 3"), where the caller knows (the ranks of
+  // a spawn share one board), or "": a rank not in this group's call says it.
+  std::function<std::string(int global)> elsewhere;
+  // The names of a group of these global ranks in a world of `world` ranks (no
+  // group label when it is the whole world, in order).
+  static RankNames of(std::vector<int> global, int world);
+  int number(int q) const;
+  std::string rank(int q) const;                        // "rank 3"
+  std::string ranks(const std::vector<int>& qs) const;  // "ranks 1, 3" (global, ascending as given), or "no rank"
+  std::string on() const;                               // " on the group of ranks 1, 3", or ""
+  bool world() const { return group.empty(); }
+};
+
 // The record of one call (seq left 0: the rendezvous numbers calls).
 CallRecord call_record(CollectiveKind kind, std::size_t count = 0, DType dtype = DType::f32,
                        const CallLabel& label = {});
@@ -56,10 +78,10 @@ CallRecord send_recv_record(const SendRecv& step, DType dtype);
 // The call's name: the caller's (its label), else the collective's.
 std::string call_name(const CallRecord& call);
 
-// "all_gather #3 (count 8, float64)".
-std::string describe_call(const CallRecord& call);
+// "all_gather #3 (count 8, float64)" (a send_recv's peers and a root named by `names`).
+std::string describe_call(const CallRecord& call, const RankNames& names = {});
 
-// "rank 2", or "ranks 0, 3": how every error names a set of ranks.
+// "rank 2", or "ranks 0, 3": how every error names a set of ranks (of the world).
 std::string name_ranks(const std::vector<int>& ranks);
 
 // "waited 1003 ms (limit 1000 ms)": how every timeout says the real wait (since
@@ -67,8 +89,10 @@ std::string name_ranks(const std::vector<int>& ranks);
 std::string waited_since(std::chrono::steady_clock::time_point start, std::chrono::milliseconds limit);
 // "timeout: rank 0 waited 1003 ms (limit 1000 ms) in all_gather #1 (...)": how
 // every timeout in a call begins, on every backend.
+// On a subgroup it names the global rank and the group ("... in all_reduce #1
+// (...) on the group of ranks 1, 3").
 std::string call_timeout(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
-                         std::chrono::milliseconds limit);
+                         std::chrono::milliseconds limit, const RankNames& names = {});
 // Whether a report (or its first line) begins as call_timeout's do.
 bool is_call_timeout(const std::string& report);
 
@@ -84,13 +108,16 @@ struct RankActivity {
 };
 // "\n  rank q: in all_gather #3 (...)", "not in a collective (last completed:
 // ...)", "returned (last completed: ...)" or "threw: ... (last completed: ...)",
-// one line per rank (index = rank).
-std::string describe_ranks(const std::vector<RankActivity>& ranks);
+// one line per rank (index = group rank; each named by `names`). A failure is
+// its first line (the rest is its own report); an empty one is "threw" alone
+// (the report's first line already says what). On a subgroup, "not in a
+// collective" is "not in a call on this group": the rank may be in another's.
+std::string describe_ranks(const std::vector<RankActivity>& ranks, const RankNames& names = {});
 // The same for ranks that are all in a call: "\n  rank q: in all_gather #3 (...)".
-std::string describe_calls(const std::vector<CallRecord>& calls);
+std::string describe_calls(const std::vector<CallRecord>& calls, const RankNames& names = {});
 
-// Why the calls of one sequence number (index = rank) cannot run together, or nothing.
-std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls);
+// Why the calls of one sequence number (index = group rank) cannot run together, or nothing.
+std::optional<std::string> find_mismatch(const std::vector<CallRecord>& calls, const RankNames& names = {});
 
 class CallChannel {
  public:
@@ -103,6 +130,8 @@ class CallChannel {
   [[noreturn]] virtual void stop(const std::string& why) = 0;
   // Whether exchange() already applied the rule (and threw a mismatch itself).
   virtual bool checks() const { return false; }
+  // How the reports of this channel's group name its ranks.
+  virtual RankNames names() const { return {}; }
 };
 
 // `inner` with every call checked over `channel` first.

@@ -13,6 +13,12 @@ void ActivityBoard::set(int rank, std::string what, bool collective) {
   doing_.at(rank) = {std::move(what), collective};
 }
 
+std::string ActivityBoard::collective(int rank) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Doing& d = doing_.at(rank);
+  return d.collective ? d.what : std::string();
+}
+
 std::string ActivityBoard::lines(bool outside_collectives) const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string out;

@@ -44,6 +44,8 @@ class ActivityBoard {
   // rank doing something (outside_collectives: only what the communicator does
   // not see, the waits in point to point).
   std::string lines(bool outside_collectives = false) const;
+  // What `rank` does when it is in a collective (on any group), or "".
+  std::string collective(int rank) const;
 
  private:
   struct Doing {

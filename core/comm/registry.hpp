@@ -31,8 +31,9 @@ struct Backend {
   std::string name;
   std::string description;  // one line, for --help and errors
   Capabilities capabilities;
-  // A group of n ranks as threads of this process.
-  std::function<std::shared_ptr<Group>(int n, std::chrono::milliseconds timeout)> make_group;
+  // A group of n ranks as threads of this process; `names` say how its reports
+  // name them (a subgroup's global ranks; {} for a run of its own).
+  std::function<std::shared_ptr<Group>(int n, std::chrono::milliseconds timeout, const RankNames& names)> make_group;
   // Why this backend cannot run here (no device, say), or nothing.
   std::function<std::optional<std::string>()> unavailable = [] { return std::nullopt; };
   // This backend's rank in a multi-process job (core/comm/job.hpp); empty: its

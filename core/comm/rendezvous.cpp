@@ -43,15 +43,16 @@ void Rendezvous::wake_all() {
   futex_wake_all(event_);
 }
 
-Rendezvous::Rendezvous(int size, std::chrono::milliseconds timeout)
+Rendezvous::Rendezvous(int size, std::chrono::milliseconds timeout, RankNames names)
     : timeout_(timeout),
+      names_(std::move(names)),
       spin_(size > 1 && static_cast<unsigned>(size) <= std::thread::hardware_concurrency()),
       ranks_(size),
       calls_(size) {
   CPSIM_ENFORCE(size >= 1, "a group needs at least one rank");
 }
 
-std::string Rendezvous::states_locked() const {
+std::string Rendezvous::states_locked(int cause) const {
   std::vector<RankActivity> activities(ranks_.size());
   for (std::size_t q = 0; q < ranks_.size(); ++q) {
     const RankState& s = ranks_[q];
@@ -60,9 +61,10 @@ std::string Rendezvous::states_locked() const {
                     : s.phase == Phase::idle  ? P::idle
                     : s.phase == Phase::exited ? P::returned
                                                : P::threw;
-    activities[q] = {phase, s.phase == Phase::waiting ? s.call : s.last.value_or(CallRecord{}), s.failure};
+    activities[q] = {phase, s.phase == Phase::waiting ? s.call : s.last.value_or(CallRecord{}),
+                     static_cast<int>(q) == cause ? std::string() : s.failure};
   }
-  return describe_ranks(activities);
+  return describe_ranks(activities, names_);
 }
 
 void Rendezvous::poison_locked(const std::string& why, bool aborted) {
@@ -89,7 +91,7 @@ std::vector<int> Rendezvous::behind_locked(std::uint64_t RankState::*field, std:
 
 void Rendezvous::timeout_locked(int rank, const CallRecord& call, std::chrono::steady_clock::time_point start,
                                 std::chrono::milliseconds timeout, const std::vector<int>& who, const char* what) {
-  poison_locked(call_timeout(rank, call, start, timeout) + " for " + name_ranks(who) + what, true);
+  poison_locked(call_timeout(rank, call, start, timeout, names_) + " for " + names_.ranks(who) + what, true);
 }
 
 template <class Stop>
@@ -142,7 +144,7 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
       // The last to arrive checks the calls once for everybody and wakes them once.
       arrivals_ = 0;
       for (int q = 0; q < n; ++q) calls_[q] = ranks_[q].call;
-      if (auto why = find_mismatch(calls_)) poison_locked("collective mismatch: " + *why);
+      if (auto why = find_mismatch(calls_, names_)) poison_locked("collective mismatch: " + *why);
       arrived_.store(seq, std::memory_order_release);
     }
   }
@@ -164,9 +166,9 @@ void Rendezvous::run(int rank, CallRecord call, std::chrono::milliseconds timeou
         for (std::size_t q = 0; q < ranks_.size(); ++q) {
           const RankState& s = ranks_[q];
           if (s.posted < seq && (s.phase == Phase::exited || s.phase == Phase::failed))
-            poison_locked("rank " + std::to_string(q) + (s.phase == Phase::exited ? " returned" : " threw") +
-                          " without joining " + call_name(call) + " #" + std::to_string(seq) +
-                          " that rank " + std::to_string(rank) + " waits in");
+            poison_locked(names_.rank(static_cast<int>(q)) + (s.phase == Phase::exited ? " returned" : " threw") +
+                          " without joining " + call_name(call) + " #" + std::to_string(seq) + names_.on() +
+                          " that " + names_.rank(rank) + " waits in");
         }
         timeout_locked(rank, call, start, timeout, behind_locked(&RankState::posted, seq), ", which never arrived");
       }
@@ -227,7 +229,7 @@ void Rendezvous::fail(int rank, const std::string& what) {
   std::lock_guard<std::mutex> lock(mutex_);
   ranks_[rank].phase = Phase::failed;
   ranks_[rank].failure = what;
-  if (!poison_) poison_ = "rank " + std::to_string(rank) + " threw: " + what + states_locked();
+  if (!poison_) poison_ = names_.rank(rank) + " threw: " + what + states_locked(rank);
   poisoned_ = true;
   wake_all();
 }
@@ -244,6 +246,7 @@ class RendezvousChannel final : public CallChannel {
   }
   [[noreturn]] void stop(const std::string& why) override { throw CollectiveError(why); }
   bool checks() const override { return true; }
+  RankNames names() const override { return rv_->names(); }
 
  private:
   std::shared_ptr<Rendezvous> rv_;

@@ -30,8 +30,11 @@ namespace cpsim {
 
 class Rendezvous {
  public:
-  Rendezvous(int size, std::chrono::milliseconds timeout);
+  // `names`: how its reports name its ranks (global ranks, and the group where
+  // it is a subgroup).
+  Rendezvous(int size, std::chrono::milliseconds timeout, RankNames names = {});
   int size() const { return static_cast<int>(ranks_.size()); }
+  const RankNames& names() const { return names_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
   // One call of `rank`: rendezvous, check, then `read` (which may read every
@@ -56,7 +59,8 @@ class Rendezvous {
     std::optional<CallRecord> last;  // the last call it completed
     std::string failure;
   };
-  std::string states_locked() const;
+  // Every rank's line; `cause`'s failure is left out (the report begins with it).
+  std::string states_locked(int cause = -1) const;
   // Stops the group: every rank's next wait or call throws `why` with the states
   // of all ranks, as an Aborted (a timeout) or a CollectiveError (a bug).
   [[noreturn]] void poison_locked(const std::string& why, bool aborted = false);
@@ -75,6 +79,7 @@ class Rendezvous {
   void wake_all();
 
   std::chrono::milliseconds timeout_;
+  RankNames names_;
   bool spin_;  // a core for every rank: spin briefly before sleeping
   mutable std::mutex mutex_;
   std::atomic<std::uint32_t> event_{0};  // the futex word waiters sleep on

@@ -122,7 +122,7 @@ void run_ranks(int n, const RankFn& fn, const RunOptions& options, const RankOut
     options.job->run(n, fn, options.timeout, outputs, backend.job_transport);
     return;
   }
-  const std::shared_ptr<Group> group = backend.make_group(n, options.timeout);
+  const std::shared_ptr<Group> group = backend.make_group(n, options.timeout, {});
   std::mutex mutex;
   std::exception_ptr first;
   std::chrono::steady_clock::time_point first_when;

@@ -41,6 +41,7 @@ struct RankContext {
   std::shared_ptr<Ledger> ledger;
   std::string group;              // torch's group name
   std::vector<int> global_ranks;  // group rank -> rank of the spawn or job
+  std::string on;                 // " on the group of ranks 1, 3" (a subgroup), or "" (the world)
 };
 
 class BackendCpsim : public c10d::Backend {

@@ -60,12 +60,17 @@ void BackendCpsim::run(const std::string& name, const std::string& args,
   last_site_ = python_call_site();
   CallOptions o;
   o.label = CallLabel::of(name, args, last_site_);
-  ctx_.board->set(global(getRank()), "in " + name + (last_site_.empty() ? "" : " at " + last_site_), true);
+  // The board says where this rank is for the reports of its other groups; a
+  // call that failed stays on it (the rank is unwinding from it, not idle).
+  const std::string call = name + (last_site_.empty() ? "" : " at " + last_site_) + ctx_.on;
+  ctx_.board->set(global(getRank()), "in " + call, true);
   try {
     f(*ctx_.comm, o);
   } catch (const CollectiveError& e) {
+    ctx_.board->set(global(getRank()), "failed in " + call, true);
     throw CollectiveError(told(e));
   } catch (const Aborted& e) {
+    ctx_.board->set(global(getRank()), "failed in " + call, true);
     throw Aborted(told(e));
   }
   ctx_.board->set(global(getRank()), "");
@@ -74,7 +79,6 @@ void BackendCpsim::run(const std::string& name, const std::string& args,
 std::string BackendCpsim::told(const Error& e) {
   collective_failed_ = true;
   std::string out = e.what();
-  ctx_.board->set(global(getRank()), "");
   const std::string doing = ctx_.board->lines(/*outside_collectives=*/true);
   if (!doing.empty()) out += "\n outside collectives:" + doing;
   const std::string p2p = ctx_.mailbox->pending();

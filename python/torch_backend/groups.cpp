@@ -45,7 +45,16 @@ class SpawnedGroup {
       std::lock_guard<std::mutex> lock(mutex_);
       auto& entry = groups_[name];
       if (!entry.group) {
-        entry.group = find_backend(backend_).make_group(static_cast<int>(ranks.size()), timeout_);
+        // Its reports name global ranks, and where a rank not in its call is
+        // in another group's collective, which (the spawn's ranks share a board).
+        RankNames names = RankNames::of(ranks, static_cast<int>(ledgers_.size()));
+        names.elsewhere = [board = board_, on = names.on()](int rank) {
+          const std::string what = board->collective(rank);
+          const bool other_group = on.empty() ? what.find(" on the group of ") != std::string::npos
+                                              : what.size() < on.size() || what.compare(what.size() - on.size(), on.size(), on) != 0;
+          return other_group ? what : std::string();
+        };
+        entry.group = find_backend(backend_).make_group(static_cast<int>(ranks.size()), timeout_, names);
         entry.ranks = ranks;
       } else if (entry.ranks != ranks) {
         throw CollectiveError("ranks disagree on the members of group " + name);
@@ -53,8 +62,13 @@ class SpawnedGroup {
       group = entry.group;
       memberships_[rank].emplace_back(group, group_rank);
     }
-    RankContext ctx{
-        std::shared_ptr<Communicator>(group->communicator(group_rank)), mailbox_, board_, ledgers_[rank], name, ranks};
+    RankContext ctx{std::shared_ptr<Communicator>(group->communicator(group_rank)),
+                    mailbox_,
+                    board_,
+                    ledgers_[rank],
+                    name,
+                    ranks,
+                    RankNames::of(ranks, static_cast<int>(ledgers_.size())).on()};
     return c10::make_intrusive<BackendCpsim>(std::move(ctx));
   }
 
@@ -120,7 +134,8 @@ class JobSession {
       wire->send(dst, tag, m);
     });
     backend_ = c10::make_intrusive<BackendCpsim>(
-        RankContext{session_->communicator(), mailbox_, board, std::move(ledger), "", std::move(ranks)});
+        RankContext{session_->communicator(), mailbox_, board, std::move(ledger), "", ranks,
+                    RankNames::of(ranks, job_size).on()});
   }
   // The messages that came and no receive took (at the end of the program).
   std::string unreceived() { return mailbox_->unreceived(); }

@@ -242,7 +242,7 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
     std::string quiet;  // a process's liveness; in-process ranks are threads that just did not call
     if (processes_)
       for (int q : silent)
-        quiet += "\n  no failure record from rank " + std::to_string(q) + ": " + liveness(*records_, job_rank(q));
+        quiet += "\n  no failure record from " + names_.rank(q) + ": " + liveness(*records_, job_rank(q));
     // Peers' records that only say they lost someone too are worth the wait for the
     // root cause; a peer's timeout is one (it names whom it waited for).
     if (!died.empty() || (!lost.empty() && (!processes_ || timed_out || Clock::now() >= deadline)))
@@ -368,18 +368,18 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
       {
         std::vector<int> group(first);
         for (int q = 0; q < first; ++q) group[q] = q;
-        why = "rank " + std::to_string(rank_) + " sat out the run of " + name_ranks(group) +
-              " and stopped waiting for " + name_ranks(missing) + " at " + sat_out;
+        why = names_.rank(rank_) + " sat out the run of " + names_.ranks(group) + " and stopped waiting for " +
+              names_.ranks(missing) + " at " + sat_out;
       }
       else if (timed_out && !sending)
-        why = call_timeout(rank_, me, start, timeout) + " for " + name_ranks(missing) + ", which never arrived";
+        why = call_timeout(rank_, me, start, timeout, names_) + " for " + names_.ranks(missing) + ", which never arrived";
       else if (timed_out)
-        why = call_timeout(rank_, me, start, timeout) + " to deliver its call to " + name_ranks(suspects) +
+        why = call_timeout(rank_, me, start, timeout, names_) + " to deliver its call to " + names_.ranks(suspects) +
               " after every peer's had arrived";
       else
-        why = "rank " + std::to_string(rank_) + " lost its connection to " + name_ranks(suspects) + " in " +
-              describe_call(me) + " (gloo: " + what + ")";
-      break_group(why + describe_ranks(activities), suspects, timeout);
+        why = names_.rank(rank_) + " lost its connection to " + names_.ranks(suspects) + " in " + describe_call(me, names_) +
+              names_.on() + " (gloo: " + what + ")";
+      break_group(why + describe_ranks(activities, names_), suspects, timeout);
     }
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
@@ -396,19 +396,20 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
   }
   auto states = [&] {
     std::vector<RankActivity> activities(size_);
-    for (int q = 0; q < size_; ++q) activities[q] = activity_of(calls[q], statuses[q], texts[q]);
-    return describe_ranks(activities);
+    // The rank that threw is named with its failure in the first line.
+    for (int q = 0; q < size_; ++q) activities[q] = activity_of(calls[q], statuses[q], q == threw ? "" : texts[q]);
+    return describe_ranks(activities, names_);
   };
   std::string why;
   if (threw >= 0 || returned >= 0) {
     if (waiting < 0) return calls;  // every rank has stopped: nobody waits
     const CallRecord& w = calls[waiting];
-    const std::string joining = call_name(w) + " #" + std::to_string(w.seq) +
-                                " that rank " + std::to_string(waiting) + " waits in";
+    const std::string joining =
+        call_name(w) + " #" + std::to_string(w.seq) + names_.on() + " that " + names_.rank(waiting) + " waits in";
     // The first line as every backend words it (core/comm/rendezvous.cpp); which
     // call each rank is in follows in the states.
-    why = threw >= 0 ? "rank " + std::to_string(threw) + " threw: " + texts[threw]
-                     : "rank " + std::to_string(returned) + " returned without joining " + joining;
+    why = threw >= 0 ? names_.rank(threw) + " threw: " + texts[threw]
+                     : names_.rank(returned) + " returned without joining " + joining;
   } else {
     return calls;  // the mismatch check is the checked communicator's (core/comm/call_check.hpp)
   }

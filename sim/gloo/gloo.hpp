@@ -152,9 +152,11 @@ class GlooRank : public SideChannel, public std::enable_shared_from_this<GlooRan
 
   bool broken() const { return !broken_.empty(); }
   const std::string& broken_reason() const { return broken_; }
-  // A group of some of a job's processes: group rank q is job rank ranks[q], the
-  // rank its failure record is under (default: the same number).
-  void set_job_ranks(std::vector<int> ranks) { job_ranks_ = std::move(ranks); }
+  // How this group's reports name its ranks: a group of some of a job's
+  // processes (or of a spawn's threads) names group rank q by its global rank,
+  // under which its failure record is kept too (default: the same number).
+  void set_names(RankNames names) { names_ = std::move(names); }
+  RankNames names() const override { return names_; }
 
   // One call of the protocol: every rank's record and status. A rank that threw
   // or returned while others call stops the run.
@@ -195,8 +197,8 @@ class GlooRank : public SideChannel, public std::enable_shared_from_this<GlooRan
 
   std::shared_ptr<gloo::Context> context_;
   int rank_, size_;
-  std::vector<int> job_ranks_;  // empty: group rank = job rank
-  int job_rank(int q) const { return job_ranks_.empty() ? q : job_ranks_.at(q); }
+  RankNames names_;
+  int job_rank(int q) const { return names_.number(q); }
   std::shared_ptr<Store> records_;
   std::chrono::milliseconds timeout_;
   bool processes_;
@@ -224,10 +226,11 @@ void GlooRank::transport(const CallRecord& call, F&& f) {
     throw;
   } catch (const std::exception& e) {
     const std::string what = e.what();
-    const std::string ranks = name_ranks(awaiting_);
+    const std::string ranks = names_.ranks(awaiting_);
     break_group(is_gloo_timeout(what)
-                    ? call_timeout(rank_, call, start, pick({})) + " for data from " + ranks + " (gloo: " + what + ")"
-                    : "rank " + std::to_string(rank_) + " lost " + ranks + " during " + describe_call(call) +
+                    ? call_timeout(rank_, call, start, pick({}), names_) + " for data from " + ranks + " (gloo: " +
+                          what + ")"
+                    : names_.rank(rank_) + " lost " + ranks + " during " + describe_call(call, names_) + names_.on() +
                           " (gloo: " + what + ")",
                 std::vector<int>(awaiting_), timeout_);
   }
@@ -241,8 +244,9 @@ class GlooThreadsGroup {
   GlooThreadsGroup(int size, std::chrono::milliseconds timeout);
   ~GlooThreadsGroup();
   int size() const { return size_; }
-  // Called on rank r's thread: connects it on first use, then begins a run.
-  std::unique_ptr<Communicator> communicator(int rank, std::chrono::milliseconds timeout);
+  // Called on rank r's thread: connects it on first use, then begins a run whose
+  // reports name the ranks by `names`.
+  std::unique_ptr<Communicator> communicator(int rank, std::chrono::milliseconds timeout, const RankNames& names);
   void finish(int rank);
   void fail(int rank, const std::string& what);
   bool broken() const;

@@ -27,13 +27,15 @@ GlooThreadsGroup::GlooThreadsGroup(int size, std::chrono::milliseconds timeout)
 
 GlooThreadsGroup::~GlooThreadsGroup() = default;
 
-std::unique_ptr<Communicator> GlooThreadsGroup::communicator(int rank, std::chrono::milliseconds timeout) {
+std::unique_ptr<Communicator> GlooThreadsGroup::communicator(int rank, std::chrono::milliseconds timeout,
+                                                            const RankNames& names) {
   CPSIM_ENFORCE(rank >= 0 && rank < size_, "rank ", rank, " of ", size_);
   if (!ranks_[rank]) {
     std::shared_ptr<gloo::Context> context;
     if (size_ > 1) context = connect_gloo(rank, size_, *store_, gloo_device("127.0.0.1"), connect_timeout_);
     ranks_[rank] = std::make_shared<GlooRank>(context, rank, size_, store_, timeout, false);
   }
+  ranks_[rank]->set_names(names);
   ranks_[rank]->begin(timeout);
   return ranks_[rank]->communicator();
 }
@@ -160,8 +162,9 @@ namespace {
 // The pool hands a group to one run and takes it back when the run is done.
 class PooledGlooGroup final : public Group {
  public:
-  PooledGlooGroup(int n, std::chrono::milliseconds timeout) : group_(acquire_gloo_group(n, timeout)), timeout_(timeout) {}
-  std::unique_ptr<Communicator> communicator(int rank) override { return group_->communicator(rank, timeout_); }
+  PooledGlooGroup(int n, std::chrono::milliseconds timeout, RankNames names)
+      : group_(acquire_gloo_group(n, timeout)), timeout_(timeout), names_(std::move(names)) {}
+  std::unique_ptr<Communicator> communicator(int rank) override { return group_->communicator(rank, timeout_, names_); }
   void finish(int rank) override { group_->finish(rank); }
   void fail(int rank, const std::string& what) override { group_->fail(rank, what); }
   void done() override { release_gloo_group(group_); }
@@ -169,12 +172,15 @@ class PooledGlooGroup final : public Group {
  private:
   std::shared_ptr<GlooThreadsGroup> group_;
   std::chrono::milliseconds timeout_;
+  RankNames names_;
 };
 
 const BackendRegistrar registrar{Backend{
     "gloo", "real Gloo over TCP: ranks as threads on loopback, or processes of a job (cpsim launch)",
     kGlooCapabilities,
-    [](int n, std::chrono::milliseconds timeout) { return std::make_shared<PooledGlooGroup>(n, timeout); },
+    [](int n, std::chrono::milliseconds timeout, const RankNames& names) {
+      return std::make_shared<PooledGlooGroup>(n, timeout, names);
+    },
     [] { return std::optional<std::string>(); },
     // In a job, gloo's ranks are the job's own Gloo side channel (sim/job/).
     [](const std::shared_ptr<SideChannel>& side, int) {

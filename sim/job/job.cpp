@@ -140,7 +140,7 @@ std::unique_ptr<ProcessJob::Session> ProcessJob::open_session(const std::string&
     if (n > 1)
       context = connect_gloo(index, n, *prefixed("session/" + name), gloo_device(""), config_.timeout, job_.get());
     g = std::make_shared<GlooRank>(context, index, n, job_, config_.timeout, true);
-    g->set_job_ranks(ranks);
+    g->set_names(RankNames::of(ranks, config_.size));
   }
   g->begin(timeout);
   std::unique_ptr<Communicator> comm = transport(g, g->size());

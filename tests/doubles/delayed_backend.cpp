@@ -66,8 +66,8 @@ std::atomic<std::uint64_t> runs{0};
 const BackendRegistrar registrar{Backend{
     "delayed", "test only: threads with every call delayed at random (0-300 us)",
     Capabilities{/*rank_order_sums=*/true, /*device_buffers=*/false, /*stream_ordered=*/false},
-    [](int n, std::chrono::milliseconds timeout) {
-      return std::make_shared<DelayedGroup>(find_backend("threads").make_group(n, timeout), ++runs);
+    [](int n, std::chrono::milliseconds timeout, const RankNames& names) {
+      return std::make_shared<DelayedGroup>(find_backend("threads").make_group(n, timeout, names), ++runs);
     }}};
 
 }  // namespace
@@ -121,8 +121,8 @@ void register_host_device_backend() {
     register_device_runtime(DeviceKind::cuda, &runtime);
     kernels::register_kernels(DeviceKind::cuda, &kernels::kernels_for(Device::host()));
     register_backend(Backend{"host-device", "test only: threads with tensors on a cuda:0 made of host memory",
-                             OnDevice::kCapabilities, [](int n, std::chrono::milliseconds timeout) {
-                               return std::make_shared<WrappedGroup<OnDevice>>(find_backend("threads").make_group(n, timeout));
+                             OnDevice::kCapabilities, [](int n, std::chrono::milliseconds timeout, const RankNames& names) {
+                               return std::make_shared<WrappedGroup<OnDevice>>(find_backend("threads").make_group(n, timeout, names));
                              }});
     return true;
   }();
@@ -146,8 +146,8 @@ void register_stalling_backend() {
   static const bool once = [] {
     register_backend(Backend{"stalling", "test only: threads whose last rank stalls past the timeout at every call",
                              Capabilities{/*rank_order_sums=*/true, /*device_buffers=*/false, /*stream_ordered=*/false},
-                             [](int n, std::chrono::milliseconds timeout) {
-                               return std::make_shared<WrappedGroup<Stalling>>(find_backend("threads").make_group(n, timeout));
+                             [](int n, std::chrono::milliseconds timeout, const RankNames& names) {
+                               return std::make_shared<WrappedGroup<Stalling>>(find_backend("threads").make_group(n, timeout, names));
                              }});
     return true;
   }();
@@ -158,9 +158,9 @@ void register_counting_backend() {
   static const bool once = [] {
     register_backend(Backend{"counting", "test only: threads, counting the groups it makes (one per run_ranks)",
                              Capabilities{/*rank_order_sums=*/true, /*device_buffers=*/false, /*stream_ordered=*/false},
-                             [](int n, std::chrono::milliseconds timeout) {
+                             [](int n, std::chrono::milliseconds timeout, const RankNames& names) {
                                ++counting_groups;
-                               return find_backend("threads").make_group(n, timeout);
+                               return find_backend("threads").make_group(n, timeout, names);
                              }});
     return true;
   }();

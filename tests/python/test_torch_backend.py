@@ -2,6 +2,7 @@
 collective torch code calls lands on cpsim's communicators, bitwise, and a
 choreography mistake is a named error in under the timeout, never a hang."""
 import os
+import re
 import sys
 import time
 from datetime import timedelta
@@ -577,7 +578,49 @@ def test_a_rank_that_skips_its_subgroup_s_collective_is_named():
     rc, out, took = _launch("subgroup_skip", n=4, timeout=5)
     assert rc != 0, out
     assert took < 60, (took, out)
-    assert "all_reduce" in out and "returned without joining" in out, out
+    # In the job's ranks, with the group: group rank 1 is job rank 2.
+    assert "rank 2 returned without joining all_reduce #1 on the group of ranks 0, 2 that rank 0 waits in" in out, out
+
+
+def test_a_subgroup_s_report_names_global_ranks_and_the_group():
+    # A (dp, cp) mesh of 4: dp groups [0, 2] and [1, 3]. Global rank 3 skips its
+    # dp group's AVG all_reduce; in that group it is rank 1, and rank 1 is rank 0.
+    def step(rank, world):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        dist.all_reduce(torch.ones(4), group=mesh.get_group("cp"))
+        if rank != 3:
+            dist.all_reduce(torch.ones(1), op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
+
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(step, 4, timeout=5)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "rank 3 returned without joining all_reduce #1 on the group of ranks 1, 3 that rank 1 waits in"
+    assert lines[1].startswith("  rank 1: in all_reduce #1 (float32 x 1, AVG) at test_torch_backend.py:"), lines
+    assert lines[2] == "  rank 3: returned (last completed on this group: nothing)", lines
+
+
+def test_a_rank_in_another_group_s_collective_is_named_there():
+    # Rank 1 waits in its dp group's all_reduce for rank 3, which went on to the
+    # world's barrier: whichever wait ends first, its report says where the
+    # other rank is, in global ranks, and no phrase twice.
+    def step(rank, world):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        if rank != 3:
+            dist.all_reduce(torch.ones(1), group=mesh.get_group("dp"))
+        dist.barrier()
+
+    with pytest.raises(ct.CollectiveError) as e:
+        ct.spawn(step, 4, timeout=2)
+    text = str(e.value)
+    dp_first = "in all_reduce #1 (float32 x 1, SUM) at test_torch_backend.py:" in text.splitlines()[0]
+    if dp_first:  # rank 1's wait ended first: rank 3 is in the world's barrier
+        assert "for rank 3, which never arrived" in text and "on the group of ranks 1, 3" in text, text
+        assert "  rank 3: in barrier at test_torch_backend.py:" in text, text
+    else:  # the barrier's: rank 1 is in its dp group's all_reduce (or failed in it, an instant before)
+        assert "for rank 1, which never arrived" in text, text
+        assert re.search(r"  rank 1: (failed )?in all_reduce at test_torch_backend.py:\d+ on the group of ranks 1, 3 \(last",
+                         text), text
+    assert text.count("(last completed") == len([l for l in text.splitlines() if "(last completed" in l]), text
 
 
 @pytest.mark.parametrize("mode,words", [("skip", ["rank 1", "all_reduce"]), ("raise", ["rank 2", "ValueError"]),
