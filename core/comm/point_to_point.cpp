@@ -19,11 +19,11 @@ std::string ActivityBoard::collective(int rank) const {
   return d.collective ? d.what : std::string();
 }
 
-std::string ActivityBoard::lines(bool outside_collectives) const {
+std::string ActivityBoard::lines(bool outside_collectives, int except) const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string out;
   for (std::size_t q = 0; q < doing_.size(); ++q)
-    if (!doing_[q].what.empty() && !(outside_collectives && doing_[q].collective))
+    if (!doing_[q].what.empty() && !(outside_collectives && doing_[q].collective) && static_cast<int>(q) != except)
       out += "\n  rank " + std::to_string(q) + ": " + doing_[q].what;
   return out;
 }
@@ -121,7 +121,7 @@ void Mailbox::wait_locked(std::unique_lock<std::mutex>& lock, const Waiting& w, 
     if (!deadlock_.empty()) end(deadlock_);
     if (!failure_.empty()) end(me + w.doing + ", but the group stopped: " + failure_);
     const std::string peer = stopped();
-    if (!peer.empty()) end(me + w.doing + ", but " + peer + pending_locked());
+    if (!peer.empty()) end(me + w.doing + ", but " + peer + pending_locked(&w));
     if (deadlocked_locked()) {
       deadlock_ =
           "deadlock: every rank still running waits in point to point for what none of them will send or receive "
@@ -133,8 +133,10 @@ void Mailbox::wait_locked(std::unique_lock<std::mutex>& lock, const Waiting& w, 
       end(deadlock_);
     }
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !w.over()) {
+      const std::string others = board_->lines(false, w.rank);
       const std::string report = "timeout: " + me + waited_since(start, timeout) + " for its " + w.what + " " +
-                                 w.not_came + pending_locked() + "\n what the ranks are doing:" + board_->lines();
+                                 w.not_came + pending_locked(&w) +
+                                 (others.empty() ? "" : "\n what the other ranks are doing:" + others);
       failure_ = me + "timed out in its " + w.what;
       cv_.notify_all();
       end(report, "timed out waiting for its " + w.what);
@@ -237,7 +239,7 @@ void Mailbox::check_peer(int me, int peer, const char* op) const {
                        std::to_string(state_.size()));
 }
 
-std::string Mailbox::pending_locked() const {
+std::string Mailbox::pending_locked(const Waiting* w) const {
   std::string out;
   for (const auto& [key, queue] : queues_)
     for (const Message& m : queue)
@@ -245,7 +247,8 @@ std::string Mailbox::pending_locked() const {
              m.payload.shape() + " (tag " + std::to_string(std::get<3>(key)) +
              (m.site.empty() ? "" : ", at " + m.site) + "), not received yet";
   for (const auto& p : posted_)
-    if (!p->done) out += "\n  rank " + std::to_string(p->dst) + " posted a " + p->what() + ", nothing came yet";
+    if (!p->done && !(w && w->rank == p->dst && w->what == p->what()))
+      out += "\n  rank " + std::to_string(p->dst) + " posted a " + p->what() + ", nothing came yet";
   return out.empty() ? out : "; pending point-to-point:" + out;
 }
 

@@ -43,7 +43,8 @@ class ActivityBoard {
   // "\n  rank q: waits for its recv from rank 0 (tag 3) at step.py:12", for every
   // rank doing something (outside_collectives: only what the communicator does
   // not see, the waits in point to point).
-  std::string lines(bool outside_collectives = false) const;
+  // `except`: a rank left out (the one whose report this is: its first line says it).
+  std::string lines(bool outside_collectives = false, int except = -1) const;
   // What `rank` does when it is in a collective (on any group), or "".
   std::string collective(int rank) const;
 
@@ -140,7 +141,6 @@ class Mailbox {
   void deliver(PostedRecv& p, int src, const Message& m);
   void forget(PostedRecv& p);
   void check_peer(int me, int peer, const char* op) const;
-  std::string pending_locked() const;
   // A rank's wait, while it lasts: what it waits for, and whether that came.
   struct Waiting {
     int rank;
@@ -153,6 +153,9 @@ class Mailbox {
   // peer's end ends it, "" while it does not).
   void wait_locked(std::unique_lock<std::mutex>& lock, const Waiting& w, std::chrono::milliseconds limit,
                    const std::function<std::string()>& stopped);
+  // The messages not received and the receives nothing came for, but `w`'s own
+  // (the report it ends begins with it).
+  std::string pending_locked(const Waiting* w = nullptr) const;
   // Every rank still running waits in point to point for what cannot come.
   bool deadlocked_locked() const;
 

@@ -582,6 +582,21 @@ def test_a_rank_that_skips_its_subgroup_s_collective_is_named():
     assert "rank 2 returned without joining all_reduce #1 on the group of ranks 0, 2 that rank 0 waits in" in out, out
 
 
+def test_a_receive_nothing_comes_for_is_said_once():
+    # Its first line names the receive; the pending list and the other ranks'
+    # lines do not repeat it.
+    def step(rank, world):
+        if rank == 0:
+            dist.recv(torch.zeros(4), src=1)
+
+    for _ in range(2):
+        with pytest.raises(ct.CollectiveError) as e:
+            ct.spawn(step, 2, timeout=1)
+        text = str(e.value)
+        assert "rank 1 returned without sending it" in text, text
+        assert text.count("recv from rank 1 (tag 0, float32 x 4)") == 1, text
+
+
 def test_a_subgroup_s_report_names_global_ranks_and_the_group():
     # A (dp, cp) mesh of 4: dp groups [0, 2] and [1, 3]. Global rank 3 skips its
     # dp group's AVG all_reduce; in that group it is rank 1, and rank 1 is rank 0.
