@@ -58,8 +58,17 @@ def difference(name, got, want, tolerance, scale=None, floor=0.0):
                 name, "relative RMSE" if scale is None else "RMSE relative to the summed terms", err, tolerance,
                 at, g[tuple(at)].item() if at else None, w[tuple(at)].item() if at else None)
         return ""
-    g = got.to(want.dtype) if got.dtype != want.dtype and not want.is_floating_point() else got
-    wrong = (g != want).nonzero() if g.dtype == want.dtype else None
+    g, w = got, want
+    if got.dtype != want.dtype and not want.is_floating_point():
+        # Integers of another width (or bools) agree by value; a floating value
+        # only where it is that integer exactly (2.7 is not 2).
+        g, w = (got.double(), want.double()) if got.is_floating_point() else (got.to(want.dtype), want)
+    if g.dtype != w.dtype:
+        wrong = None
+    elif g.is_floating_point():  # bit for bit, a NaN on both sides agreeing (NaN != NaN)
+        wrong = ((g != w) & ~(g.isnan() & w.isnan())).nonzero()
+    else:
+        wrong = (g != w).nonzero()
     if wrong is None:
         return "%s: dtype %s, expected %s" % (name, got.dtype, want.dtype)
     if len(wrong):

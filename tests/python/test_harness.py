@@ -466,6 +466,51 @@ def test_a_recurrence_over_the_gathered_inputs_matches_cpsims_reference():
     assert ct.check(step, cases=40, max_cp=4, seed=3) == 40
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward is off by 1e-3 (relative)."""
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * (1 + 1e-3)
+
+
+class _Case:
+    """A case with some of its inputs replaced (the harness still differentiates
+    with respect to the case's own leaves)."""
+    def __init__(self, case, **replaced):
+        self._case, self._replaced = case, replaced
+
+    def __getattr__(self, name):
+        return self._replaced[name] if name in self._replaced else getattr(self._case, name)
+
+
+def test_a_wrong_gradient_of_an_output_s_last_input_alone_is_caught():
+    # The harness compares every input's gradient, the last one of each output
+    # included: attention's dv (of q, k, v) and the recurrence's dg (of q, k, v,
+    # beta, g), each the only thing wrong.
+    def attention(case):
+        out = cp_step.step(_Case(case, v=_ScaleGrad.apply(case.v)))
+        return {"attention_o": out["attention_o"]}
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(attention, cases=10, max_cp=2, seed=3)
+    assert "attention_o gradient (attention_dv)" in e.value.failure, e.value.failure
+
+    from torch.distributed.nn.functional import all_gather
+
+    def recurrence(case):
+        padded = _padded_doc_ids(case)
+        mine = dict(case.recurrence, g=_ScaleGrad.apply(case.recurrence["g"]))
+        whole = {n: torch.cat(all_gather(t.contiguous()), 1) for n, t in mine.items()}
+        o, _ = _torch_recurrence(whole["q"], whole["k"], whole["v"], whole["beta"], whole["g"], padded)
+        return {"recurrence_o": o[:, case.cuts[case.rank]:case.cuts[case.rank + 1]]}
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(recurrence, cases=10, max_cp=2, seed=3)
+    assert "recurrence_o gradient (dg)" in e.value.failure, e.value.failure
+
+
 # --- "layer": the step's own module, sharded against itself unsharded ---
 
 # Drawn once, on no rank's thread (the rank threads share torch's generator).
