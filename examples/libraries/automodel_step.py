@@ -34,7 +34,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel.components.distributed.context_parallel.sharder import shard_batch_contiguous
 from nemo_automodel.components.distributed.thd_utils import process_input_for_thd
@@ -85,8 +84,9 @@ def _mask_back(local, given):
 
 
 def _cp_mesh(case):
-    """The CP submesh of a (dp, cp) mesh, as a DP x CP job builds it."""
-    return init_device_mesh("cpu", (case.dp, case.cp), mesh_dim_names=("dp", "cp"))["cp"]
+    """The CP submesh of a (dp, cp) mesh, as a DP x CP job builds it (laid out
+    as check(mesh=...) says: consecutive or interleaved ranks)."""
+    return case.device_mesh()["cp"]
 
 
 # --- Kimi-Linear's CP (the closest relative of cpsim's model) ---

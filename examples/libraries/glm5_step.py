@@ -52,7 +52,6 @@ triton_cpu.enable()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import library_cli  # noqa: E402
 import fla.utils  # noqa: E402
@@ -76,8 +75,9 @@ _THD = ("cu_seqlens", "cu_seqlens_padded")
 # --- the CP module ---
 
 def _cp_mesh(case):
-    """The CP submesh of a (dp, cp) mesh, as a DP x CP job builds it."""
-    return init_device_mesh("cpu", (case.dp, case.cp), mesh_dim_names=("dp", "cp"))["cp"]
+    """The CP submesh of a (dp, cp) mesh, as a DP x CP job builds it (laid out
+    as check(mesh=...) says: consecutive or interleaved ranks)."""
+    return case.device_mesh()["cp"]
 
 
 def _raw(case):

@@ -7,6 +7,7 @@ import struct
 import torch
 
 from cpsim.layer import drawn as _drawn
+from cpsim.mesh import world_rank
 from cpsim.outputs import RECURRENCE_INPUTS
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I32": torch.int32,
@@ -38,7 +39,7 @@ class RankCase:
     [B, S] tensors, this rank's own copy), the CP geometry, and this rank's
     shards of the activations (leaves that require grad)."""
 
-    def __init__(self, golden, rank, dp=1, dp_rank=0, unsharded=False):
+    def __init__(self, golden, rank, dp=1, dp_rank=0, unsharded=False, mesh="dp,cp"):
         m = golden.manifest
         # unsharded: the whole case on a group of one (a Layer's reference run):
         # cp 1, the S positions of the rows (no CP padding).
@@ -47,10 +48,10 @@ class RankCase:
         self.rank, self.cp = rank, (1 if unsharded else golden.cp)
         self._seed, self._lo, self._hi, self._P = m["seed"], lo, hi, m["P"]
         self._dtype, self._B = golden.inputs["x"].dtype, golden.inputs["x"].shape[0]
-        # Data parallel replicas (check(dp=D)): D copies of the CP group, ranks
-        # dp_rank * cp + rank, as init_device_mesh("cpu", (dp, cp)) lays them out;
-        # every replica holds the same case.
-        self.dp, self.dp_rank, self.world_rank = dp, dp_rank, dp_rank * golden.cp + rank
+        # Data parallel replicas (check(dp=D)): D copies of the CP group, laid
+        # out as `mesh` says (world_rank); every replica holds the same case.
+        self.dp, self.dp_rank, self.mesh = dp, dp_rank, mesh
+        self.world_rank = world_rank(rank, dp_rank, self.cp, dp, mesh)
         self.batch = {k: v.clone() for k, v in golden.batch.items()}
         self.pad_token_id = m["pad_token_id"]
         self.conv_width = m["conv_width"]
@@ -84,6 +85,14 @@ class RankCase:
         rank and in the unsharded run, for a "layer" output's inputs."""
         whole = _drawn(self._seed, "activation." + name, (self._B, self._P) + tuple(tail), dtype or self._dtype)
         return whole[:, self._lo:self._hi].clone().requires_grad_(True)
+
+    def device_mesh(self):
+        """The (dp, cp) DeviceMesh of the case's ranks, laid out as check(mesh=...)
+        says; mesh["cp"] is this rank's CP submesh, mesh["dp"] its DP one."""
+        from torch.distributed.device_mesh import init_device_mesh
+        if self.mesh == "dp,cp":
+            return init_device_mesh("cpu", (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+        return init_device_mesh("cpu", (self.cp, self.dp), mesh_dim_names=("cp", "dp"))
 
     def __repr__(self):
         return "RankCase(rank=%d, cp=%d, dp_rank=%d, dp=%d, S=%d, P=%d)" % (self.rank, self.cp, self.dp_rank, self.dp,

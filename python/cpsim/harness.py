@@ -158,8 +158,8 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
                     raise RuntimeError("cpsim harness said %r" % line)
                 number += 1
                 folder = line[len("case "):]
-                why = (_verdict.job_verdict(folder, step, number, dp) if in_job
-                       else _verdict.verdict(folder, step, ranks.backend, ranks.timeout, dp))
+                why = (_verdict.job_verdict(folder, step, number, dp, ranks.mesh) if in_job
+                       else _verdict.verdict(folder, step, ranks.backend, ranks.timeout, dp, ranks.mesh))
                 if isinstance(why, _verdict.Outside):
                     answer = "outside " + " | ".join(why.splitlines())
                 elif why:

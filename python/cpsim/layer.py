@@ -2,6 +2,7 @@
 CP ranks, against the same step run unsharded on a group of one."""
 import torch
 
+from cpsim.mesh import who as _who, world_rank
 from cpsim.compare import difference, rms
 from cpsim.upstream import laid_out, layout_for
 
@@ -55,7 +56,7 @@ def layer_run(case, layer, who):
             "grads": {n: (torch.zeros_like(t) if g is None else g.detach()) for n, g, t in zip(names, grads, wanted)}}
 
 
-def layer_differences(layers, cp, dp, S):
+def layer_differences(layers, cp, dp, S, mesh="dp,cp"):
     """Each rank's layer output and input gradients against the unsharded run's
     positions (those before S: the CP padding has no counterpart), and each
     replica's parameter gradients summed over its CP ranks against the
@@ -74,16 +75,16 @@ def layer_differences(layers, cp, dp, S):
         sums = {}
         for rank in range(cp):
             run = layers.get((dp_rank, rank))
-            who = "rank %d" % rank if dp == 1 else "rank %d (dp %d, cp %d)" % (dp_rank * cp + rank, dp_rank, rank)
+            who, at = _who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
             if run is None:
-                found.setdefault(dp_rank * cp + rank, (0, "%s returned no layer (the unsharded run did)" % who))
+                found.setdefault(at, (0, "%s returned no layer (the unsharded run did)" % who))
                 continue
             lo, hi = run["lo"], min(run["hi"], S)
             n = max(hi - lo, 0)
             why = difference("%s layer output (positions %d..%d)" % (who, lo, lo + n), run["output"][:, :n],
                              whole["output"][:, lo:lo + n], tolerance, floor=rms(whole["output"]))
             if why:
-                found.setdefault(dp_rank * cp + rank, (0, why))
+                found.setdefault(at, (0, why))
             for name, grad in run["grads"].items():
                 if name.startswith("parameter "):
                     sums[name] = grad.clone() if name not in sums else sums[name] + grad
@@ -92,11 +93,11 @@ def layer_differences(layers, cp, dp, S):
                 why = difference("%s layer gradient of %s (positions %d..%d)" % (who, name, lo, lo + n),
                                  grad[:, :n], want[:, lo:lo + n], tolerance, floor=rms(want))
                 if why:
-                    found.setdefault(dp_rank * cp + rank, (1, why))
+                    found.setdefault(at, (1, why))
         for name, total in sums.items():
             why = difference("layer gradient of %s summed over the CP ranks%s" % (
                 name[len("parameter "):], "" if dp == 1 else " of replica %d" % dp_rank), total,
                 whole["grads"][name], tolerance, floor=parameter_scale)
             if why:
-                found.setdefault(dp_rank * cp, (1, why))
+                found.setdefault(world_rank(0, dp_rank, cp, dp, mesh), (1, why))
     return found

@@ -10,6 +10,8 @@ No torch here.
 import dataclasses
 from dataclasses import dataclass, field
 
+from cpsim.mesh import MESHES
+
 PLANS = ("equal", "balanced", "random")
 DTYPES = ("f64", "f32", "bf16")
 FORMS = ("seq_lens_padded", "seq_lens", "cu_seqlens", "cu_seqlens_only", "cu_seqlens_padded_only", "unpacked",
@@ -75,12 +77,18 @@ class Ranks:
     """How the step's ranks run."""
     backend: str = _option("threads", "the simulated group's backend: threads or gloo (a job's own in a job)")
     timeout: float = _option(20.0, "seconds a rank may wait for its peers, or run on after one ended")
-    dp: int = _option(1, "data-parallel replicas: dp * cp ranks, rank dp_rank * cp + case.rank, as "
-                      "init_device_mesh(\"cpu\", (dp, cp)) lays them out (case.dp_rank, case.world_rank)")
+    dp: int = _option(1, "data-parallel replicas: dp * cp ranks, laid out as `mesh` says (case.dp_rank, "
+                      "case.world_rank)")
+
+    mesh: str = _option("dp,cp", "how the dp * cp ranks are laid out: \"dp,cp\" as init_device_mesh(\"cpu\", "
+                        "(dp, cp)) (a CP group is consecutive ranks) or \"cp,dp\" (interleaved: every dp-th rank); "
+                        "case.device_mesh() builds it")
 
     def __post_init__(self):
         if int(self.dp) < 1:
             raise ValueError("dp: at least 1, not %r" % (self.dp,))
+        if self.mesh not in MESHES:
+            raise ValueError("mesh: %s, not %r" % (" or ".join(MESHES), self.mesh))
 
 
 GROUPS = (Layouts, Inputs, Ranks)

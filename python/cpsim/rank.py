@@ -3,25 +3,26 @@ values and their gradients taken, in the same order on every rank."""
 import torch
 
 from cpsim.case import RankCase
+from cpsim.mesh import who as _who
 from cpsim.compare import difference as _difference, rms as _rms
 from cpsim.layer import layer_run as _layer_run
 from cpsim.outputs import CP_CONTEXT_FIELDS, OUTPUTS, RECURRENCE_INPUTS
 from cpsim.upstream import laid_out, layout_for
 
 
-def run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False):
+def run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False, mesh="dp,cp"):
     """One rank: the step, then its outputs' comparisons and gradients, in the
     same order on every rank. Returns this rank's first difference as (0, why)
     for a value, (1, why) for a gradient (a gradient's difference may be a
     forward one's consequence), or None when none. A "layer" output's run
     (output and gradients) goes to layers[(dp_rank, rank)], compared once
     every rank and the unsharded run are done (_layer_differences)."""
-    case = RankCase(golden, rank, dp, dp_rank, unsharded)
+    case = RankCase(golden, rank, dp, dp_rank, unsharded, mesh)
     if unsharded:  # the reference run of a Layer: nothing else is compared
         out = step(case)
         layers[None] = _layer_run(case, out.get("layer") if isinstance(out, dict) else None, "the unsharded run")
         return None
-    who = "rank %d" % rank if dp == 1 else "rank %d (dp %d, cp %d)" % (case.world_rank, dp_rank, rank)
+    who = _who(rank, dp_rank, case.cp, dp, mesh)
     out = step(case)
     if not isinstance(out, dict):
         raise TypeError("the step returned %s, not a dict of outputs" % type(out).__name__)

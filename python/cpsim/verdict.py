@@ -7,6 +7,7 @@ import torch
 from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.torch
 from cpsim import where
 from cpsim.case import Golden
+from cpsim.mesh import placed
 from cpsim.layer import layer_differences as _layer_differences
 from cpsim.rank import first_differences, run_rank
 
@@ -21,13 +22,15 @@ class Outside(str):
     """A case's verdict: set aside (the text says why)."""
 
 
-def verdict(folder, step, backend, timeout, dp=1):
+def verdict(folder, step, backend, timeout, dp=1, mesh="dp,cp"):
     golden = Golden(folder)
     cp = golden.cp
     layers = {}
     try:
-        found = ct.spawn(lambda rank, world: run_rank(golden, step, rank % cp, dp, rank // cp, layers), dp * cp,
-                         backend=backend, timeout=timeout)
+        def one(rank, world):
+            cp_rank, dp_rank = placed(rank, cp, dp, mesh)
+            return run_rank(golden, step, cp_rank, dp, dp_rank, layers, mesh=mesh)
+        found = ct.spawn(one, dp * cp, backend=backend, timeout=timeout)
     except ct.RankFailed as e:
         if isinstance(e.__cause__, OutsideContract):
             return Outside(str(e.__cause__))
@@ -46,7 +49,7 @@ def verdict(folder, step, backend, timeout, dp=1):
             return "the unsharded run (cp 1) raised %s" % str(e).split(": ", 1)[1]
         except (ct.RankStuck, ct.CollectiveError) as e:
             return "the unsharded run (cp 1): %s" % e
-        for r, why in _layer_differences(layers, cp, dp, golden.manifest["S"]).items():
+        for r, why in _layer_differences(layers, cp, dp, golden.manifest["S"], mesh).items():
             if not found[r] or why[0] < found[r][0]:
                 found[r] = why
     return first_differences(found)
@@ -70,7 +73,7 @@ def exchange(text, group):
 job_checks = [0, 0]  # check() calls and cases of this process of a job so far
 
 
-def job_verdict(folder, step, case_number, dp=1):
+def job_verdict(folder, step, case_number, dp=1, mesh="dp,cp"):
     """One case in a job: this process runs its rank of the step on a fresh group
     of every process (the default group of a torch world of the case's own); the
     verdicts of all processes are agreed over the job's own group, so every
@@ -94,7 +97,8 @@ def job_verdict(folder, step, case_number, dp=1):
     own, outside, why = False, False, ""
     try:
         dist.init_process_group("cpsim", store=dist.HashStore(), rank=rank, world_size=job.size())
-        mine = run_rank(golden, step, rank % golden.cp, dp, rank // golden.cp)
+        cp_rank, dp_rank = placed(rank, golden.cp, dp, mesh)
+        mine = run_rank(golden, step, cp_rank, dp, dp_rank, mesh=mesh)
         why = "%d%s" % mine if mine else ""
         ct._unwaited(job.ledger(), rank)
         unreceived = ct._end_sessions(groups + [session])

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import cpsim.torch as ct
 
@@ -71,10 +70,13 @@ class RingHalo(torch.autograd.Function):
 
 def make_step(bug=None):
     def step(case):
-        mesh = init_device_mesh("cpu", (case.dp, case.cp), mesh_dim_names=("dp", "cp"))
+        mesh = case.device_mesh()  # init_device_mesh, (dp, cp) or interleaved as check(mesh=...) says
         cp_group, dp_group = mesh["cp"].get_group(), mesh["dp"].get_group()
-        r = dist.get_rank(cp_group)
-        assert r == case.rank and dist.get_world_size(dp_group) == case.dp
+        if bug == "global_rank_as_cp_rank":  # PLANTED: right only where CP groups are consecutive ranks
+            r = dist.get_rank() % case.cp
+        else:
+            r = dist.get_rank(cp_group)
+            assert r == case.rank and dist.get_world_size(dp_group) == case.dp
         lo, hi = case.cuts[r], case.cuts[r + 1]
         P = case.cuts[-1]
 
@@ -130,6 +132,18 @@ def _check(bug, **kw):
 
 def test_the_dp_by_cp_step_holds():
     assert _check(None) == CASES
+
+
+def test_the_dp_by_cp_step_holds_on_an_interleaved_mesh():
+    assert _check(None, mesh="cp,dp") == CASES
+
+
+def test_a_global_rank_taken_for_the_cp_rank_is_caught_on_an_interleaved_mesh():
+    # On a (dp, cp) mesh, global rank % cp is the CP rank: the slip is invisible.
+    assert _check("global_rank_as_cp_rank") == CASES
+    with pytest.raises(ct.CheckFailed) as e:
+        _check("global_rank_as_cp_rank", mesh="cp,dp")
+    assert "targets" in e.value.failure and "(dp " in e.value.failure, e.value.failure
 
 
 @pytest.mark.parametrize("bug,words", [

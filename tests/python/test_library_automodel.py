@@ -22,9 +22,11 @@ def test_random_layouts_hold_at_every_cp_size(name):
     assert ran >= 200
 
 
-def test_kimi_holds_in_data_parallel_replicas():
-    # A (dp, cp) mesh: Kimi's seq_start and gathers follow the CP submesh.
-    assert automodel_step.check("kimi", cases=40, max_cp=4, seed=SEED, dp=2) >= 40
+@pytest.mark.parametrize("mesh", ["dp,cp", "cp,dp"])
+def test_kimi_holds_in_data_parallel_replicas(mesh):
+    # A (dp, cp) mesh: Kimi's seq_start and gathers follow the CP submesh, whose
+    # ranks are consecutive or (cp, dp) interleaved.
+    assert automodel_step.check("kimi", cases=40, max_cp=4, seed=SEED, dp=2, mesh=mesh) >= 40
 
 
 def test_thd_holds_on_automodels_own_packer():

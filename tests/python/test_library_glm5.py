@@ -26,8 +26,10 @@ def test_the_cp_module_holds_on_random_layouts_at_every_cp_size():
     assert ran >= 150
 
 
-def test_the_cp_module_holds_on_a_dp_cp_mesh():
-    assert glm5_step.check("cp", cases=30, max_cp=4, dp=2, seed=SEED) >= 30
+@pytest.mark.parametrize("mesh", ["dp,cp", "cp,dp"])
+def test_the_cp_module_holds_on_a_dp_cp_mesh(mesh):
+    # The CP submesh's ranks consecutive, or interleaved (every dp-th rank).
+    assert glm5_step.check("cp", cases=30, max_cp=4, dp=2, mesh=mesh, seed=SEED) >= 30
 
 
 def test_flas_context_built_by_the_cp_module_holds():
