@@ -13,7 +13,6 @@ backward anchor), prepend the convolution halo, and attend within documents.
 Everything here is plain torch.distributed: the same code runs on NCCL.
 """
 import argparse
-import math
 import sys
 
 import torch

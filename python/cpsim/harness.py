@@ -77,6 +77,15 @@ class Checked(int):
 
 
 
+def _precision_note(inputs):
+    """What a tolerance failure at CP size 1 is: the step's own arithmetic."""
+    return ("\nat cp 1 nothing is sharded or exchanged: the difference is the step's own (its arithmetic in %s "
+            "against cpsim's reference, or what it computes), not CP's; %s" %
+            (inputs.dtype, "the tolerance given is %g" % inputs.tolerance if inputs.tolerance is not None else
+             "the tolerance is the manifest's for %s" % inputs.dtype) +
+            " (check(..., tolerance=...) sets the relative RMSE every floating output is compared within)")
+
+
 def _generator(workdir, cases, layouts, inputs, sizes, seed, in_job):
     """The command line of `cpsim harness` that draws (or replays) the cases."""
     command = [program.binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--plan", layouts.plan,
@@ -158,8 +167,9 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
                     raise RuntimeError("cpsim harness said %r" % line)
                 number += 1
                 folder = line[len("case "):]
-                why = (_verdict.job_verdict(folder, step, number, dp, ranks.mesh) if in_job
-                       else _verdict.verdict(folder, step, ranks.backend, ranks.timeout, dp, ranks.mesh))
+                why = (_verdict.job_verdict(folder, step, number, dp, inputs.tolerance, ranks.mesh) if in_job
+                       else _verdict.verdict(folder, step, ranks.backend, ranks.timeout, dp, inputs.tolerance,
+                                             ranks.mesh))
                 if isinstance(why, _verdict.Outside):
                     answer = "outside " + " | ".join(why.splitlines())
                 elif why:
@@ -184,6 +194,9 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
             return Checked(result["ran"], result.get("outside", 0), result.get("outside_why"))
         if last_failure is not None:
             result["failure"] = last_failure
+        first = result["failure"].split("\n", 1)[0]
+        if result.get("cp") == 1 and "relative RMSE" in first and "the step's loss is " not in result["failure"]:
+            result["failure"] += _precision_note(inputs)
         if "batch" not in result:
             raise CheckFailed("cpsim.torch.check: %s" % result["report"], result["failure"], None, None, None, plan)
         path = out or os.path.join(tempfile.gettempdir(), "cpsim-counterexample-%d.json" % os.getpid())

@@ -66,10 +66,14 @@ class Inputs:
                          "compared within the manifest's tolerance of that dtype")
     conv_width: int = _option(4, "the convolution's width W (case.conv_width)")
     shard_primary: bool = _option(False, "input_ids is sharded like the other keys (else kept global)")
+    tolerance: float = _option(None, "the relative RMSE every floating output is compared within, instead of "
+                               "the manifest's for the dtype (outputs compared bit for bit stay so)")
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError("dtype: f64, f32 or bf16, not %r" % (self.dtype,))
+        if self.tolerance is not None and not float(self.tolerance) >= 0:
+            raise ValueError("tolerance: a relative RMSE of at least 0, not %r" % (self.tolerance,))
 
 
 @dataclass(frozen=True)

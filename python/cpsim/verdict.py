@@ -22,8 +22,8 @@ class Outside(str):
     """A case's verdict: set aside (the text says why)."""
 
 
-def verdict(folder, step, backend, timeout, dp=1, mesh="dp,cp"):
-    golden = Golden(folder)
+def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp"):
+    golden = Golden(folder, tolerance)
     cp = golden.cp
     layers = {}
     try:
@@ -73,7 +73,7 @@ def exchange(text, group):
 job_checks = [0, 0]  # check() calls and cases of this process of a job so far
 
 
-def job_verdict(folder, step, case_number, dp=1, mesh="dp,cp"):
+def job_verdict(folder, step, case_number, dp=1, tolerance=None, mesh="dp,cp"):
     """One case in a job: this process runs its rank of the step on a fresh group
     of every process (the default group of a torch world of the case's own); the
     verdicts of all processes are agreed over the job's own group, so every
@@ -81,7 +81,7 @@ def job_verdict(folder, step, case_number, dp=1, mesh="dp,cp"):
     import torch.distributed as dist
     job, main = ct._job, dist.group.WORLD
     rank = job.rank()
-    golden = Golden(folder)
+    golden = Golden(folder, tolerance)
     # Named apart from every earlier check() of this job (each counts its cases from 1).
     session = job.session("check%d-case%d" % (job_checks[0], case_number))
     hook = sys.excepthook  # init_process_group wraps it (a "[rank N]:" prefix): once per case, undone

@@ -300,12 +300,42 @@ def test_each_planted_bug_is_reported_with_ranks_as_processes(variant, words):
 
 @pytest.mark.parametrize("variant,words", [
     ("targets_after_sharding", ["targets", "-100"]),  # the target at a shard edge inside a document is lost
-    ("per_rank_mean", ["loss"])])                     # a per-rank mean averaged over ranks
+    ("per_rank_mean", ["loss", "the step's loss is the mean of per-rank means"])])  # averaged over ranks
 def test_targets_and_the_loss_across_ranks_are_checked(variant, words):
     with pytest.raises(ct.CheckFailed) as e:
         ct.check(cp_step.VARIANTS[variant], cases=CASES, max_cp=8, seed=11)
     assert all(w in e.value.failure for w in words), e.value.failure
     assert e.value.cp >= 2
+
+
+def _loss_step(convention):
+    """cp_step's faithful step with its loss replaced by one of the conventions
+    CP code ships by mistake."""
+    def step(case):
+        out = cp_step.step(case)
+        targets = out["targets"]
+        valid = targets != -100
+        losses = torch.nn.functional.cross_entropy(case.logits.reshape(-1, case.vocab).double(),
+                                                   targets.reshape(-1).clamp(min=0), reduction="none")
+        local_sum = torch.where(valid.reshape(-1), losses, torch.zeros_like(losses)).sum()
+        count = valid.sum().double()
+        if convention == "local_mean":
+            out["loss"] = local_sum / count.clamp(min=1)
+        else:  # "sum": all-reduced, never divided
+            total = local_sum.detach().clone()
+            torch.distributed.all_reduce(total)
+            out["loss"] = local_sum + (total - local_sum).detach()
+        return out
+    return step
+
+
+@pytest.mark.parametrize("convention,named", [
+    ("local_mean", "this rank's own token mean"),
+    ("sum", "the sum of every rank's per-token losses, not divided by the count")])
+def test_a_loss_of_another_convention_is_named(convention, named):
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(_loss_step(convention), cases=30, max_cp=4, seed=11)
+    assert "the step's loss is " + named in e.value.failure, e.value.failure
 
 
 def test_every_rank_s_first_difference_is_reported_values_before_gradients():
@@ -464,6 +494,30 @@ def test_a_recurrence_over_the_gathered_inputs_matches_cpsims_reference():
         o, _ = _torch_recurrence(whole["q"], whole["k"], whole["v"], whole["beta"], whole["g"], padded)
         return {"recurrence_o": o[:, case.cuts[case.rank]:case.cuts[case.rank + 1]]}
     assert ct.check(step, cases=40, max_cp=4, seed=3) == 40
+
+
+def test_a_precision_failure_at_cp_1_is_named_and_the_tolerance_is_an_option():
+    # A recurrence right but for its arithmetic (every output off by 1e-4,
+    # relative): it fails at every CP size, so at cp 1, where nothing is
+    # sharded; the report says so, and check(tolerance=...) lets it pass.
+    from torch.distributed.nn.functional import all_gather
+
+    def step(case):
+        padded = _padded_doc_ids(case)
+        whole = {n: torch.cat(all_gather(t.contiguous()), 1) for n, t in case.recurrence.items()}
+        o, _ = _torch_recurrence(whole["q"], whole["k"], whole["v"], whole["beta"], whole["g"], padded)
+        return {"recurrence_o": o[:, case.cuts[case.rank]:case.cuts[case.rank + 1]] * (1 + 1e-4)}
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(step, cases=20, max_cp=4, seed=3)
+    assert e.value.cp == 1, e.value.failure
+    assert "at cp 1 nothing is sharded or exchanged: the difference is the step's own (its arithmetic in f64" in \
+        str(e.value), e.value
+    assert "check(..., tolerance=...)" in e.value.failure, e.value.failure
+    assert ct.check(step, cases=20, max_cp=4, seed=3, tolerance=1e-3) == 20
+    with pytest.raises(ct.CheckFailed) as e:  # a tolerance leaves bitwise outputs bitwise
+        ct.check(lambda case: {"gathered": torch.cat(all_gather(case.x), 1) * (1 + 1e-9)}, cases=5, max_cp=2, seed=3,
+                 tolerance=1e-3)
+    assert "gathered" in e.value.failure and "at cp 1 nothing" not in e.value.failure, e.value.failure
 
 
 class _ScaleGrad(torch.autograd.Function):
