@@ -72,6 +72,10 @@ def _numpy(x):
 MEASURED = None  # a dict: compare() records each key's error there instead of failing on a tolerance
 
 
+def _isnan(a):
+    return np.isnan(a) if np.issubdtype(a.dtype, np.floating) else np.zeros(a.shape, dtype=bool)
+
+
 def _nonfinite_mismatch(got, want):
     """The first position (index per axis) where one side holds a NaN or an inf that
     the other does not (the same non-finite value on both sides agrees), or None."""
@@ -115,7 +119,7 @@ def compare(name, got, want, tolerance=None, scale=None):
         raise AssertionError("%s: %r at %s, expected %r (a NaN or an inf on one side only)"
                              % (name, got[bad], list(bad), want[bad]))
     if tolerance is None:
-        wrong = np.argwhere(got != want)
+        wrong = np.argwhere((got != want) & ~(_isnan(got) & _isnan(want)))  # a NaN on both sides agrees
         if len(wrong):
             at = tuple(int(i) for i in wrong[0])
             raise AssertionError("%s: %d wrong elements, first at %s: %r, expected %r"
@@ -298,8 +302,12 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
     if targets is not None:
         whole_ids = np.concatenate(doc_ids, axis=1)
         whole_padding = np.concatenate(padding, axis=1)
-        against_reference("targets", targets(golden.inputs["loss_tokens"], whole_ids, whole_padding), "targets")
-        checked += 1
+        whole_targets = targets(golden.inputs["loss_tokens"], whole_ids, whole_padding)
+        against_reference("targets", whole_targets, "targets")
+        # Every rank's own targets are its interval of the whole rows' (what its loss reads).
+        for r in range(cp):
+            against(r, "targets", whole_targets[:, cuts[r]:cuts[r + 1]])
+        checked += 1 + cp
     if loss is not None:
         for r, (value, grad) in enumerate(loss(split("logits"), per_rank("targets"))):
             against(r, "loss", np.reshape(_numpy(value), (1,)))

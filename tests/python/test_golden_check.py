@@ -1,0 +1,71 @@
+"""examples/golden_check.py (the independent numpy check of a golden folder)
+checked from outside: a folder with one value wrong, in each comparison branch
+it has (bit for bit, within a tolerance, a NaN on one side only) and in every
+kind of key it checks (a rank's exchanged data, its layout, its layer output,
+its targets), is rejected naming the key; the folder as written passes."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+CHECK = os.path.join(ROOT, "examples", "golden_check.py")
+
+
+def _run_check(folder):
+    p = subprocess.run([sys.executable, CHECK, folder], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=120)
+    return p.returncode, p.stdout
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    binary = os.environ.get("CPSIM_BINARY")
+    if not binary:
+        pytest.skip("CPSIM_BINARY (the cpsim executable) is not set: run through CTest")
+    folder = str(tmp_path_factory.mktemp("golden") / "spec_cp3")
+    subprocess.run([binary, "golden", os.path.join(ROOT, "examples", "spec_example.json"), "--cp", "3", "--out",
+                    folder], check=True, stdout=subprocess.DEVNULL)
+    return folder
+
+
+def test_the_folder_as_written_passes(golden):
+    rc, out = _run_check(golden)
+    assert rc == 0 and "comparisons hold" in out, out
+
+
+def _last(change):
+    def apply(a):
+        flat = a.reshape(-1)
+        flat[-1] = change(flat[-1])
+    return apply
+
+
+TAMPERS = [
+    ("gathered", _last(lambda v: v + 1), "1 wrong elements"),             # bitwise, floating
+    ("halo", _last(lambda v: v + 1), "1 wrong elements"),                 # bitwise, floating
+    ("local_doc_ids", _last(lambda v: v + 1), "1 wrong elements"),        # bitwise, integer
+    ("targets", _last(lambda v: v + 1), "1 wrong elements"),              # the targets its loss reads
+    ("o", _last(lambda v: v * (1 + 1e-3) + 1e-3), "relative RMSE"),       # within a tolerance
+    ("conv_y", _last(lambda v: np.nan), "a NaN or an inf on one side only"),
+    ("attention_dv", _last(lambda v: np.inf), "a NaN or an inf on one side only"),
+]
+
+
+@pytest.mark.parametrize("key,change,words", TAMPERS, ids=[t[0] for t in TAMPERS])
+def test_one_value_wrong_is_rejected_naming_its_key(golden, tmp_path, key, change, words):
+    folder = str(tmp_path / "tampered")
+    shutil.copytree(golden, folder)
+    path = os.path.join(folder, "rank_1.safetensors")
+    tensors = load_file(path)
+    value = tensors[key].copy()
+    change(value)
+    tensors[key] = value
+    save_file(tensors, path)
+    rc, out = _run_check(folder)
+    assert rc != 0, out
+    assert ("rank 1 %s:" % key) in out and words in out, out
