@@ -8,22 +8,22 @@
 
 namespace cpsim {
 
-void ActivityBoard::set(int rank, std::string what, bool collective) {
+void ActivityBoard::set(int rank, std::string what, std::optional<std::string> group) {
   std::lock_guard<std::mutex> lock(mutex_);
-  doing_.at(rank) = {std::move(what), collective};
+  doing_.at(rank) = {std::move(what), std::move(group)};
 }
 
-std::string ActivityBoard::collective(int rank) const {
+std::string ActivityBoard::in_another_group(int rank, const std::string& group) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const Doing& d = doing_.at(rank);
-  return d.collective ? d.what : std::string();
+  return d.group && *d.group != group ? d.what : std::string();
 }
 
 std::string ActivityBoard::lines(bool outside_collectives, int except) const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string out;
   for (std::size_t q = 0; q < doing_.size(); ++q)
-    if (!doing_[q].what.empty() && !(outside_collectives && doing_[q].collective) && static_cast<int>(q) != except)
+    if (!doing_[q].what.empty() && !(outside_collectives && doing_[q].group) && static_cast<int>(q) != except)
       out += "\n  rank " + std::to_string(q) + ": " + doing_[q].what;
   return out;
 }

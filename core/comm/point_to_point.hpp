@@ -27,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -38,20 +39,21 @@ namespace cpsim {
 class ActivityBoard {
  public:
   explicit ActivityBoard(int ranks) : doing_(ranks) {}
-  // collective: the communicator sees it too (its reports name it already).
-  void set(int rank, std::string what, bool collective = false);
+  // group: a collective of that group (its label, RankNames::group; "" the
+  // world), which its communicator sees too (its reports name it already).
+  void set(int rank, std::string what, std::optional<std::string> group = std::nullopt);
   // "\n  rank q: waits for its recv from rank 0 (tag 3) at step.py:12", for every
   // rank doing something (outside_collectives: only what the communicator does
   // not see, the waits in point to point).
   // `except`: a rank left out (the one whose report this is: its first line says it).
   std::string lines(bool outside_collectives = false, int except = -1) const;
-  // What `rank` does when it is in a collective (on any group), or "".
-  std::string collective(int rank) const;
+  // What `rank` does when it is in a collective of a group other than `group`, or "".
+  std::string in_another_group(int rank, const std::string& group) const;
 
  private:
   struct Doing {
     std::string what;
-    bool collective = false;
+    std::optional<std::string> group;  // set: in a collective of that group
   };
   mutable std::mutex mutex_;
   std::vector<Doing> doing_;

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "core/comm/call_check.hpp"
 #include "core/comm/communicator.hpp"
 #include "core/comm/point_to_point.hpp"
 #include "core/error.hpp"
@@ -39,9 +40,8 @@ struct RankContext {
   std::shared_ptr<Mailbox> mailbox;      // the ranks' point to point (a spawn's, or one process's of a job)
   std::shared_ptr<ActivityBoard> board;  // what each rank does (the spawn's ranks, or this process's)
   std::shared_ptr<Ledger> ledger;
-  std::string group;              // torch's group name
-  std::vector<int> global_ranks;  // group rank -> rank of the spawn or job
-  std::string on;                 // " on the group of ranks 1, 3" (a subgroup), or "" (the world)
+  std::string group;  // torch's group name
+  RankNames names;    // its ranks in the spawn or job, and its label where it is a subgroup
 };
 
 class BackendCpsim : public c10d::Backend {

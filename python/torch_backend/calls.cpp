@@ -43,8 +43,7 @@ c10::intrusive_ptr<c10d::Work> BackendCpsim::post_recv(std::vector<at::Tensor>& 
 }
 
 int BackendCpsim::global(int group_rank) const {
-  if (group_rank < 0 || group_rank >= static_cast<int>(ctx_.global_ranks.size())) return group_rank;
-  return ctx_.global_ranks[group_rank];
+  return ctx_.names.number(group_rank);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendCpsim::work(c10d::OpType type, const std::string& what,
@@ -62,15 +61,15 @@ void BackendCpsim::run(const std::string& name, const std::string& args,
   o.label = CallLabel::of(name, args, last_site_);
   // The board says where this rank is for the reports of its other groups; a
   // call that failed stays on it (the rank is unwinding from it, not idle).
-  const std::string call = name + (last_site_.empty() ? "" : " at " + last_site_) + ctx_.on;
-  ctx_.board->set(global(getRank()), "in " + call, true);
+  const std::string call = name + (last_site_.empty() ? "" : " at " + last_site_) + ctx_.names.on();
+  ctx_.board->set(global(getRank()), "in " + call, ctx_.names.group);
   try {
     f(*ctx_.comm, o);
   } catch (const CollectiveError& e) {
-    ctx_.board->set(global(getRank()), "failed in " + call, true);
+    ctx_.board->set(global(getRank()), "failed in " + call, ctx_.names.group);
     throw CollectiveError(told(e));
   } catch (const Aborted& e) {
-    ctx_.board->set(global(getRank()), "failed in " + call, true);
+    ctx_.board->set(global(getRank()), "failed in " + call, ctx_.names.group);
     throw Aborted(told(e));
   }
   ctx_.board->set(global(getRank()), "");

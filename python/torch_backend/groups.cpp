@@ -41,34 +41,28 @@ class SpawnedGroup {
     if (it == ranks.end()) throw InvalidInput("rank " + std::to_string(rank) + " is not in group " + name);
     const int group_rank = static_cast<int>(it - ranks.begin());
     std::shared_ptr<Group> group;
+    RankNames names;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto& entry = groups_[name];
       if (!entry.group) {
         // Its reports name global ranks, and where a rank not in its call is
         // in another group's collective, which (the spawn's ranks share a board).
-        RankNames names = RankNames::of(ranks, static_cast<int>(ledgers_.size()));
-        names.elsewhere = [board = board_, on = names.on()](int rank) {
-          const std::string what = board->collective(rank);
-          const bool other_group = on.empty() ? what.find(" on the group of ") != std::string::npos
-                                              : what.size() < on.size() || what.compare(what.size() - on.size(), on.size(), on) != 0;
-          return other_group ? what : std::string();
+        entry.names = RankNames::of(ranks, static_cast<int>(ledgers_.size()));
+        entry.names.elsewhere = [board = board_, group = entry.names.group](int rank) {
+          return board->in_another_group(rank, group);
         };
-        entry.group = find_backend(backend_).make_group(static_cast<int>(ranks.size()), timeout_, names);
+        entry.group = find_backend(backend_).make_group(static_cast<int>(ranks.size()), timeout_, entry.names);
         entry.ranks = ranks;
       } else if (entry.ranks != ranks) {
         throw CollectiveError("ranks disagree on the members of group " + name);
       }
       group = entry.group;
+      names = entry.names;
       memberships_[rank].emplace_back(group, group_rank);
     }
-    RankContext ctx{std::shared_ptr<Communicator>(group->communicator(group_rank)),
-                    mailbox_,
-                    board_,
-                    ledgers_[rank],
-                    name,
-                    ranks,
-                    RankNames::of(ranks, static_cast<int>(ledgers_.size())).on()};
+    RankContext ctx{
+        std::shared_ptr<Communicator>(group->communicator(group_rank)), mailbox_, board_, ledgers_[rank], name, names};
     return c10::make_intrusive<BackendCpsim>(std::move(ctx));
   }
 
@@ -95,6 +89,7 @@ class SpawnedGroup {
   struct Entry {
     std::shared_ptr<Group> group;
     std::vector<int> ranks;
+    RankNames names;
   };
   std::vector<std::pair<std::shared_ptr<Group>, int>> memberships(int rank) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -134,8 +129,7 @@ class JobSession {
       wire->send(dst, tag, m);
     });
     backend_ = c10::make_intrusive<BackendCpsim>(
-        RankContext{session_->communicator(), mailbox_, board, std::move(ledger), "", ranks,
-                    RankNames::of(ranks, job_size).on()});
+        RankContext{session_->communicator(), mailbox_, board, std::move(ledger), "", RankNames::of(ranks, job_size)});
   }
   // The messages that came and no receive took (at the end of the program).
   std::string unreceived() { return mailbox_->unreceived(); }

@@ -228,7 +228,7 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
       if (q == rank_) continue;
       const bool suspect = std::find(suspects.begin(), suspects.end(), q) != suspects.end();
       if (!suspect && !processes_) continue;  // in-process ranks are never killed alone
-      const auto record = failure_record(*records_, job_rank(q), &unreachable);
+      const auto record = failure_record(*records_, names_.number(q), &unreachable);
       if (!record) {
         if (suspect) silent.push_back(q);
         continue;
@@ -242,7 +242,7 @@ std::string GlooRank::records_of(const std::vector<int>& suspects, std::chrono::
     std::string quiet;  // a process's liveness; in-process ranks are threads that just did not call
     if (processes_)
       for (int q : silent)
-        quiet += "\n  no failure record from " + names_.rank(q) + ": " + liveness(*records_, job_rank(q));
+        quiet += "\n  no failure record from " + names_.rank(q) + ": " + liveness(*records_, names_.number(q));
     // Peers' records that only say they lost someone too are worth the wait for the
     // root cause; a peer's timeout is one (it names whom it waited for).
     if (!died.empty() || (!lost.empty() && (!processes_ || timed_out || Clock::now() >= deadline)))
@@ -263,7 +263,7 @@ void GlooRank::break_group(const std::string& why, const std::vector<int>& suspe
   if (records_) {
     try {
       const std::string line = why.substr(0, why.find('\n'));
-      records_->set("failed/" + std::to_string(job_rank(rank_)), std::vector<char>(line.begin(), line.end()));
+      records_->set("failed/" + std::to_string(names_.number(rank_)), std::vector<char>(line.begin(), line.end()));
     } catch (const std::exception&) {
     }
   }
@@ -324,7 +324,7 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
       if (first > 0 && processes_ && records_) {
         std::vector<int> peers;
         for (int q = 0; q < size_; ++q)
-          if (q != rank_) peers.push_back(job_rank(q));
+          if (q != rank_) peers.push_back(names_.number(q));
         watch.emplace(*records_, std::move(peers), then, *recv);
       }
       for (int i = 1; i < size_; ++i) {

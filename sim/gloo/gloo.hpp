@@ -198,7 +198,6 @@ class GlooRank : public SideChannel, public std::enable_shared_from_this<GlooRan
   std::shared_ptr<gloo::Context> context_;
   int rank_, size_;
   RankNames names_;
-  int job_rank(int q) const { return names_.number(q); }
   std::shared_ptr<Store> records_;
   std::chrono::milliseconds timeout_;
   bool processes_;
