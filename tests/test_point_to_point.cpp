@@ -4,6 +4,7 @@
 // takes them, and every way a send or a receive would hang named.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -195,14 +196,100 @@ TEST(PointToPoint, ASendToAnotherProcessLeavesThroughTheRemote) {
   Mailbox box = mailbox(2);
   int remote_dst = -1;
   std::int64_t remote_numel = 0;
-  box.set_remote(0, [&](int, int dst, int, const Mailbox::Message& m) {
-    remote_dst = dst;
-    remote_numel = m.payload.numel;
-  });
+  box.set_remote(
+      0,
+      [&](int, int dst, int, const Mailbox::Message& m) {
+        remote_dst = dst;
+        remote_numel = m.payload.numel;
+      },
+      [](int, int) {});
   box.send("g", 0, 1, 0, floats({1, 2, 3}), "");
   EXPECT_EQ(remote_dst, 1);
   EXPECT_EQ(remote_numel, 3);
   EXPECT_EQ(box.unreceived(), "");  // it left: nothing kept here
+}
+
+// Two processes of a job, rank 0's and rank 1's mailboxes, wired as the process
+// wire wires them (sim/gloo/process_wire.cpp): a send arrives at the other
+// mailbox, a receive's receipt comes back, and a rank's end is told.
+struct TwoProcesses {
+  explicit TwoProcesses(Sends sends = Sends::rendezvous, milliseconds timeout = milliseconds(5000))
+      : boxes{std::make_unique<Mailbox>(2, timeout, std::make_shared<ActivityBoard>(2), sends),
+              std::make_unique<Mailbox>(2, timeout, std::make_shared<ActivityBoard>(2), sends)} {
+    for (int me = 0; me < 2; ++me)
+      boxes[me]->set_remote(
+          me,
+          [this](int src, int dst, int tag, const Mailbox::Message& m) {
+            Mailbox::Message copy{m.payload, m.seq, m.site};
+            copy.remote = true;
+            boxes[dst]->arrive("g", src, dst, tag, std::move(copy));
+          },
+          [this, me](int src, int seq) {
+            ++receipts;
+            boxes[src]->taken(me, seq);
+          });
+  }
+  std::unique_ptr<Mailbox> boxes[2];
+  std::atomic<int> receipts{0};
+};
+
+TEST(PointToPoint, ABlockingSendToAnotherProcessReturnsWhenItsReceiptComes) {
+  TwoProcesses job;
+  auto sent = job.boxes[0]->send("g", 0, 1, 0, floats({1, 2}), "a.py:1");
+  EXPECT_FALSE(sent->taken);  // it left; no receive took it yet
+  EXPECT_NE(job.boxes[0]->pending().find("rank 0 sent rank 1 float32 x 2 (tag 0, at a.py:1), not received yet"),
+            std::string::npos)
+      << job.boxes[0]->pending();
+  Inbox in;
+  std::thread receiver([&] {
+    std::this_thread::sleep_for(milliseconds(50));
+    job.boxes[1]->wait(*in.post(*job.boxes[1], 1, 0, 0));  // takes the queued message: its receipt goes back
+  });
+  job.boxes[0]->wait(*sent);
+  receiver.join();
+  EXPECT_TRUE(sent->taken);
+  EXPECT_EQ(in.values, (std::vector<float>{1, 2}));
+  // A receive posted first takes the message as it arrives: the receipt is sent then.
+  auto posted = in.post(*job.boxes[1], 1, 0, 5);
+  auto second = job.boxes[0]->send("g", 0, 1, 5, floats({3, 4}), "a.py:2");
+  job.boxes[0]->wait(*second);
+  job.boxes[1]->wait(*posted);
+  EXPECT_EQ(in.values, (std::vector<float>{3, 4}));
+  EXPECT_EQ(job.receipts, 2);
+  EXPECT_EQ(job.boxes[0]->pending(), "");
+}
+
+TEST(PointToPoint, EagerSendsToAnotherProcessReturnAtOnce) {
+  TwoProcesses job(Sends::eager);
+  auto sent = job.boxes[0]->send("g", 0, 1, 0, floats({1, 2}), "");
+  EXPECT_TRUE(sent->taken);
+  job.boxes[0]->wait(*sent);
+  EXPECT_NE(job.boxes[1]->unreceived().find("rank 0's send #1 to rank 1 (tag 0, float32 x 2)"), std::string::npos);
+}
+
+TEST(PointToPoint, AProcessToldItsPeerEndedStopsWaitingAtOnce) {
+  TwoProcesses job(Sends::rendezvous, milliseconds(60000));
+  auto sent = job.boxes[0]->send("g", 0, 1, 0, floats({1, 2}), "a.py:1");
+  Inbox in;
+  auto posted = in.post(*job.boxes[0], 0, 1, 3);
+  const auto start = std::chrono::steady_clock::now();
+  job.boxes[0]->stopped(1, "returned", false);  // rank 1's end came over the wire
+  try {
+    job.boxes[0]->wait(*sent);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 waits for its send to rank 1 (tag 0, float32 x 2) at a.py:1 to be "
+                                         "received, but rank 1 returned without receiving it"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    job.boxes[0]->wait(*posted);
+    FAIL() << "no error";
+  } catch (const CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 returned without sending it"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(30000));  // told, not timed out (60 s)
 }
 
 TEST(PointToPoint, APeerOutsideTheGroupIsInvalid) {

@@ -45,7 +45,9 @@ std::string PostedSend::what() const { return posted_call("send to rank " + std:
 Mailbox::Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board, Sends sends)
     : state_(ranks, "running"), sent_(ranks, 0), timeout_(timeout), board_(std::move(board)), sends_(sends) {}
 
-void Mailbox::set_remote(int local, Remote remote) { local_ = local, remote_ = std::move(remote); }
+void Mailbox::set_remote(int local, Remote remote, Receipt receipt) {
+  local_ = local, remote_ = std::move(remote), receipt_ = std::move(receipt);
+}
 
 std::shared_ptr<PostedSend> Mailbox::send(const std::string& group, int src, int dst, int tag, Payload payload,
                                           const std::string& site) {
@@ -55,9 +57,17 @@ std::shared_ptr<PostedSend> Mailbox::send(const std::string& group, int src, int
   receipt->src = src, receipt->dst = dst, receipt->tag = tag, receipt->shape = payload.shape(), receipt->site = site;
   Message m{std::move(payload), ++sent_[src], site};
   if (remote_ && dst != local_) {  // another process's rank: it leaves before the send returns
-    receipt->taken = true;
+    const std::pair<int, int> key{dst, m.seq};
+    if (sends_ == Sends::eager) receipt->taken = true;
+    else remote_sends_[key] = receipt;  // until its receipt comes
     lock.unlock();
-    remote_(src, dst, tag, m);
+    try {
+      remote_(src, dst, tag, m);
+    } catch (...) {
+      std::lock_guard<std::mutex> relock(mutex_);
+      remote_sends_.erase(key);
+      throw;
+    }
     return receipt;
   }
   if (sends_ == Sends::eager) receipt->taken = true;
@@ -67,15 +77,36 @@ std::shared_ptr<PostedSend> Mailbox::send(const std::string& group, int src, int
 }
 
 void Mailbox::arrive(const std::string& group, int src, int dst, int tag, Message m) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    arrive_locked(group, src, dst, tag, std::move(m));
+  }
+  send_receipts();
+}
+
+void Mailbox::taken(int dst, int seq) {
   std::lock_guard<std::mutex> lock(mutex_);
-  arrive_locked(group, src, dst, tag, std::move(m));
+  const auto it = remote_sends_.find({dst, seq});
+  if (it == remote_sends_.end()) return;
+  it->second->taken = true;
+  remote_sends_.erase(it);
+  cv_.notify_all();
+}
+
+void Mailbox::send_receipts() {
+  std::vector<std::pair<int, int>> out;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    out.swap(receipts_);
+  }
+  for (const auto& [sender, seq] : out) receipt_(sender, seq);
 }
 
 std::shared_ptr<PostedRecv> Mailbox::post(const std::string& group, int dst, int src, int tag, std::string dtype,
                                           std::int64_t numel,
                                           std::function<void(const std::vector<std::uint8_t>&)> write,
                                           const std::string& site) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   if (src >= 0) check_peer(dst, src, "recv from");
   auto p = std::make_shared<PostedRecv>();
   p->group = group, p->dst = dst, p->src = src, p->tag = tag, p->dtype = std::move(dtype), p->numel = numel;
@@ -93,6 +124,8 @@ std::shared_ptr<PostedRecv> Mailbox::post(const std::string& group, int dst, int
     earliest->pop_front();
     deliver(*p, from, m);
     cv_.notify_all();  // its sender may wait for it to be taken
+    lock.unlock();
+    send_receipts();
     return p;
   }
   posted_.push_back(p);
@@ -220,6 +253,7 @@ void Mailbox::deliver(PostedRecv& p, int src, const Message& m) {
   p.done = true;
   p.source = src;
   if (m.receipt) m.receipt->taken = true;
+  if (m.remote) receipts_.emplace_back(src, m.seq);
   if (m.payload.numel != p.numel || m.payload.dtype != p.dtype) {
     p.error = "rank " + std::to_string(p.dst) + "'s " + p.what() + " got rank " + std::to_string(src) + "'s send #" +
               std::to_string(m.seq) + ", which holds " + m.payload.shape() +
@@ -246,6 +280,10 @@ std::string Mailbox::pending_locked(const Waiting* w) const {
       out += "\n  rank " + std::to_string(std::get<1>(key)) + " sent rank " + std::to_string(std::get<2>(key)) + " " +
              m.payload.shape() + " (tag " + std::to_string(std::get<3>(key)) +
              (m.site.empty() ? "" : ", at " + m.site) + "), not received yet";
+  for (const auto& [key, s] : remote_sends_)  // sent to another process, no receipt yet
+    if (!(w && w->rank == s->src && w->what == s->what()))
+      out += "\n  rank " + std::to_string(s->src) + " sent rank " + std::to_string(s->dst) + " " + s->shape + " (tag " +
+             std::to_string(s->tag) + (s->site.empty() ? "" : ", at " + s->site) + "), not received yet";
   for (const auto& p : posted_)
     if (!p->done && !(w && w->rank == p->dst && w->what == p->what()))
       out += "\n  rank " + std::to_string(p->dst) + " posted a " + p->what() + ", nothing came yet";

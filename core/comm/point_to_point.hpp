@@ -11,8 +11,11 @@
 // rank's call), a wait nothing ends within the timeout (with every rank's pending
 // messages and receives, and what each rank is doing), a size or dtype that
 // differs, a peer that returned without sending or receiving, and at the end a
-// message nobody received. Between the processes of a job a send completes when
-// it has left (the process wire carries no receipt).
+// message nobody received. Between the processes of a job the same holds: the
+// process wire carries the message, the receipt a receive sends back to its
+// sender, and each rank's end (sim/gloo/process_wire.hpp); only a deadlock
+// between processes is named at the timeout, not at once (what another
+// process's ranks wait for is not known here).
 //
 // The payload is typed bytes (a dtype name and an element count, as the caller
 // names them): this layer knows no tensor library.
@@ -103,23 +106,29 @@ class Mailbox {
     std::string site;
     std::uint64_t arrival = 0;  // the order messages came to this mailbox in
     std::shared_ptr<PostedSend> receipt{};  // its sender's, until a receive takes it
+    bool remote = false;  // from another process: its receive sends the sender a receipt
   };
   // How a message leaves this process for rank dst of another (a job's
   // processes: the process wire); it returns once the message is on its way.
   using Remote = std::function<void(int src, int dst, int tag, const Message& m)>;
+  // How a receipt leaves: this process's rank took rank src's send #seq.
+  using Receipt = std::function<void(int src, int seq)>;
   using Clock = std::chrono::steady_clock;
 
   Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board,
           Sends sends = Sends::rendezvous);
   // The mailbox of one process of a job: its receives are rank `local`'s; sends
-  // to any other rank go through `remote`.
-  void set_remote(int local, Remote remote);
+  // to any other rank go through `remote`, and the receipts of what its receives
+  // took from them through `receipt`.
+  void set_remote(int local, Remote remote, Receipt receipt);
 
   // Posts a send; wait() on what it returns is a blocking send.
   std::shared_ptr<PostedSend> send(const std::string& group, int src, int dst, int tag, Payload payload,
                                    const std::string& site);
   // A message from another process for this one's rank.
   void arrive(const std::string& group, int src, int dst, int tag, Message m);
+  // Rank dst of another process took this process's send #seq.
+  void taken(int dst, int seq);
   // Posts a receive of `numel` elements of `dtype` for rank dst from src (-1:
   // any source); it takes the earliest queued message that matches, if any.
   std::shared_ptr<PostedRecv> post(const std::string& group, int dst, int src, int tag, std::string dtype,
@@ -140,6 +149,8 @@ class Mailbox {
 
  private:
   void arrive_locked(const std::string& group, int src, int dst, int tag, Message m);
+  // Sends the receipts deliver() left (outside the lock: a receipt may wait for its wire).
+  void send_receipts();
   void deliver(PostedRecv& p, int src, const Message& m);
   void forget(PostedRecv& p);
   void check_peer(int me, int peer, const char* op) const;
@@ -172,6 +183,9 @@ class Mailbox {
   std::shared_ptr<ActivityBoard> board_;
   int local_ = -1;
   Remote remote_;
+  Receipt receipt_;
+  std::vector<std::pair<int, int>> receipts_;  // (sender, seq) to send receipts for
+  std::map<std::pair<int, int>, std::shared_ptr<PostedSend>> remote_sends_;  // (dst, seq), until taken
   std::uint64_t arrivals_ = 0;
   Sends sends_;
   std::list<const Waiting*> waiting_;

@@ -370,14 +370,17 @@ def _fail_sessions(sessions, error):
         session.fail("%s: %s" % (type(error).__name__, error))
 
 
-def init_process_group(timeout=20.0):
+def init_process_group(timeout=20.0, sends="rendezvous"):
     """Makes this process one rank of the job `cpsim launch -n N -- python3 SCRIPT`
     started (or torchrun, Slurm, Open MPI, with CPSIM_STORE naming the store) and
     the default torch.distributed group a cpsim group over the job's Gloo
     transport: every call is checked across the processes, so a rank that skips a
     collective, calls another one or another size, raises, or never arrives ends
     every rank within `timeout` with cpsim's one-line error. Sends and receives
-    between the processes match in any order, as in spawn(). Returns the group."""
+    between the processes match in any order, as in spawn(), and `sends` is
+    spawn()'s: "rendezvous" (a blocking send returns when its receive took it,
+    as on Gloo and NCCL) or "eager". A receive from a rank whose program
+    returned or raised ends at once. Returns the group."""
     global _job, _session
     if _job is not None:
         raise RuntimeError("cpsim.torch.init_process_group: this process already joined its job")
@@ -404,7 +407,7 @@ def init_process_group(timeout=20.0):
         previous(kind, value, traceback)
 
     sys.excepthook = excepthook
-    _job = _C.JobGroup(float(timeout))
+    _job = _C.JobGroup(float(timeout), sends)
     _session = _job.session("")
     _local.source = _job_source([_session], _job_sessions)
     # torch's own store stays in this process: the processes met in cpsim's store

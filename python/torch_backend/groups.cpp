@@ -18,7 +18,15 @@ namespace cpsim::torch_backend {
 
 namespace {
 
-// thread, one mailbox for the point to point of all of them.
+// "rendezvous" (a blocking send returns when a receive took it) or "eager" (at once).
+Sends sends_of(const std::string& name) {
+  if (name == "rendezvous") return Sends::rendezvous;
+  if (name == "eager") return Sends::eager;
+  throw InvalidInput("sends: rendezvous or eager, not " + name);
+}
+
+// The ranks of one spawn (cpsim.torch.spawn), each a thread, with one mailbox
+// for the point to point of all of them.
 
 class SpawnedGroup {
  public:
@@ -95,11 +103,6 @@ class SpawnedGroup {
     std::lock_guard<std::mutex> lock(mutex_);
     return memberships_.at(rank);
   }
-  static Sends sends_of(const std::string& name) {
-    if (name == "rendezvous") return Sends::rendezvous;
-    if (name == "eager") return Sends::eager;
-    throw InvalidInput("sends: rendezvous or eager, not " + name);
-  }
   static std::chrono::milliseconds milliseconds(double s) {
     return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000));
   }
@@ -119,26 +122,34 @@ class JobSession {
  public:
   // ranks: the job ranks of the group's ranks, in group rank order.
   JobSession(std::unique_ptr<sim::ProcessJob::Session> session, std::shared_ptr<Ledger> ledger, std::vector<int> ranks,
-             int job_size, std::chrono::milliseconds timeout)
+             int job_size, std::chrono::milliseconds timeout, Sends sends)
       : session_(std::move(session)) {
     const int me = session_->gloo()->rank();
     auto board = std::make_shared<ActivityBoard>(job_size);
-    mailbox_ = std::make_shared<Mailbox>(job_size, timeout, board);
+    mailbox_ = std::make_shared<Mailbox>(job_size, timeout, board, sends);
     wire_ = std::make_unique<sim::ProcessWire>(*session_->gloo(), ranks, mailbox_, timeout);
-    mailbox_->set_remote(ranks.at(me), [wire = wire_.get()](int, int dst, int tag, const Mailbox::Message& m) {
-      wire->send(dst, tag, m);
-    });
+    sim::ProcessWire* wire = wire_.get();
+    mailbox_->set_remote(
+        ranks.at(me), [wire](int, int dst, int tag, const Mailbox::Message& m) { wire->send(dst, tag, m); },
+        [wire](int src, int seq) { wire->receipt(src, seq); });
     backend_ = c10::make_intrusive<BackendCpsim>(
         RankContext{session_->communicator(), mailbox_, board, std::move(ledger), "", RankNames::of(ranks, job_size)});
   }
-  // The messages that came and no receive took (at the end of the program).
-  std::string unreceived() { return mailbox_->unreceived(); }
+  // The messages that came and no receive took (at the end of the program,
+  // once every peer's end came: then every message sent here came too). ""
+  // after the program raised: its report says why they were not received.
+  std::string unreceived() {
+    if (failed_) return "";
+    wire_->wait_for_ends();
+    return mailbox_->unreceived();
+  }
   c10::intrusive_ptr<BackendCpsim> backend() { return backend_; }
   // The program returned: a peer still in a call learns it; a peer's call that
   // this rank did not join is reported here.
   void finish() {
     if (ended_) return;
     ended_ = true;
+    wire_->ended("returned", false);  // after every message of this rank: its peers' receives from it end
     try {
       session_->finish();
     } catch (const CollectiveError&) {
@@ -149,7 +160,8 @@ class JobSession {
   // The program raised: every peer fails with this rank's error.
   void fail(const std::string& what) {
     if (ended_) return;
-    ended_ = true;
+    ended_ = failed_ = true;
+    wire_->ended("threw: " + what, true);
     session_->fail(what);
   }
   bool collective_failed() const { return collective_failed_ || backend_->collective_failed(); }
@@ -159,7 +171,7 @@ class JobSession {
   std::shared_ptr<Mailbox> mailbox_;
   std::unique_ptr<sim::ProcessWire> wire_;  // after session_: its thread ends before the connections close
   c10::intrusive_ptr<BackendCpsim> backend_;
-  bool ended_ = false, collective_failed_ = false;
+  bool ended_ = false, failed_ = false, collective_failed_ = false;
 };
 
 // This process's rank of a multi-process job (cpsim launch, torchrun, Slurm, Open
@@ -167,8 +179,9 @@ class JobSession {
 // checked across them.
 class JobGroup {
  public:
-  explicit JobGroup(double timeout_s)
-      : timeout_(static_cast<std::int64_t>(timeout_s * 1000)), ledger_(std::make_shared<Ledger>()) {
+  JobGroup(double timeout_s, const std::string& sends)
+      : timeout_(static_cast<std::int64_t>(timeout_s * 1000)), sends_(sends_of(sends)),
+        ledger_(std::make_shared<Ledger>()) {
     auto config = sim::job_from_environment();
     if (!config)
       throw InvalidInput(
@@ -186,7 +199,7 @@ class JobGroup {
     if (ranks.empty())
       for (int q = 0; q < size(); ++q) ranks.push_back(q);
     return std::make_shared<JobSession>(job_->open_session(name, timeout_, find_backend("gloo").job_transport, ranks),
-                                        ledger_, ranks, size(), timeout_);
+                                        ledger_, ranks, size(), timeout_, sends_);
   }
   std::shared_ptr<Ledger> ledger() { return ledger_; }
   // The job's last barrier.
@@ -194,6 +207,7 @@ class JobGroup {
 
  private:
   std::chrono::milliseconds timeout_;
+  Sends sends_;
   std::shared_ptr<Ledger> ledger_;
   std::unique_ptr<sim::ProcessJob> job_;
 };
@@ -218,7 +232,8 @@ void bind_groups(pybind11::module_& m) {
       .def("collective_failed", &JobSession::collective_failed)
       .def("unreceived", &JobSession::unreceived);
   py::class_<JobGroup, std::shared_ptr<JobGroup>>(m, "JobGroup")
-      .def(py::init<double>(), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def(py::init<double, const std::string&>(), py::arg("timeout"), py::arg("sends") = "rendezvous",
+           py::call_guard<py::gil_scoped_release>())
       .def("rank", &JobGroup::rank)
       .def("size", &JobGroup::size)
       .def("ledger", &JobGroup::ledger)

@@ -13,11 +13,18 @@ namespace cpsim::sim {
 
 namespace {
 
+enum class Kind : std::int64_t { send = 0, receipt = 1, end = 2 };
+
 struct WireHeader {
+  Kind kind = Kind::send;
   std::int64_t tag = 0, numel = 0, nbytes = 0, seq = 0;
   char dtype[24] = {};
   char site[96] = {};
 };
+
+// How long a receipt or an end may take to leave: a peer that no longer takes
+// them has ended, and the calls that wait on it report that.
+constexpr std::chrono::milliseconds kNoticeLimit{2000};
 
 }  // namespace
 
@@ -25,10 +32,19 @@ ProcessWire::ProcessWire(const GlooRank& rank, std::vector<int> ranks, std::shar
                          std::chrono::milliseconds timeout)
     : context_(rank.context_ptr()), ranks_(std::move(ranks)), me_(rank.rank()), mailbox_(std::move(mailbox)),
       timeout_(timeout) {
-  if (context_ && ranks_.size() > 1) thread_ = std::thread([this] { take(); });
+  if (context_ && ranks_.size() > 1) {
+    notifier_ = std::thread([this] { send_notices(); });
+    thread_ = std::thread([this] { take(); });
+  }
 }
 
 ProcessWire::~ProcessWire() {
+  {
+    std::lock_guard<std::mutex> lock(notices_mutex_);
+    notices_stop_ = true;
+    notices_cv_.notify_all();
+  }
+  if (notifier_.joinable()) notifier_.join();
   stopping_ = true;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -37,25 +53,28 @@ ProcessWire::~ProcessWire() {
   if (thread_.joinable()) thread_.join();
 }
 
+void ProcessWire::put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes,
+                      std::chrono::milliseconds limit) {
+  auto h = context_->createUnboundBuffer(const_cast<void*>(header), size);
+  std::unique_ptr<gloo::transport::UnboundBuffer> payload;
+  h->send(peer, kWireHeaderSlot);
+  if (nbytes) {
+    payload = context_->createUnboundBuffer(const_cast<std::uint8_t*>(bytes), nbytes);
+    payload->send(peer, kWirePayloadSlot);
+  }
+  h->waitSend(limit);
+  if (payload) payload->waitSend(limit);
+}
+
 void ProcessWire::send(int dst, int tag, const Mailbox::Message& m) {
   const auto it = std::find(ranks_.begin(), ranks_.end(), dst);
   if (it == ranks_.end() || !context_) throw InvalidInput("send to rank " + std::to_string(dst) + ": not in this group");
-  const int peer = static_cast<int>(it - ranks_.begin());
   WireHeader h;
   h.tag = tag, h.numel = m.payload.numel, h.nbytes = static_cast<std::int64_t>(m.payload.bytes.size()), h.seq = m.seq;
   std::strncpy(h.dtype, m.payload.dtype.c_str(), sizeof h.dtype - 1);
   std::strncpy(h.site, m.site.c_str(), sizeof h.site - 1);
   try {
-    auto header = context_->createUnboundBuffer(&h, sizeof h);
-    std::unique_ptr<gloo::transport::UnboundBuffer> payload;
-    header->send(peer, kWireHeaderSlot);
-    if (h.nbytes) {
-      payload = context_->createUnboundBuffer(const_cast<std::uint8_t*>(m.payload.bytes.data()),
-                                              static_cast<std::size_t>(h.nbytes));
-      payload->send(peer, kWirePayloadSlot);
-    }
-    header->waitSend(timeout_);
-    if (payload) payload->waitSend(timeout_);
+    put(static_cast<int>(it - ranks_.begin()), &h, sizeof h, m.payload.bytes.data(), m.payload.bytes.size(), timeout_);
   } catch (const std::exception& e) {
     throw CollectiveError("rank " + std::to_string(ranks_[me_]) + "'s send to rank " + std::to_string(dst) + " (tag " +
                           std::to_string(tag) + ", " + m.payload.shape() + ") did not leave within " +
@@ -63,7 +82,75 @@ void ProcessWire::send(int dst, int tag, const Mailbox::Message& m) {
   }
 }
 
+namespace {
+std::vector<std::uint8_t> bytes_of(const WireHeader& h) {
+  const auto* p = reinterpret_cast<const std::uint8_t*>(&h);
+  return {p, p + sizeof h};
+}
+}  // namespace
+
+void ProcessWire::notify(Notice n) {
+  std::lock_guard<std::mutex> lock(notices_mutex_);
+  notices_.push_back(std::move(n));
+  ++notices_queued_;
+  notices_cv_.notify_all();
+}
+
+void ProcessWire::send_notices() {
+  std::unique_lock<std::mutex> lock(notices_mutex_);
+  while (true) {
+    notices_cv_.wait(lock, [&] { return notices_stop_ || !notices_.empty(); });
+    if (notices_stop_) return;
+    Notice n = std::move(notices_.front());
+    notices_.pop_front();
+    lock.unlock();
+    try {
+      put(n.peer, n.header.data(), n.header.size(), n.bytes.data(), n.bytes.size(), std::min(timeout_, kNoticeLimit));
+    } catch (const std::exception&) {
+      // That peer ended, or its connection is gone: what waited on it has been told, or its session's end says so.
+    }
+    lock.lock();
+    ++notices_sent_;
+    notices_cv_.notify_all();
+  }
+}
+
+void ProcessWire::receipt(int dst, int seq) {
+  const auto it = std::find(ranks_.begin(), ranks_.end(), dst);
+  if (it == ranks_.end() || !notifier_.joinable()) return;
+  WireHeader h;
+  h.kind = Kind::receipt, h.seq = seq;
+  notify(Notice{static_cast<int>(it - ranks_.begin()), bytes_of(h), {}});
+}
+
+void ProcessWire::ended(const std::string& how, bool failed) {
+  if (!notifier_.joinable()) return;
+  WireHeader h;
+  h.kind = Kind::end, h.numel = failed ? 1 : 0, h.nbytes = static_cast<std::int64_t>(how.size());
+  for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
+    if (q != me_) notify(Notice{q, bytes_of(h), std::vector<std::uint8_t>(how.begin(), how.end())});
+  // Gone before the session's end: the peers learn it first.
+  std::unique_lock<std::mutex> lock(notices_mutex_);
+  const std::int64_t mine = notices_queued_;
+  notices_cv_.wait_for(lock, timeout_, [&] { return notices_sent_ >= mine || notices_stop_; });
+}
+
+bool ProcessWire::wait_for_ends() {
+  std::unique_lock<std::mutex> lock(ends_mutex_);
+  const int peers = static_cast<int>(ranks_.size()) - 1;
+  ends_cv_.wait_for(lock, timeout_, [&] { return ends_ >= peers || !taking_; });
+  return ends_ >= peers;
+}
+
 void ProcessWire::take() {
+  struct Done {  // whoever waits for the peers' ends stops waiting when nothing more comes
+    ProcessWire& wire;
+    ~Done() {
+      std::lock_guard<std::mutex> lock(wire.ends_mutex_);
+      wire.taking_ = false;
+      wire.ends_cv_.notify_all();
+    }
+  } done{*this};
   std::vector<int> peers;
   for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
     if (q != me_) peers.push_back(q);
@@ -84,9 +171,24 @@ void ProcessWire::take() {
         payload->recv(src, kWirePayloadSlot);
         payload->waitRecv(timeout_);
       }
-      h.dtype[sizeof h.dtype - 1] = h.site[sizeof h.site - 1] = 0;
-      mailbox_->arrive("", ranks_[src], ranks_[me_], static_cast<int>(h.tag),
-                       Mailbox::Message{Payload{std::move(bytes), h.dtype, h.numel}, static_cast<int>(h.seq), h.site});
+      switch (h.kind) {
+        case Kind::send:
+          h.dtype[sizeof h.dtype - 1] = h.site[sizeof h.site - 1] = 0;
+          mailbox_->arrive("", ranks_[src], ranks_[me_], static_cast<int>(h.tag),
+                           Mailbox::Message{Payload{std::move(bytes), h.dtype, h.numel}, static_cast<int>(h.seq),
+                                            h.site, 0, nullptr, /*remote=*/true});
+          break;
+        case Kind::receipt:
+          mailbox_->taken(ranks_[src], static_cast<int>(h.seq));
+          break;
+        case Kind::end: {
+          mailbox_->stopped(ranks_[src], std::string(bytes.begin(), bytes.end()), h.numel != 0);
+          std::lock_guard<std::mutex> lock(ends_mutex_);
+          ++ends_;
+          ends_cv_.notify_all();
+          break;
+        }
+      }
     } catch (const std::exception&) {
       return;  // the group's connections closed (a peer ended or failed): its calls report that
     }

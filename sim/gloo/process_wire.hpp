@@ -1,15 +1,24 @@
 // Point to point between the processes of a job, over a group's Gloo context
-// (the wire slots of sim/gloo/protocol.hpp): a send writes a header (tag,
-// dtype, count, the sender's call site) and the bytes; a thread of each process
-// takes every message that comes, from any peer, into the process's mailbox
-// (core/comm/point_to_point.hpp), where its receives match them as between
-// threads (any order, sizes checked, timeouts named).
+// (the wire slots of sim/gloo/protocol.hpp). Three kinds of message, each a
+// header and maybe bytes: a send (tag, dtype, count, the sender's call site, the
+// bytes); a receipt (a receive took send #seq: the sender's blocking send
+// returns, as on Gloo and NCCL); and a rank's end (it returned, or threw: its
+// peers' receives from it end at once, and a peer that has every end knows every
+// message came). A thread of each process takes whatever comes, from any peer,
+// into the process's mailbox (core/comm/point_to_point.hpp), where receives
+// match as between threads (any order, sizes checked, timeouts named). Messages
+// of one peer come in the order it sent them (one connection each), so its end
+// comes after its last message.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -35,9 +44,28 @@ class ProcessWire {
   // To job rank dst; returns once the message left (throws CollectiveError when
   // it does not leave within the timeout).
   void send(int dst, int tag, const Mailbox::Message& m);
+  // Tells job rank dst that a receive here took its send #seq.
+  void receipt(int dst, int seq);
+  // Tells every peer this rank's program ended: "returned", or "threw: ..." (failed).
+  void ended(const std::string& how, bool failed);
+  // Waits until every peer's end came (or the timeout): every message sent here
+  // is then in the mailbox. False when some end did not come.
+  bool wait_for_ends();
 
  private:
   void take();  // every message from any peer, into the mailbox, until the group ends
+  // One header, and `bytes` when there are any, to group rank `peer`.
+  void put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes,
+           std::chrono::milliseconds limit);
+  // Receipts and ends leave from a thread of their own: take() never waits on a
+  // send (three processes whose take threads each sent a receipt round a ring,
+  // each waiting for the next to take it, would wait in a circle).
+  struct Notice {
+    int peer;
+    std::vector<std::uint8_t> header, bytes;
+  };
+  void notify(Notice n);  // queues it
+  void send_notices();
 
   std::shared_ptr<gloo::Context> context_;
   std::vector<int> ranks_;
@@ -47,6 +75,16 @@ class ProcessWire {
   std::mutex mutex_;
   std::unique_ptr<gloo::transport::UnboundBuffer> header_;
   std::atomic<bool> stopping_{false};
+  std::mutex ends_mutex_;
+  std::condition_variable ends_cv_;
+  int ends_ = 0;        // peers whose end came
+  bool taking_ = true;  // false once take() returned
+  std::mutex notices_mutex_;
+  std::condition_variable notices_cv_;
+  std::deque<Notice> notices_;
+  std::int64_t notices_queued_ = 0, notices_sent_ = 0;
+  bool notices_stop_ = false;
+  std::thread notifier_;
   std::thread thread_;
 };
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import cpsim.torch as ct
 
 mode = sys.argv[1]
-ct.init_process_group(timeout=float(os.environ.get("JOB_TIMEOUT", "10")))
+ct.init_process_group(timeout=float(os.environ.get("JOB_TIMEOUT", "10")), sends=os.environ.get("JOB_SENDS", "rendezvous"))
 rank, world = dist.get_rank(), dist.get_world_size()
 assert dist.get_backend() == "cpsim", dist.get_backend()
 x = torch.arange(3, dtype=torch.float64) + 10 * rank
@@ -80,7 +80,18 @@ elif mode == "send_size":  # rank 1 sends 3 elements where rank 0 receives 2
         dist.send(torch.ones(3), dst=0)
     elif rank == 0:
         dist.recv(torch.empty(2), src=1)
-elif mode == "unreceived":  # rank 1 sends what rank 0 never receives
+elif mode == "send_first":  # every rank's blocking send before its recv: a deadlock unless sends are eager
+    dist.send(x, dst=(rank + 1) % world)
+    got = torch.empty(3, dtype=torch.float64)
+    dist.recv(got, src=(rank - 1) % world)
+    assert torch.equal(got, torch.arange(3, dtype=torch.float64) + 10 * ((rank - 1) % world)), got
+    print("rank %d: the ring ran" % rank)
+elif mode == "recv_from_raiser":  # rank 0 waits for a message; rank 1 raises instead of sending it
+    if rank == 0:
+        dist.recv(torch.empty(2), src=1)
+    elif rank == 1:
+        raise ValueError("the step of rank 1 broke")
+elif mode == "unreceived":  # rank 1 sends what rank 0 never receives (eager sends: it returns)
     if rank == 1:
         dist.send(torch.ones(3), dst=0)
     dist.barrier()

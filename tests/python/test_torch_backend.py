@@ -542,13 +542,13 @@ def test_a_recv_against_an_all_reduce_names_both_calls_and_where_they_are():
 
 # Ranks as processes: cpsim launch -n N -- python3 job_script.py MODE, each calling
 # cpsim.torch.init_process_group().
-def _launch(mode, n=3, timeout=10, grace=30):
+def _launch(mode, n=3, timeout=10, grace=30, sends="rendezvous"):
     import subprocess
     binary = os.environ.get("CPSIM_BINARY")
     if not binary:
         pytest.skip("CPSIM_BINARY (the cpsim executable) is not set: run through CTest")
     script = os.path.join(os.path.dirname(__file__), "job_script.py")
-    env = dict(os.environ, JOB_TIMEOUT=str(timeout))
+    env = dict(os.environ, JOB_TIMEOUT=str(timeout), JOB_SENDS=sends)
     start = time.monotonic()
     p = subprocess.run([binary, "launch", "-n", str(n), "--grace", str(grace), "--", sys.executable, script, mode],
                        env=env,
@@ -640,14 +640,41 @@ def test_a_rank_in_another_group_s_collective_is_named_there():
 
 @pytest.mark.parametrize("mode,words", [("skip", ["rank 1", "all_reduce"]), ("raise", ["rank 2", "ValueError"]),
                                         ("sizes", ["all_gather"]),
-                                        ("recv_nothing", ["rank 0", "recv from rank 1", "nothing came"]),
+                                        ("recv_nothing", ["rank 0", "recv from rank 1", "returned without sending it"]),
                                         ("send_size", ["recv from rank 1", "float32 x 3"]),
                                         ("unreceived", ["send no recv took", "rank 1's send #1 to rank 0"])])
 def test_processes_that_disagree_end_in_a_named_error_not_a_hang(mode, words):
-    rc, out, took = _launch(mode, timeout=10)
+    rc, out, took = _launch(mode, timeout=10, sends="eager" if mode == "unreceived" else "rendezvous")
     assert rc != 0, out
     assert took < 60, (took, out)
     assert all(w in out for w in words), (words, out)
+
+
+def test_a_process_s_blocking_send_returns_only_when_received():
+    # A ring whose every process sends before it receives hangs on Gloo and NCCL
+    # (3 floats included): each send waits for its receipt. Between processes it
+    # is named at the timeout (a deadlock across processes is not seen at once).
+    rc, out, took = _launch("send_first", timeout=4)
+    assert rc != 0, out
+    assert took < 60, (took, out)
+    assert re.search(r"rank \d waits for its send to rank \d \(tag 0, float64 x 3\) at job_script.py:\d+ to be "
+                     r"received, but|timeout: rank \d waited \d+ ms \(limit 4000 ms\) for its send to rank \d "
+                     r"\(tag 0, float64 x 3\) at job_script.py:\d+ and no receive took it", out), out
+    rc, out, _ = _launch("send_first", sends="eager")
+    assert rc == 0, out
+    assert all("rank %d: the ring ran" % r in out for r in range(3)), out
+
+
+def test_a_process_s_receive_ends_when_its_peer_returned_or_raised():
+    # The peer's end comes over the wire after its last message: the receive is
+    # told then, not at its timeout (whose report says "nothing came").
+    rc, out, took = _launch("recv_nothing", timeout=60)
+    assert rc != 0, out
+    assert "rank 0 waits for its recv from rank 1 (tag 0, float32 x 2) at job_script.py:" in out, out
+    assert "but rank 1 returned without sending it" in out and "nothing came" not in out, out
+    rc, out, took = _launch("recv_from_raiser", timeout=60)
+    assert rc != 0, out
+    assert "rank 1 threw: ValueError: the step of rank 1 broke" in out and "nothing came" not in out, out
 
 
 def test_a_rank_lost_after_every_collective_returned_ends_the_others_with_exit_3():
