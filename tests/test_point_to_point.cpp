@@ -6,6 +6,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <tuple>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -209,14 +213,16 @@ TEST(PointToPoint, ASendToAnotherProcessLeavesThroughTheRemote) {
   EXPECT_EQ(box.unreceived(), "");  // it left: nothing kept here
 }
 
-// Two processes of a job, rank 0's and rank 1's mailboxes, wired as the process
+// N processes of a job, one rank each, their mailboxes wired as the process
 // wire wires them (sim/gloo/process_wire.cpp): a send arrives at the other
-// mailbox, a receive's receipt comes back, and a rank's end is told.
-struct TwoProcesses {
-  explicit TwoProcesses(Sends sends = Sends::rendezvous, milliseconds timeout = milliseconds(5000))
-      : boxes{std::make_unique<Mailbox>(2, timeout, std::make_shared<ActivityBoard>(2), sends),
-              std::make_unique<Mailbox>(2, timeout, std::make_shared<ActivityBoard>(2), sends)} {
-    for (int me = 0; me < 2; ++me)
+// mailbox, a receive's receipt comes back, and a waiting rank's state is
+// carried from a thread of its own (a publish must only queue). A rank's end
+// is told by the test (Mailbox::stopped), as the wire's end message tells it.
+struct Processes {
+  explicit Processes(int n, Sends sends = Sends::rendezvous, milliseconds timeout = milliseconds(60000)) {
+    for (int q = 0; q < n; ++q)
+      boxes.push_back(std::make_unique<Mailbox>(n, timeout, std::make_shared<ActivityBoard>(n), sends));
+    for (int me = 0; me < n; ++me)
       boxes[me]->set_remote(
           me,
           [this](int src, int dst, int tag, const Mailbox::Message& m) {
@@ -227,14 +233,102 @@ struct TwoProcesses {
           [this, me](int src, int seq) {
             ++receipts;
             boxes[src]->taken(me, seq);
+          },
+          [this, me, n](const Mailbox::State& s) {
+            std::lock_guard<std::mutex> lock(mutex);
+            for (int q = 0; q < n; ++q)
+              if (q != me) states.push_back({me, q, s});
+            cv.notify_all();
           });
+    carrier = std::thread([this] {
+      std::unique_lock<std::mutex> lock(mutex);
+      while (true) {
+        cv.wait(lock, [&] { return stop || !states.empty(); });
+        if (stop) return;
+        auto [from, to, state] = states.front();
+        states.pop_front();
+        lock.unlock();
+        boxes[to]->remote_state(from, state);
+        lock.lock();
+      }
+    });
   }
-  std::unique_ptr<Mailbox> boxes[2];
+  ~Processes() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stop = true;
+      cv.notify_all();
+    }
+    carrier.join();
+  }
+  std::vector<std::unique_ptr<Mailbox>> boxes;
   std::atomic<int> receipts{0};
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<std::tuple<int, int, Mailbox::State>> states;
+  bool stop = false;
+  std::thread carrier;
 };
 
+TEST(PointToPoint, ARingOfProcessesThatSendFirstIsADeadlockNamedAtOnce) {
+  Processes job(3);  // a 60 s timeout: named long before it
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 3; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        auto sent = job.boxes[r]->send("g", r, (r + 1) % 3, 0, floats({1, 2, 3}), "ring.py:" + std::to_string(r));
+        job.boxes[r]->wait(*sent);
+      } catch (const CollectiveError& e) {
+        errors[r] = e.what();
+        for (int q = 0; q < 3; ++q)  // what the wire's end message does
+          if (q != r) job.boxes[q]->stopped(r, std::string("threw: ") + e.what(), true);
+      }
+    });
+  for (auto& t : ranks) t.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(30000));
+  int named = 0;
+  for (const std::string& e : errors) {
+    if (e.find("deadlock: every rank still running waits in point to point") == std::string::npos) continue;
+    ++named;
+    for (int r = 0; r < 3; ++r)
+      EXPECT_NE(e.find("rank " + std::to_string(r) + ": waits for its send to rank " + std::to_string((r + 1) % 3) +
+                       " (tag 0, float32 x 3) at ring.py:" + std::to_string(r) + " to be received"),
+                std::string::npos)
+          << e;
+  }
+  EXPECT_GE(named, 1);  // the others may stop first: a process that named it ends its wait
+}
+
+TEST(PointToPoint, ProcessesThatWaitWhileMessagesAreOnTheirWayAreNoDeadlock) {
+  // A ring of three processes, 200 rounds: each posts its receive, then its
+  // blocking send, then waits for its receive. Every rank waits often while
+  // a message or a receipt is on its way: none may be named a deadlock.
+  Processes job(3, Sends::rendezvous, milliseconds(20000));
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 3; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        for (int round = 0; round < 200; ++round) {
+          Inbox in;
+          auto posted = in.post(*job.boxes[r], r, (r + 2) % 3, 0, 3);
+          auto sent = job.boxes[r]->send("g", r, (r + 1) % 3, 0, floats({1, 2, float(round)}), "");
+          job.boxes[r]->wait(*sent);
+          job.boxes[r]->wait(*posted);
+          if (in.values[2] != float(round)) throw CollectiveError("round " + std::to_string(round) + " got another");
+        }
+      } catch (const CollectiveError& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  for (const std::string& e : errors) EXPECT_EQ(e, "");
+}
+
 TEST(PointToPoint, ABlockingSendToAnotherProcessReturnsWhenItsReceiptComes) {
-  TwoProcesses job;
+  Processes job(2);
   auto sent = job.boxes[0]->send("g", 0, 1, 0, floats({1, 2}), "a.py:1");
   EXPECT_FALSE(sent->taken);  // it left; no receive took it yet
   EXPECT_NE(job.boxes[0]->pending().find("rank 0 sent rank 1 float32 x 2 (tag 0, at a.py:1), not received yet"),
@@ -260,7 +354,7 @@ TEST(PointToPoint, ABlockingSendToAnotherProcessReturnsWhenItsReceiptComes) {
 }
 
 TEST(PointToPoint, EagerSendsToAnotherProcessReturnAtOnce) {
-  TwoProcesses job(Sends::eager);
+  Processes job(2, Sends::eager);
   auto sent = job.boxes[0]->send("g", 0, 1, 0, floats({1, 2}), "");
   EXPECT_TRUE(sent->taken);
   job.boxes[0]->wait(*sent);
@@ -268,7 +362,7 @@ TEST(PointToPoint, EagerSendsToAnotherProcessReturnAtOnce) {
 }
 
 TEST(PointToPoint, AProcessToldItsPeerEndedStopsWaitingAtOnce) {
-  TwoProcesses job(Sends::rendezvous, milliseconds(60000));
+  Processes job(2);
   auto sent = job.boxes[0]->send("g", 0, 1, 0, floats({1, 2}), "a.py:1");
   Inbox in;
   auto posted = in.post(*job.boxes[0], 0, 1, 3);

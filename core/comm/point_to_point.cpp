@@ -45,8 +45,54 @@ std::string PostedSend::what() const { return posted_call("send to rank " + std:
 Mailbox::Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board, Sends sends)
     : state_(ranks, "running"), sent_(ranks, 0), timeout_(timeout), board_(std::move(board)), sends_(sends) {}
 
-void Mailbox::set_remote(int local, Remote remote, Receipt receipt) {
-  local_ = local, remote_ = std::move(remote), receipt_ = std::move(receipt);
+void Mailbox::set_remote(int local, Remote remote, Receipt receipt, Publish publish, std::vector<int> members) {
+  local_ = local, remote_ = std::move(remote), receipt_ = std::move(receipt), publish_ = std::move(publish);
+  wire_sent_.assign(state_.size(), 0);
+  wire_got_.assign(state_.size(), 0);
+  if (members.empty())
+    for (int q = 0; q < static_cast<int>(state_.size()); ++q) members.push_back(q);
+  members_ = std::move(members);
+}
+
+void Mailbox::remote_state(int rank, State state) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  remote_states_[rank] = std::move(state);
+  cv_.notify_all();
+}
+
+void Mailbox::publish_locked() {
+  if (!publish_) return;
+  const auto mine = std::find_if(waiting_.begin(), waiting_.end(),
+                                 [&](const Waiting* w) { return w->rank == local_ && !w->over(); });
+  const bool waiting = mine != waiting_.end();
+  if (!waiting && !published_waiting_) return;  // not waiting, and its peers know: its counts need not go
+  published_waiting_ = waiting;
+  publish_(State{waiting, waiting ? (*mine)->doing : "", wire_sent_, wire_got_});
+}
+
+bool Mailbox::processes_deadlocked_locked() const {
+  if (!publish_) return false;
+  const bool waits = std::any_of(waiting_.begin(), waiting_.end(),
+                                 [&](const Waiting* w) { return w->rank == local_ && !w->over(); });
+  if (!waits) return false;
+  auto counts = [&](int q) -> std::pair<const std::vector<std::int64_t>*, const std::vector<std::int64_t>*> {
+    if (q == local_) return {&wire_sent_, &wire_got_};
+    const State& s = remote_states_.at(q);
+    return {&s.sent, &s.got};
+  };
+  for (int q : members_) {
+    if (q == local_) continue;
+    // A rank that ended: its last counts are not known here (its peers' waits on it end by themselves).
+    if (state_[q] != "running") return false;
+    const auto it = remote_states_.find(q);
+    if (it == remote_states_.end() || !it->second.waiting || it->second.sent.size() != state_.size() ||
+        it->second.got.size() != state_.size())
+      return false;
+  }
+  for (int p : members_)
+    for (int q : members_)
+      if (p != q && (*counts(p).first)[q] != (*counts(q).second)[p]) return false;  // something is on its way
+  return true;
 }
 
 std::shared_ptr<PostedSend> Mailbox::send(const std::string& group, int src, int dst, int tag, Payload payload,
@@ -60,6 +106,7 @@ std::shared_ptr<PostedSend> Mailbox::send(const std::string& group, int src, int
     const std::pair<int, int> key{dst, m.seq};
     if (sends_ == Sends::eager) receipt->taken = true;
     else remote_sends_[key] = receipt;  // until its receipt comes
+    ++wire_sent_[dst];
     lock.unlock();
     try {
       remote_(src, dst, tag, m);
@@ -79,13 +126,17 @@ std::shared_ptr<PostedSend> Mailbox::send(const std::string& group, int src, int
 void Mailbox::arrive(const std::string& group, int src, int dst, int tag, Message m) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (m.remote) ++wire_got_[src];
     arrive_locked(group, src, dst, tag, std::move(m));
+    publish_locked();  // its counts changed (and maybe whether it waits)
   }
   send_receipts();
 }
 
 void Mailbox::taken(int dst, int seq) {
   std::lock_guard<std::mutex> lock(mutex_);
+  ++wire_got_[dst];
+  publish_locked();
   const auto it = remote_sends_.find({dst, seq});
   if (it == remote_sends_.end()) return;
   it->second->taken = true;
@@ -141,10 +192,14 @@ void Mailbox::wait_locked(std::unique_lock<std::mutex>& lock, const Waiting& w, 
   const std::string me = "rank " + std::to_string(w.rank) + " ";
   board_->set(w.rank, w.doing);
   waiting_.push_back(&w);
+  publish_locked();
   struct Leave {
     Mailbox& box;
     const Waiting& w;
-    ~Leave() { box.waiting_.remove(&w); }
+    ~Leave() {
+      box.waiting_.remove(&w);
+      box.publish_locked();
+    }
   } leave{*this, w};
   auto end = [&](const std::string& report, const std::string& doing = "") {
     board_->set(w.rank, doing);
@@ -159,9 +214,12 @@ void Mailbox::wait_locked(std::unique_lock<std::mutex>& lock, const Waiting& w, 
       deadlock_ =
           "deadlock: every rank still running waits in point to point for what none of them will send or receive "
           "(a blocking send returns only when a receive takes it, as on Gloo and NCCL):";
-      std::vector<const Waiting*> all(waiting_.begin(), waiting_.end());
-      std::sort(all.begin(), all.end(), [](const Waiting* a, const Waiting* b) { return a->rank < b->rank; });
-      for (const Waiting* x : all) deadlock_ += "\n  rank " + std::to_string(x->rank) + ": " + x->doing;
+      std::map<int, std::string> doing;  // every rank's wait: this process's, and the others' as published
+      for (const Waiting* x : waiting_) doing.emplace(x->rank, x->doing);
+      if (remote_)
+        for (const auto& [q, state] : remote_states_)
+          if (state.waiting) doing.emplace(q, state.doing);
+      for (const auto& [q, what] : doing) deadlock_ += "\n  rank " + std::to_string(q) + ": " + what;
       cv_.notify_all();
       end(deadlock_);
     }
@@ -201,7 +259,7 @@ void Mailbox::wait(PostedSend& s, std::chrono::milliseconds limit) {
 }
 
 bool Mailbox::deadlocked_locked() const {
-  if (remote_) return false;  // what another process's ranks do is not known here
+  if (remote_) return processes_deadlocked_locked();
   bool any = false;
   for (std::size_t q = 0; q < state_.size(); ++q) {
     if (state_[q] != "running") continue;
@@ -253,7 +311,10 @@ void Mailbox::deliver(PostedRecv& p, int src, const Message& m) {
   p.done = true;
   p.source = src;
   if (m.receipt) m.receipt->taken = true;
-  if (m.remote) receipts_.emplace_back(src, m.seq);
+  if (m.remote) {
+    receipts_.emplace_back(src, m.seq);
+    ++wire_sent_[src];
+  }
   if (m.payload.numel != p.numel || m.payload.dtype != p.dtype) {
     p.error = "rank " + std::to_string(p.dst) + "'s " + p.what() + " got rank " + std::to_string(src) + "'s send #" +
               std::to_string(m.seq) + ", which holds " + m.payload.shape() +

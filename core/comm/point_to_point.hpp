@@ -13,9 +13,12 @@
 // differs, a peer that returned without sending or receiving, and at the end a
 // message nobody received. Between the processes of a job the same holds: the
 // process wire carries the message, the receipt a receive sends back to its
-// sender, and each rank's end (sim/gloo/process_wire.hpp); only a deadlock
-// between processes is named at the timeout, not at once (what another
-// process's ranks wait for is not known here).
+// sender, each rank's end, and while a rank waits in point to point its state
+// (what it waits for, and how many messages and receipts it sent to and took
+// from each rank: sim/gloo/process_wire.hpp). A process names a deadlock when
+// its own rank and every other running one wait and the counts agree pairwise
+// (nothing is on its way: a rank that was waiting and stopped can only have
+// been woken by a message some rank counts as sent and its receiver does not).
 //
 // The payload is typed bytes (a dtype name and an element count, as the caller
 // names them): this layer knows no tensor library.
@@ -113,6 +116,17 @@ class Mailbox {
   using Remote = std::function<void(int src, int dst, int tag, const Message& m)>;
   // How a receipt leaves: this process's rank took rank src's send #seq.
   using Receipt = std::function<void(int src, int seq)>;
+  // What this process's rank does in point to point, as its peers see it:
+  // whether it waits (and for what), and its counts of messages and receipts
+  // sent to and taken from each rank.
+  struct State {
+    bool waiting = false;
+    std::string doing;  // "waits for its send to rank 1 ... to be received"
+    std::vector<std::int64_t> sent, got;
+  };
+  // How this process's state reaches its peers (called under the mailbox's
+  // lock: it must only queue it).
+  using Publish = std::function<void(const State&)>;
   using Clock = std::chrono::steady_clock;
 
   Mailbox(int ranks, std::chrono::milliseconds timeout, std::shared_ptr<ActivityBoard> board,
@@ -120,7 +134,11 @@ class Mailbox {
   // The mailbox of one process of a job: its receives are rank `local`'s; sends
   // to any other rank go through `remote`, and the receipts of what its receives
   // took from them through `receipt`.
-  void set_remote(int local, Remote remote, Receipt receipt);
+  // `members`: the ranks of the group of processes (all when empty).
+  void set_remote(int local, Remote remote, Receipt receipt, Publish publish = nullptr,
+                  std::vector<int> members = {});
+  // The state a rank of another process published.
+  void remote_state(int rank, State state);
 
   // Posts a send; wait() on what it returns is a blocking send.
   std::shared_ptr<PostedSend> send(const std::string& group, int src, int dst, int tag, Payload payload,
@@ -171,6 +189,11 @@ class Mailbox {
   std::string pending_locked(const Waiting* w = nullptr) const;
   // Every rank still running waits in point to point for what cannot come.
   bool deadlocked_locked() const;
+  // Between processes: this rank and every other running one wait, their
+  // published counts agree pairwise.
+  bool processes_deadlocked_locked() const;
+  // This rank's state to its peers, when it waits or just stopped waiting.
+  void publish_locked();
 
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -186,6 +209,11 @@ class Mailbox {
   Receipt receipt_;
   std::vector<std::pair<int, int>> receipts_;  // (sender, seq) to send receipts for
   std::map<std::pair<int, int>, std::shared_ptr<PostedSend>> remote_sends_;  // (dst, seq), until taken
+  Publish publish_;
+  std::vector<std::int64_t> wire_sent_, wire_got_;  // messages and receipts, to and from each rank
+  std::map<int, State> remote_states_;              // the latest each rank of another process published
+  std::vector<int> members_;                        // the ranks of the group of processes
+  bool published_waiting_ = false;                  // what its peers last heard
   std::uint64_t arrivals_ = 0;
   Sends sends_;
   std::list<const Waiting*> waiting_;

@@ -131,7 +131,8 @@ class JobSession {
     sim::ProcessWire* wire = wire_.get();
     mailbox_->set_remote(
         ranks.at(me), [wire](int, int dst, int tag, const Mailbox::Message& m) { wire->send(dst, tag, m); },
-        [wire](int src, int seq) { wire->receipt(src, seq); });
+        [wire](int src, int seq) { wire->receipt(src, seq); }, [wire](const Mailbox::State& s) { wire->state(s); },
+        ranks);
     backend_ = c10::make_intrusive<BackendCpsim>(
         RankContext{session_->communicator(), mailbox_, board, std::move(ledger), "", RankNames::of(ranks, job_size)});
   }

@@ -13,7 +13,7 @@ namespace cpsim::sim {
 
 namespace {
 
-enum class Kind : std::int64_t { send = 0, receipt = 1, end = 2 };
+enum class Kind : std::int64_t { send = 0, receipt = 1, end = 2, state = 3 };
 
 struct WireHeader {
   Kind kind = Kind::send;
@@ -115,6 +115,47 @@ void ProcessWire::send_notices() {
   }
 }
 
+namespace {
+
+// A state's bytes: the count of ranks, the sent counts, the got counts (int64),
+// then what it waits for.
+std::vector<std::uint8_t> state_bytes(const Mailbox::State& s) {
+  std::vector<std::int64_t> numbers{static_cast<std::int64_t>(s.sent.size())};
+  numbers.insert(numbers.end(), s.sent.begin(), s.sent.end());
+  numbers.insert(numbers.end(), s.got.begin(), s.got.end());
+  std::vector<std::uint8_t> out(numbers.size() * sizeof(std::int64_t) + s.doing.size());
+  std::memcpy(out.data(), numbers.data(), numbers.size() * sizeof(std::int64_t));
+  std::memcpy(out.data() + numbers.size() * sizeof(std::int64_t), s.doing.data(), s.doing.size());
+  return out;
+}
+
+Mailbox::State state_of(const std::vector<std::uint8_t>& bytes, bool waiting) {
+  Mailbox::State s;
+  s.waiting = waiting;
+  std::int64_t n = 0;
+  if (bytes.size() < sizeof n) return s;
+  std::memcpy(&n, bytes.data(), sizeof n);
+  const std::size_t head = static_cast<std::size_t>(1 + 2 * n) * sizeof(std::int64_t);
+  if (n < 0 || bytes.size() < head) return s;
+  s.sent.resize(static_cast<std::size_t>(n));
+  s.got.resize(static_cast<std::size_t>(n));
+  std::memcpy(s.sent.data(), bytes.data() + sizeof n, static_cast<std::size_t>(n) * sizeof n);
+  std::memcpy(s.got.data(), bytes.data() + (1 + n) * sizeof n, static_cast<std::size_t>(n) * sizeof n);
+  s.doing.assign(bytes.begin() + static_cast<std::ptrdiff_t>(head), bytes.end());
+  return s;
+}
+
+}  // namespace
+
+void ProcessWire::state(const Mailbox::State& s) {
+  if (!notifier_.joinable()) return;
+  WireHeader h;
+  std::vector<std::uint8_t> bytes = state_bytes(s);
+  h.kind = Kind::state, h.numel = s.waiting ? 1 : 0, h.nbytes = static_cast<std::int64_t>(bytes.size());
+  for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
+    if (q != me_) notify(Notice{q, bytes_of(h), bytes});
+}
+
 void ProcessWire::receipt(int dst, int seq) {
   const auto it = std::find(ranks_.begin(), ranks_.end(), dst);
   if (it == ranks_.end() || !notifier_.joinable()) return;
@@ -180,6 +221,9 @@ void ProcessWire::take() {
           break;
         case Kind::receipt:
           mailbox_->taken(ranks_[src], static_cast<int>(h.seq));
+          break;
+        case Kind::state:
+          mailbox_->remote_state(ranks_[src], state_of(bytes, h.numel != 0));
           break;
         case Kind::end: {
           mailbox_->stopped(ranks_[src], std::string(bytes.begin(), bytes.end()), h.numel != 0);

@@ -2,9 +2,10 @@
 // (the wire slots of sim/gloo/protocol.hpp). Three kinds of message, each a
 // header and maybe bytes: a send (tag, dtype, count, the sender's call site, the
 // bytes); a receipt (a receive took send #seq: the sender's blocking send
-// returns, as on Gloo and NCCL); and a rank's end (it returned, or threw: its
+// returns, as on Gloo and NCCL); a rank's end (it returned, or threw: its
 // peers' receives from it end at once, and a peer that has every end knows every
-// message came). A thread of each process takes whatever comes, from any peer,
+// message came); and a rank's state while it waits in point to point (what for,
+// and its counts: the mailbox names a deadlock between processes from them). A thread of each process takes whatever comes, from any peer,
 // into the process's mailbox (core/comm/point_to_point.hpp), where receives
 // match as between threads (any order, sizes checked, timeouts named). Messages
 // of one peer come in the order it sent them (one connection each), so its end
@@ -48,6 +49,8 @@ class ProcessWire {
   void receipt(int dst, int seq);
   // Tells every peer this rank's program ended: "returned", or "threw: ..." (failed).
   void ended(const std::string& how, bool failed);
+  // Tells every peer what this rank does in point to point (Mailbox::Publish).
+  void state(const Mailbox::State& s);
   // Waits until every peer's end came (or the timeout): every message sent here
   // is then in the mailbox. False when some end did not come.
   bool wait_for_ends();
