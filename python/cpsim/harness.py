@@ -44,12 +44,13 @@ from cpsim import program
 from cpsim import verdict as _verdict
 from cpsim.case import RankCase
 from cpsim.layer import Layer
+from cpsim.user_loss import Loss
 from cpsim.options import Inputs, Layouts, Ranks, grouped
 from cpsim.outputs import OUTPUTS
 from cpsim.verdict import OutsideContract
 
 __doc__ = __doc__ % _outputs.text()
-__all__ = ("check", "CheckFailed", "Checked", "Inputs", "Layer", "Layouts", "OUTPUTS", "OutsideContract",
+__all__ = ("check", "CheckFailed", "Checked", "Inputs", "Layer", "Layouts", "Loss", "OUTPUTS", "OutsideContract",
            "RankCase", "Ranks")
 
 

@@ -51,6 +51,14 @@ OUTPUT_TABLE = (
            "upstream gradient is drawn, 0 on the CP padding): each rank's output and input gradients against the "
            "unsharded run's positions, every parameter's gradient summed over the CP ranks against the unsharded "
            "one, within the Layer's tolerance"),
+    Output("user_loss", "a cpsim.torch.Loss",
+           "the step's own loss on this rank: its value, the logits it came from (case.activation), and "
+           "optionally its labels and loss mask [B, L], compared with the same step run unsharded on a group of "
+           "one, whatever its convention (token mean, per-document mean, sum): labels and mask exactly at the "
+           "rank's positions (CP padding left out), the value on every rank (value_is='global') or summed over "
+           "the CP ranks ('share'), and each rank's gradient to its logits as the unsharded one at its positions "
+           "(gradient='sum'; 'mean': cp times it), within the Loss's tolerance; a value or gradient off by a "
+           "known factor is named"),
     Output("targets", "[B, L]",
            "this rank's next-token targets, aligned on whole rows before sharding from case.tokens: tokens[t + 1] "
            "when t and t + 1 are real tokens of one document, else -100"),

@@ -7,21 +7,30 @@ from cpsim.loss import hint as _loss_hint
 from cpsim.mesh import who as _who
 from cpsim.compare import difference as _difference, rms as _rms
 from cpsim.layer import layer_run as _layer_run
+from cpsim.user_loss import loss_run as _loss_run
 from cpsim.outputs import CP_CONTEXT_FIELDS, OUTPUTS, RECURRENCE_INPUTS
 from cpsim.upstream import laid_out, layout_for
 
 
-def run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False, mesh="dp,cp"):
+# The outputs compared with the step itself run unsharded (on a group of one),
+# and how each one's run on a rank is taken: {name: run(case, output, who)}.
+UNSHARDED_OUTPUTS = {"layer": _layer_run, "user_loss": _loss_run}
+
+
+def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, mesh="dp,cp"):
     """One rank: the step, then its outputs' comparisons and gradients, in the
     same order on every rank. Returns this rank's first difference as (0, why)
     for a value, (1, why) for a gradient (a gradient's difference may be a
-    forward one's consequence), or None when none. A "layer" output's run
-    (output and gradients) goes to layers[(dp_rank, rank)], compared once
-    every rank and the unsharded run are done (_layer_differences)."""
+    forward one's consequence), or None when none. The run of an output
+    compared with the unsharded step ("layer", "user_loss") goes to
+    runs[name][(dp_rank, rank)] (runs[name][None]: the unsharded run's),
+    compared once every rank and the unsharded run are done."""
     case = RankCase(golden, rank, dp, dp_rank, unsharded, mesh)
-    if unsharded:  # the reference run of a Layer: nothing else is compared
+    if unsharded:  # the reference run: nothing else is compared
         out = step(case)
-        layers[None] = _layer_run(case, out.get("layer") if isinstance(out, dict) else None, "the unsharded run")
+        for name, run in UNSHARDED_OUTPUTS.items():
+            if name in runs:
+                runs[name][None] = run(case, out.get(name) if isinstance(out, dict) else None, "the unsharded run")
         return None
     who = _who(rank, dp_rank, case.cp, dp, mesh)
     out = step(case)
@@ -147,13 +156,16 @@ def run_rank(golden, step, rank, dp=1, dp_rank=0, layers=None, unsharded=False, 
         backward("recurrence_o", out["recurrence_o"], [case.recurrence[n] for n in RECURRENCE_INPUTS],
                  golden.inputs["recurrence_grad_o"][:, lo:hi], ["d" + n for n in RECURRENCE_INPUTS],
                  [rms("dq"), rms("dk"), rms("dv"), rms("dbeta", "dq", "dk"), rms("dg", "dq", "dk")])
-    if "layer" in out:
-        if layers is None:
-            raise ValueError("a \"layer\" output is compared on thread ranks (check(backend='threads'), not in a job)")
+    for name, run in UNSHARDED_OUTPUTS.items():
+        if name not in out:
+            continue
+        if runs is None:
+            raise ValueError("a \"%s\" output is compared on thread ranks (check(backend='threads'), not in a job)"
+                             % name)
         from cpsim import _C
-        _C.set_site_context("the backward of the step's layer")
+        _C.set_site_context("the backward of the step's %s" % ("layer" if name == "layer" else "loss"))
         try:
-            layers[(dp_rank, rank)] = _layer_run(case, out["layer"], who)
+            runs.setdefault(name, {})[(dp_rank, rank)] = run(case, out[name], who)
         finally:
             _C.set_site_context("")
     if "targets" in out:

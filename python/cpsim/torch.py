@@ -453,8 +453,8 @@ def _finish_job():
 # The property harness (cpsim/harness.py), as cpsim.torch.check(step, ...): the
 # harness builds on this module, so it is imported when first asked for, and
 # this module never imports it.
-_HARNESS_NAMES = ("CheckFailed", "Checked", "Inputs", "Layer", "Layouts", "OutsideContract", "RankCase", "Ranks",
-                  "check")
+_HARNESS_NAMES = ("CheckFailed", "Checked", "Inputs", "Layer", "Layouts", "Loss", "OutsideContract", "RankCase",
+                  "Ranks", "check")
 
 
 def __getattr__(name):

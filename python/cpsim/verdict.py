@@ -9,6 +9,7 @@ from cpsim import where
 from cpsim.case import Golden
 from cpsim.mesh import placed
 from cpsim.layer import layer_differences as _layer_differences
+from cpsim.user_loss import loss_differences as _loss_differences
 from cpsim.rank import first_differences, run_rank
 
 
@@ -25,11 +26,11 @@ class Outside(str):
 def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp"):
     golden = Golden(folder, tolerance)
     cp = golden.cp
-    layers = {}
+    runs = {}  # "layer", "user_loss": {(dp_rank, rank) or None (unsharded): run}
     try:
         def one(rank, world):
             cp_rank, dp_rank = placed(rank, cp, dp, mesh)
-            return run_rank(golden, step, cp_rank, dp, dp_rank, layers, mesh=mesh)
+            return run_rank(golden, step, cp_rank, dp, dp_rank, runs, mesh=mesh)
         found = ct.spawn(one, dp * cp, backend=backend, timeout=timeout)
     except ct.RankFailed as e:
         if isinstance(e.__cause__, OutsideContract):
@@ -39,19 +40,26 @@ def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp"):
         return str(e)
     except ct.CollectiveError as e:
         return "the ranks' calls did not match: %s" % e
-    if layers:  # the step's own layer, unsharded on a group of one: the reference of "layer"
+    if runs:  # the step itself, unsharded on a group of one: the reference of "layer" and "user_loss"
         if backend != "threads":
-            return "a \"layer\" output is compared on thread ranks (backend='threads'), not on %s" % backend
+            return "a \"%s\" output is compared on thread ranks (backend='threads'), not on %s" % (
+                sorted(runs)[0], backend)
         try:
-            ct.spawn(lambda rank, world: run_rank(golden, step, 0, layers=layers, unsharded=True), 1,
+            ct.spawn(lambda rank, world: run_rank(golden, step, 0, runs=runs, unsharded=True), 1,
                      backend=backend, timeout=timeout)
         except ct.RankFailed as e:
             return "the unsharded run (cp 1) raised %s" % str(e).split(": ", 1)[1]
         except (ct.RankStuck, ct.CollectiveError) as e:
             return "the unsharded run (cp 1): %s" % e
-        for r, why in _layer_differences(layers, cp, dp, golden.manifest["S"], mesh).items():
-            if not found[r] or why[0] < found[r][0]:
-                found[r] = why
+        compared = {"layer": _layer_differences, "user_loss": _loss_differences}
+        for name, of in compared.items():
+            if name not in runs:
+                continue
+            if None not in runs[name]:
+                return "the unsharded run (cp 1) returned no \"%s\" (the sharded ranks did)" % name
+            for r, why in of(runs[name], cp, dp, golden.manifest["S"], mesh).items():
+                if not found[r] or why[0] < found[r][0]:
+                    found[r] = why
     return first_differences(found)
 
 

@@ -1,0 +1,199 @@
+"""The "user_loss" output of cpsim.torch.check: a step's own labels, loss mask
+and loss function on this rank's shard, checked end to end against the same
+step run unsharded on a group of one (as "layer" is): whatever the loss's
+convention (token mean over every rank, per-document mean, sum), the sharded
+run must give the unsharded run's labels at each rank's positions, its value
+(every rank, or summed over the CP ranks) and its gradient to the logits."""
+import torch
+
+from cpsim.compare import difference, rms
+from cpsim.mesh import who as _who, world_rank
+
+VALUES = ("global", "share")
+GRADIENTS = ("sum", "mean")
+
+
+class Loss:
+    """What a step returns as "user_loss": its own loss on this rank.
+
+    value: the scalar its training step backpropagates on this rank.
+    logits: the leaf it was computed from, [B, L, V] at this rank's positions
+        (case.activation("logits", V): the same global tensor on every rank and
+        in the unsharded run).
+    labels, loss_mask: optional [B, L] tensors of this rank (its next-token
+        targets; its mask of the tokens that count), compared exactly with the
+        unsharded run's at the same positions. At the CP padding (positions from
+        case.S, which the unsharded run does not have) a position must be left
+        out: its label `ignore_index` or its mask 0.
+    value_is: "global" (every rank's value is the whole loss: reduced across
+        the CP ranks) or "share" (the CP ranks' values sum to the whole loss).
+    gradient: the convention of the gradients the ranks' backwards give. "sum"
+        (the CP ranks' gradients add up to the unsharded loss's: each rank's
+        gradient to its logits is the unsharded one at its positions) or "mean"
+        (a reduction that averages over the CP ranks follows: each rank's is cp
+        times it).
+    tolerance: the relative error every value and gradient is held to."""
+
+    def __init__(self, value, logits, labels=None, loss_mask=None, ignore_index=-100, value_is="global",
+                 gradient="sum", tolerance=1e-6):
+        if value_is not in VALUES:
+            raise ValueError("cpsim.torch.Loss: value_is is one of %s, not %r" % (VALUES, value_is))
+        if gradient not in GRADIENTS:
+            raise ValueError("cpsim.torch.Loss: gradient is one of %s, not %r" % (GRADIENTS, gradient))
+        self.value, self.logits, self.labels, self.loss_mask = value, logits, labels, loss_mask
+        self.ignore_index, self.value_is, self.gradient = int(ignore_index), value_is, gradient
+        self.tolerance = float(tolerance)
+
+
+def loss_run(case, loss, who):
+    """A Loss's value, labels, mask and gradient to the logits on one rank (or
+    the unsharded run)."""
+    if not isinstance(loss, Loss):
+        raise TypeError("%s: \"user_loss\" must be a cpsim.torch.Loss, not %s" % (who, type(loss).__name__))
+    value, logits = loss.value, loss.logits
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+        raise TypeError("%s: the Loss's value must be a one-element tensor, not %s" % (who, type(value).__name__))
+    if not (isinstance(logits, torch.Tensor) and logits.requires_grad):
+        raise TypeError("%s: the Loss's logits must be the leaf it was computed from (case.activation)" % who)
+    grad = None
+    if value.requires_grad:
+        (grad,) = torch.autograd.grad(value.reshape(()), [logits], retain_graph=True, allow_unused=True)
+
+    def kept(t):
+        return None if t is None else torch.as_tensor(t).detach().clone()
+    return {"value": float(value.detach().double().reshape(())), "logits": logits.detach(),
+            "grad": torch.zeros_like(logits) if grad is None else grad.detach(),
+            "labels": kept(loss.labels), "loss_mask": kept(loss.loss_mask), "ignore_index": loss.ignore_index,
+            "value_is": loss.value_is, "gradient": loss.gradient, "tolerance": loss.tolerance,
+            "lo": case._lo, "hi": case._hi}
+
+
+def _close(a, b, tolerance):
+    return abs(a - b) <= max(tolerance, 1e-12) * max(abs(b), 1e-12)
+
+
+def _positions(name, who, got, want, lo, S):
+    """'' when a rank's labels or mask equal the unsharded run's at its positions
+    before S, else the first that differs (row, position: the whole row's)."""
+    n = min(got.shape[1], max(S - lo, 0))
+    if tuple(got.shape[:1]) != tuple(want.shape[:1]) or got.dim() != want.dim():
+        return "%s %s: shape %s, the unsharded run's %s" % (who, name, list(got.shape), list(want.shape))
+    mine, theirs = got[:, :n].long(), want[:, lo:lo + n].long()
+    wrong = (mine != theirs).nonzero()
+    if not len(wrong):
+        return ""
+    b, t = (int(i) for i in wrong[0])
+    why = "%s %s at row %d position %d: %d, the unsharded run's %d (positions that differ: %d)" % (
+        who, name, b, lo + t, int(mine[b, t]), int(theirs[b, t]), len(wrong))
+    if all(int(p) == n - 1 for p in wrong[:, 1]) and lo + n < want.shape[1]:
+        why += ("; only at the shard's last position: %s made after sharding lose the next rank's first token "
+                "(shift the whole row, then shard)" % name)
+    return why
+
+
+def _left_out(who, run, S):
+    """'' when every CP padding position of a rank is left out of its loss."""
+    lo, hi = run["lo"], run["hi"]
+    if hi <= S:
+        return ""
+    start = max(S - lo, 0)
+    out = None
+    if run["labels"] is not None:
+        out = run["labels"][:, start:] == run["ignore_index"]
+    if run["loss_mask"] is not None:
+        masked = run["loss_mask"][:, start:] == 0
+        out = masked if out is None else (out | masked)
+    if out is None or bool(out.all()):
+        return ""
+    b, t = (int(i) for i in (~out).nonzero()[0])
+    return ("%s: the CP padding at row %d position %d counts in its loss (label not %d%s): padding positions "
+            "from %d on must be left out" % (who, b, lo + start + t, run["ignore_index"],
+                                             ", mask not 0" if run["loss_mask"] is not None else "", S))
+
+
+def _ratio(got, want):
+    """got as a multiple of want (least squares), or None."""
+    den = float((want.double() * want.double()).sum())
+    return float((got.double() * want.double()).sum()) / den if den > 0 else None
+
+
+def _value_hint(values, whole, tolerance):
+    """Why the CP ranks' values are not the whole loss, where it shows."""
+    if len(values) < 2:
+        return ""
+    if all(_close(v, values[0], tolerance) for v in values):
+        return ("; every rank has this value: the ranks' parts were reduced with the wrong weights (a mean of "
+                "per-rank means is the whole only when every rank counts as many tokens)")
+    why = "; the ranks' values differ: each rank's own loss, not reduced over the CP ranks"
+    if _close(sum(values), whole, tolerance):
+        why += ", or its share: they sum to it (Loss(..., value_is='share') says so, if meant)"
+    return why
+
+
+def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
+    """Each rank's labels, mask, value and gradient to its logits against the
+    unsharded run's; per world rank its first difference (0 value, 1 gradient)."""
+    whole = losses[None]
+    found = {}
+    for dp_rank in range(dp):
+        runs = [losses.get((dp_rank, rank)) for rank in range(cp)]
+        values = [run["value"] for run in runs if run is not None]
+        for rank, run in enumerate(runs):
+            who, at = _who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
+            if run is None:
+                found.setdefault(at, (0, "%s returned no user_loss (the unsharded run did)" % who))
+                continue
+            lo, n = run["lo"], max(min(run["hi"], S) - run["lo"], 0)
+            tolerance = run["tolerance"]
+            for name in ("labels", "loss_mask"):
+                if (run[name] is None) != (whole[name] is None):
+                    found.setdefault(at, (0, "%s gave %s %s, the unsharded run %s" % (
+                        who, "no" if run[name] is None else "its", name, "none" if whole[name] is None else "its")))
+                elif run[name] is not None:
+                    why = _positions(name, who, run[name], whole[name], lo, S)
+                    if why:
+                        found.setdefault(at, (0, why))
+            why = _left_out(who, run, S)
+            if why:
+                found.setdefault(at, (0, why))
+        # A value that differs where the labels or the mask do follows from them.
+        counted_wrong = any(found.get(world_rank(r, dp_rank, cp, dp, mesh)) for r in range(cp))
+        for rank, run in enumerate(runs):
+            if run is None:
+                continue
+            who, at = _who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
+            lo, n = run["lo"], max(min(run["hi"], S) - run["lo"], 0)
+            tolerance = run["tolerance"]
+            if run["value_is"] == "global" and not _close(run["value"], whole["value"], tolerance):
+                hint = ("; it follows from the tokens counted (the labels or mask reported)" if counted_wrong else
+                        _value_hint(values, whole["value"], tolerance))
+                found.setdefault(at, (0, "%s user_loss value %.10g, the unsharded run's %.10g%s" % (
+                    who, run["value"], whole["value"], hint)))
+            scale = cp if run["gradient"] == "mean" else 1
+            want = whole["grad"][:, lo:lo + n] * scale
+            got = run["grad"][:, :n]
+            why = difference("%s user_loss gradient to the logits (positions %d..%d)" % (who, lo, lo + n), got,
+                             want, tolerance, floor=rms(whole["grad"]) * scale)
+            if why:
+                ratio = _ratio(got, want)
+                if ratio is not None and cp > 1 and abs(ratio - cp) <= 1e-3 * cp:
+                    why += ("\n  it is cp (%d) times the unsharded gradient at its positions: an all_reduce with "
+                            "autograd (torch.distributed.nn.all_reduce) sums the ranks' upstream gradients into "
+                            "each; all_reduce a detached count or sum instead (or Loss(..., gradient='mean') if "
+                            "a reduction that averages over the CP ranks follows)" % cp)
+                elif ratio is not None and cp > 1 and abs(ratio - 1.0 / cp) <= 1e-3 / cp:
+                    why += ("\n  it is 1/cp of the unsharded gradient at its positions: the loss was divided by "
+                            "the CP size once too often (a mean over the ranks of a loss already reduced)")
+                found.setdefault(at, (1, why))
+            if bool((run["grad"][:, n:] != 0).any()):
+                found.setdefault(at, (1, "%s user_loss gradient to the logits is not 0 at the CP padding "
+                                         "(positions from %d)" % (who, S)))
+        if len(values) == cp and runs[0]["value_is"] == "share":
+            total, tolerance = sum(values), runs[0]["tolerance"]
+            if not _close(total, whole["value"], tolerance):
+                why = "the CP ranks' user_loss values (%s) sum to %.10g; the unsharded run's loss is %.10g" % (
+                    ", ".join("%.6g" % v for v in values), total, whole["value"])
+                if all(_close(v, whole["value"], tolerance) for v in values):
+                    why += "; every rank's value is the whole loss (Loss(..., value_is='global') says so)"
+                found.setdefault(world_rank(0, dp_rank, cp, dp, mesh), (0, why))
+    return found
