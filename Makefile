@@ -28,11 +28,16 @@ build: deps configure
 
 # The Python suites need the project's environment (.venv: torch 2.x from PyPI,
 # pinned in python/requirements.txt); make test makes it and builds the torch
-# backend against it.
+# backend against it. Through ccache when it is installed, paths taken relative
+# to the project's root: the install test's build of a fresh copy
+# (tests/python/test_install.py) reuses these objects instead of compiling
+# them again.
+CCACHE_ENV = $(if $(shell command -v ccache),CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR=$(CURDIR) \
+  CXX=$${CXX:-c++})
 test: deps
 	bash scripts/python-env.sh >/dev/null
-	cmake -S . -B $(BUILD) $(CMAKE_FLAGS) -DCPSIM_PYTHON=$(abspath .venv/bin/python)
-	cmake --build $(BUILD) -j $(JOBS)
+	$(CCACHE_ENV) cmake -S . -B $(BUILD) $(CMAKE_FLAGS) -DCPSIM_PYTHON=$(abspath .venv/bin/python)
+	$(CCACHE_ENV) cmake --build $(BUILD) -j $(JOBS)
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 SANITIZER_CASES ?= max_success=30

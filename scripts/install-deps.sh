@@ -2,7 +2,7 @@
 # Installs the Debian packages cpsim builds and tests with, when missing.
 # Idempotent: does nothing (and needs no root) when everything is present.
 set -euo pipefail
-packages=(cmake g++ make pkg-config libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
+packages=(cmake g++ make ccache pkg-config libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
           libgloo-dev libhiredis-dev nlohmann-json3-dev libcli11-dev libfmt-dev redis-server
           python3-numpy python3-venv python3-dev clang libclang-rt-14-dev
           openmpi-bin slurmctld slurmd slurm-client munge iproute2 nftables)

@@ -9,6 +9,10 @@ of the build tree (PYTHONPATH, CPSIM_BINARY) is visible to them.
 Wheels come from the project's wheel folder (python-env.sh fills it: torch,
 scikit-build-core), as pip's find-links with no index: the same packages a user
 gets from PyPI, without downloading them again. Several minutes: a whole build.
+Where ccache is installed the copy's build goes through it, with the project's
+root as ccache's base folder and the build in the copy's `build/`: its C++
+objects are then the ones make test's build (build/, also through ccache) has
+made, compiled once; the torch module's are its own (another torch folder).
 """
 import os
 import re
@@ -46,6 +50,10 @@ def user_environment(wheels):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CPSIM_BINARY", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=wheels, PIP_DISABLE_PIP_VERSION_CHECK="1",
                CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    if shutil.which("ccache"):  # the objects make test's build compiled (Makefile: its ccache)
+        # ccache hashes the compiler's name: c++ as there (CMake's Ninja build would take g++).
+        env.update(CMAKE_CXX_COMPILER_LAUNCHER="ccache", CCACHE_BASEDIR=ROOT, SKBUILD_BUILD_DIR="build",
+                   CXX=env.get("CXX", "c++"))
     return env
 
 
@@ -54,7 +62,9 @@ def installed(tmp_path_factory):
     """The copy after the README's commands: [(command, exit status, output)]."""
     wheels = os.environ.get("CPSIM_WHEELS", os.path.expanduser("~/.cache/cpsim/wheels"))
     assert os.path.isdir(wheels), f"no wheel folder {wheels}: run scripts/python-env.sh (make test does)"
-    copy = str(tmp_path_factory.mktemp("clone") / "cpsim")
+    # Under the project's root (in its ignored build/), so that ccache's base folder holds it.
+    copy = os.path.join(ROOT, "build", "install-clone", "cpsim")
+    shutil.rmtree(os.path.dirname(copy), ignore_errors=True)
     fresh_copy(copy)
     env = user_environment(wheels)
     results = []
