@@ -144,6 +144,44 @@ def compare(name, got, want, tolerance=None, scale=None):
     return err
 
 
+# The loosest relative RMSE this check accepts from a folder, by the folder's
+# dtype: its own bound, not the writer's (verify/golden.cpp's golden_tolerances
+# are measured, about 4x the worst rounding; these sit above them). A folder
+# whose tolerance were looser would let a wrong implementation pass.
+CEILINGS = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}
+# Keys that are copied or exchanged, never computed: bit for bit in every dtype.
+BITWISE = ("gathered", "halo")
+BITWISE_PREFIXES = ("batch.", "padded.")
+
+
+def check_tolerances(golden):
+    """Every compared key's tolerance in the manifest is one this check accepts:
+    0 for integers, booleans and what is exchanged or copied; at most the
+    folder dtype's ceiling for what is computed. Returns how many it read."""
+    m = golden.manifest
+    ceiling = CEILINGS.get(m["dtype"])
+    if ceiling is None:
+        raise AssertionError("manifest: dtype %r, not one of %s" % (m["dtype"], sorted(CEILINGS)))
+    read = 0
+    for file, keys in m["files"].items():
+        if file == "inputs.safetensors":
+            continue
+        for key, entry in keys.items():
+            tolerance = entry.get("tolerance")
+            name = "%s %s" % (file, key)
+            if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool):
+                raise AssertionError("%s: no tolerance in the manifest" % name)
+            exact = "float" not in entry["dtype"] or key in BITWISE or key.startswith(BITWISE_PREFIXES)
+            if exact and tolerance != 0:
+                raise AssertionError("%s: tolerance %g in the manifest, but it is compared bit for bit"
+                                     % (name, tolerance))
+            if not tolerance <= ceiling:
+                raise AssertionError("%s: tolerance %g in the manifest is looser than %s arithmetic needs (at most %g)"
+                                     % (name, tolerance, m["dtype"], ceiling))
+            read += 1
+    return read
+
+
 def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=None, gather_backward=None, conv=None,
           recurrence=None, rope=None, attention=None, targets=None, loss=None, log=print):
     """Compares the given functions with every rank's expected values.
@@ -191,6 +229,7 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
     loss(logits, targets) -> list of (loss, grad_logits): every rank's
         token-mean cross entropy across ranks and its logits' gradient
     """
+    check_tolerances(golden)  # the folder's own tolerances first: every comparison below reads them
     m = golden.manifest
     cuts, width = golden.cuts, m["conv_width"]
     x = golden.inputs["x"]

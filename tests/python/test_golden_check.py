@@ -69,3 +69,43 @@ def test_one_value_wrong_is_rejected_naming_its_key(golden, tmp_path, key, chang
     rc, out = _run_check(folder)
     assert rc != 0, out
     assert ("rank 1 %s:" % key) in out and words in out, out
+
+
+# The writer's tolerances: a folder whose manifest loosens one is rejected by
+# golden_check's own bounds, naming the key (a looser tolerance would let a
+# wrong implementation pass every comparison that reads it).
+LOOSENED = [
+    ("attention_o", 0.01, "looser than float64 arithmetic needs (at most 1e-09)"),  # computed
+    ("conv_dx", float("nan"), "looser than float64 arithmetic needs"),               # NaN: not <= any bound
+    ("gathered", 1e-12, "compared bit for bit"),                                     # exchanged
+    ("targets", 0.5, "compared bit for bit"),                                        # integers
+]
+
+
+@pytest.mark.parametrize("key,tolerance,words", LOOSENED, ids=[t[0] for t in LOOSENED])
+def test_a_loosened_tolerance_in_the_manifest_is_rejected_naming_its_key(golden, tmp_path, key, tolerance, words):
+    import json
+    folder = str(tmp_path / "loosened")
+    shutil.copytree(golden, folder)
+    path = os.path.join(folder, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["files"]["rank_1.safetensors"][key]["tolerance"] = tolerance
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    rc, out = _run_check(folder)
+    assert rc != 0, out
+    assert ("rank_1.safetensors %s: tolerance" % key) in out and words in out, out
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_the_writers_tolerances_of_every_dtype_are_within_golden_checks_bounds(tmp_path, dtype):
+    binary = os.environ.get("CPSIM_BINARY")
+    if not binary:
+        pytest.skip("CPSIM_BINARY (the cpsim executable) is not set: run through CTest")
+    folder = str(tmp_path / dtype)
+    subprocess.run([binary, "golden", os.path.join(ROOT, "examples", "spec_example.json"), "--cp", "3", "--dtype",
+                    dtype, "--out", folder], check=True, stdout=subprocess.DEVNULL)
+    sys.path.insert(0, os.path.dirname(CHECK))
+    import golden_check
+    assert golden_check.check_tolerances(golden_check.load_golden(folder)) > 100
