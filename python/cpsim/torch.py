@@ -187,11 +187,13 @@ class _UseBeforeWait(TorchFunctionMode):
 
 
 class RankFailed(RuntimeError):
-    """A rank of a spawn raised; `rank` says which, `__cause__` what it raised."""
+    """A rank of a spawn raised; `rank` says which, `error` what it raised (its
+    message names the user's frame; with CPSIM_TRACEBACK=1 it holds the whole
+    traceback, which is not printed again as a chained exception)."""
 
-    def __init__(self, rank, error):
-        super().__init__("rank %d: %s" % (rank, error))
-        self.rank = rank
+    def __init__(self, rank, report, error=None):
+        super().__init__("rank %d: %s" % (rank, report))
+        self.rank, self.error = rank, error
 
 
 class RankStuck(RuntimeError):
@@ -311,12 +313,14 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=(), sends="rende
 
     own = [(r, e) for r, e in enumerate(errors) if e is not None and not reported_by_cpsim(r, e)]
     reported = [(r, e) for r, e in enumerate(errors) if e is not None]
+    # Raised from None: the report says it all once (a chained exception would
+    # print the rank's traceback, or the same report, a second time).
     if own:
         rank, error = own[0]
-        raise RankFailed(rank, where.failure(error)) from error
+        raise RankFailed(rank, where.failure(error), error) from None
     if reported:
         rank, error = reported[0]
-        raise CollectiveError(str(error)) from error
+        raise CollectiveError(str(error)) from None
     unreceived = group.unreceived()
     if unreceived:
         raise CollectiveError(unreceived)

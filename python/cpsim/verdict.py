@@ -33,8 +33,8 @@ def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp"):
             return run_rank(golden, step, cp_rank, dp, dp_rank, runs, mesh=mesh)
         found = ct.spawn(one, dp * cp, backend=backend, timeout=timeout)
     except ct.RankFailed as e:
-        if isinstance(e.__cause__, OutsideContract):
-            return Outside(str(e.__cause__))
+        if isinstance(e.error, OutsideContract):
+            return Outside(str(e.error))
         return "rank %d raised %s" % (e.rank, str(e).split(": ", 1)[1])
     except ct.RankStuck as e:
         return str(e)

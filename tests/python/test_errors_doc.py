@@ -110,3 +110,30 @@ def test_a_report_the_page_does_not_name_is_found():
     made_up = [("made_up.py:1", ["cpsim: a report no page names, not ", None])]
     reordered = [("made_up.py:2", ["dp must divide the job's size", None, "check(dp="])]
     assert len(missing(made_up + reordered, text)) == 2
+
+
+def test_a_spawn_s_report_is_printed_once_when_uncaught():
+    # Python prints a chained exception's traceback and message before the
+    # report's own: a spawn raises its report from None, its rank's exception
+    # kept as RankFailed.error.
+    import subprocess
+    import sys
+    script = ("import sys, torch, torch.distributed as dist, cpsim.torch as ct\n"
+              "def ring(rank, world):\n"
+              "    dist.send(torch.ones(3), dst=(rank + 1) % world)\n"
+              "def own(rank, world):\n"
+              "    if rank == 1:\n"
+              "        raise ValueError('the step of rank 1 broke')\n"
+              "    dist.barrier()\n"
+              "try:\n"
+              "    ct.spawn(own, 2, timeout=10)\n"
+              "except ct.RankFailed as e:\n"
+              "    assert isinstance(e.error, ValueError), e.error\n"
+              "    assert e.__cause__ is None and e.__suppress_context__\n"
+              "ct.spawn(ring if sys.argv[1] == 'ring' else own, 3, timeout=10)\n")
+    for mode, words in (("ring", "deadlock: every rank still running waits"), ("own", "the step of rank 1 broke")):
+        p = subprocess.run([sys.executable, "-c", script, mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=120)
+        assert p.returncode != 0, p.stdout
+        assert p.stdout.count(words) == 1, p.stdout
+        assert "direct cause" not in p.stdout and p.stdout.count("Traceback") == 1, p.stdout
