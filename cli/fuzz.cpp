@@ -92,7 +92,11 @@ int run_fuzz(FuzzArgs a) {
   if (plan && plan->kind == PlanChoice::Kind::cuts)
     throw UsageError("--plan " + a.plan.plan + ": fuzz draws the lengths and CP sizes, which a plan file's cuts cannot "
                      "fit; give equal, balanced or random");
-  const auto gen = family ? gen_family_case(*family, a.max_cp, plan) : gen_layout_case(a.max_cp, plan);
+  // 1 in 8 random layouts is long (512-2048 tokens): what one property row leaves
+  // in the host memory cache is handed to the next, of other shapes, and
+  // balanced plans part from equal ones over padding gaps.
+  const auto gen = family ? gen_family_case(*family, a.max_cp, plan)
+                          : gen_layout_case(a.max_cp, plan, fuzz_draw_limits());
   const PropertyOutcome result = run_property(settings, [&] { property(*gen); }, &progress);
   if (!aborted.empty() && !smallest) {
     // A job that broke says why itself (finish_job), once.

@@ -2,6 +2,7 @@
 #include <gmock/gmock.h>
 
 #include "tests/rapidcheck_gtest.hpp"
+#include "core/device.hpp"
 #include "verify/batch_io.hpp"
 #include "verify/generators.hpp"
 #include "verify/memory.hpp"
@@ -122,6 +123,28 @@ TEST(Generators, DrawLimitsKeepToTheFormsAndTheShortestShard) {
   }
   for (const char* cp : {"cp 1", "cp 2", "cp 4", "cp 8"}) EXPECT_GE(seen[cp], 60) << cp;
   EXPECT_GE(seen["other"], 100);
+}
+
+// cpsim fuzz draws long layouts too (512-2048 tokens): their tensors pass the
+// host memory cache's 64 KiB, so the blocks one property row frees are handed
+// to the next rows, of other shapes (a reused block not cleared was caught only
+// by tests/test_host_memory.cpp before: 1300 short fuzz cases passed it).
+TEST(Generators, FuzzDrawsLongLayoutsWhoseBlocksTheNextRowsReuse) {
+  const auto gen = gen_layout_case(8, std::nullopt, fuzz_draw_limits());
+  std::vector<LayoutCase> long_ones;
+  for (int i = 0; i < 200; ++i) {
+    LayoutCase c = gen(rc::Random(4321 + i), i % 100).value();
+    Batch b = c.batch;
+    normalize_batch_axis(b);
+    if (sequence_length(b) >= 512) long_ones.push_back(std::move(c));
+  }
+  EXPECT_GE(long_ones.size(), 10u) << "of 200 draws";
+  ASSERT_FALSE(long_ones.empty());
+  CheckOptions o;
+  std::size_t cached = 0;  // the most the cache held as a row began
+  o.on_row = [&](const std::string&, int, int) { cached = std::max(cached, host_cache_bytes()); };
+  for (const auto& r : check_all(long_ones[0], o)) EXPECT_TRUE(r.ok) << r.property << ": " << r.detail;
+  EXPECT_GE(cached, std::size_t{64} << 10) << "the rows of a long case hand their blocks on";
 }
 
 // The generator must draw every layout class SPEC §5 lists; counted over a fixed sample.

@@ -44,13 +44,19 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
   std::vector<int> allowed;
   for (LayoutForm f : limits.forms) allowed.push_back(static_cast<int>(f));
   const Gen<int> form_index = allowed.empty() ? gen::inRange(0, kLayoutForms) : uniform_element(allowed);
-  return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard](std::pair<int, int> cp_form) {
+  const int long_every = limits.long_every;
+  return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard, long_every](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
     // (At least min_shard tokens a rank: S > cp * (min_shard - 1), the same spread above.)
     const int shortest = cp * (min_shard - 1) + 1;
-    return gen::mapcat(gen::inRange(shortest, shortest + cp * 6 + 9), [cp, form, draw](int S) {
+    const Gen<int> short_length = gen::inRange(shortest, shortest + cp * 6 + 9);
+    // A failure in a long draw shrinks towards the short ones (the first choice).
+    const Gen<int> length = long_every > 0 ? gen::weightedOneOf<int>({{long_every - 1, short_length},
+                                                                      {1, gen::inRange(std::max(shortest, 512), 2049)}})
+                                           : short_length;
+    return gen::mapcat(length, [cp, form, draw](int S) {
       const int L = (S + cp - 1) / cp;
       // Lengths biased to the shard length (edges hit exactly), to 1, and to long spans.
       auto len = gen::weightedOneOf<int>({{5, gen::inRange(0, 2 * L + 2)},
@@ -90,13 +96,19 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
 
 }  // namespace
 
+DrawLimits fuzz_draw_limits() {
+  DrawLimits limits;
+  limits.long_every = 8;
+  return limits;
+}
+
 rc::Gen<int> gen_cp_size(const std::vector<int>& sizes) {
   CPSIM_ENFORCE(!sizes.empty(), "a list of CP sizes to draw from is empty");
   return uniform_element(sizes);
 }
 
-rc::Gen<LayoutSpec> gen_layout_spec(int max_cp, const PlanDraw& draw) {
-  return layout_spec_at(rc::gen::inRange(1, max_cp + 1), draw);
+rc::Gen<LayoutSpec> gen_layout_spec(int max_cp, const PlanDraw& draw, const DrawLimits& limits) {
+  return layout_spec_at(rc::gen::inRange(1, max_cp + 1), draw, limits);
 }
 
 rc::Gen<LayoutSpec> gen_layout_spec(const std::vector<int>& cp_sizes, const PlanDraw& draw, const DrawLimits& limits) {
@@ -104,8 +116,8 @@ rc::Gen<LayoutSpec> gen_layout_spec(const std::vector<int>& cp_sizes, const Plan
   return layout_spec_at(gen_cp_size(cp_sizes), draw, limits);
 }
 
-rc::Gen<LayoutCase> gen_layout_case(int max_cp, const PlanDraw& plan) {
-  return rc::gen::map(gen_layout_spec(max_cp, plan), build_case);
+rc::Gen<LayoutCase> gen_layout_case(int max_cp, const PlanDraw& plan, const DrawLimits& limits) {
+  return rc::gen::map(gen_layout_spec(max_cp, plan, limits), build_case);
 }
 
 rc::Gen<LayoutCase> gen_layout_case(const std::vector<int>& cp_sizes, const PlanDraw& plan, const DrawLimits& limits) {

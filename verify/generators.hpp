@@ -21,12 +21,6 @@ using PlanDraw = std::optional<PlanChoice>;
 rc::Gen<PlanSpec> gen_plan_spec(int cp);
 // A fixed equal or balanced choice as the spec that gives it.
 PlanSpec plan_spec_of(const PlanChoice& choice);
-rc::Gen<LayoutSpec> gen_layout_spec(int max_cp = 16, const PlanDraw& plan = std::nullopt);
-rc::Gen<LayoutCase> gen_layout_case(int max_cp = 16, const PlanDraw& plan = std::nullopt);
-// CP sizes from a list, each as often as any other at every generator size (the
-// max_cp forms draw 1..max_cp as RapidCheck's inRange does: small sizes first);
-// a failure shrinks towards the list's first size.
-rc::Gen<int> gen_cp_size(const std::vector<int>& sizes);
 // What a library's contract limits a random draw to: the forms its batches come
 // in (empty: every form), and the shortest shard (every row at least
 // cp * (min_shard - 1) + 1 tokens long, so every rank of the equal plan holds at
@@ -34,7 +28,22 @@ rc::Gen<int> gen_cp_size(const std::vector<int>& sizes);
 struct DrawLimits {
   std::vector<LayoutForm> forms;
   int min_shard = 1;
+  // 1 in `long_every` draws (0: none) is a long sequence, 512 to 2048 tokens:
+  // its tensors pass 64 KiB, so the host memory cache keeps the blocks one
+  // property row frees and hands them to the next rows, of other shapes, and a
+  // balanced plan's cuts part from the equal ones over its padding gaps (cpsim
+  // fuzz draws them).
+  int long_every = 0;
 };
+// cpsim fuzz's draw: every form, and 1 in 8 layouts long (what one property row
+// leaves in the host memory cache is handed to the next, as in a long step).
+DrawLimits fuzz_draw_limits();
+rc::Gen<LayoutSpec> gen_layout_spec(int max_cp = 16, const PlanDraw& plan = std::nullopt, const DrawLimits& limits = {});
+rc::Gen<LayoutCase> gen_layout_case(int max_cp = 16, const PlanDraw& plan = std::nullopt, const DrawLimits& limits = {});
+// CP sizes from a list, each as often as any other at every generator size (the
+// max_cp forms draw 1..max_cp as RapidCheck's inRange does: small sizes first);
+// a failure shrinks towards the list's first size.
+rc::Gen<int> gen_cp_size(const std::vector<int>& sizes);
 rc::Gen<LayoutSpec> gen_layout_spec(const std::vector<int>& cp_sizes, const PlanDraw& plan = std::nullopt,
                                     const DrawLimits& limits = {});
 rc::Gen<LayoutCase> gen_layout_case(const std::vector<int>& cp_sizes, const PlanDraw& plan = std::nullopt,
