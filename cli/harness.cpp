@@ -7,8 +7,15 @@
 // verdict. The protocol, one line each way per case:
 //   cpsim -> python   case FOLDER
 //   python -> cpsim   ok | fail WHY | outside WHY | stop
-// (with --batch, one case: the given layout at --cp, nothing drawn or shrunk)
-// and at the end cpsim writes WORKDIR/result.json and prints "done".
+// (with --batch, one case: the given layout at --cp, nothing drawn or shrunk).
+// Once the property held, the contract is probed: a few layouts just outside
+// what --min-shard and --forms limit the draw to, each as
+//   cpsim -> python   probe FOLDER
+//   python -> cpsim   ok | fail WHY | refused WHY | partial WHY | stop
+// (refused: OutsideContract or an exception of the step's own on every rank;
+// partial: an exception on some ranks only, the others waiting in a collective,
+// a hang on NCCL; a wrong result is a finding: the run fails with that layout). At the end cpsim writes
+// WORKDIR/result.json and prints "done".
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -45,18 +52,75 @@ namespace {
 struct Verdict {
   enum Kind { ok, fail, outside } kind = ok;
   std::string why;
+  bool partial = false;  // a probe refused by some ranks only
 };
 
 std::optional<Verdict> ask_verdict(const LayoutCase& c, const CheckOptions& o, const GoldenOptions& g,
-                                   const std::filesystem::path& folder) {
+                                   const std::filesystem::path& folder, const char* kind = "case") {
   std::filesystem::remove_all(folder);
   write_golden(c, o, folder.string(), "drawn", g);
-  std::cout << "case " << folder.string() << std::endl;
+  std::cout << kind << " " << folder.string() << std::endl;
   std::string line;
   if (!std::getline(std::cin, line) || line == "stop") return std::nullopt;
   if (line == "ok") return Verdict{};
   if (line.rfind("outside ", 0) == 0) return Verdict{Verdict::outside, line.substr(8)};
+  if (line.rfind("refused ", 0) == 0) return Verdict{Verdict::outside, line.substr(8)};
+  if (line.rfind("partial ", 0) == 0) return Verdict{Verdict::outside, line.substr(8), true};
   return Verdict{Verdict::fail, line.rfind("fail ", 0) == 0 ? line.substr(5) : line};
+}
+
+// A layout just outside a contract, and which contract and how.
+struct Probe {
+  LayoutCase c;
+  std::string contract;  // "min_shard 3: its equal shards hold 2 positions"
+};
+
+// `per_contract` layouts just outside each contract the draw keeps to: shards
+// one position shorter than --min-shard (the longest below it that the padding
+// allows), and each form --forms leaves out, every other limit kept.
+std::vector<Probe> draw_probes(const std::vector<int>& sizes, const PlanDraw& plan, const DrawLimits& limits,
+                               std::int64_t pad_multiple, int per_contract, std::uint64_t seed) {
+  std::vector<Probe> out;
+  if (per_contract <= 0) return out;
+  const auto shard_of = [&](const LayoutCase& c) {
+    Batch rows = c.batch;
+    normalize_batch_axis(rows);
+    return shard_geometry(sequence_length(rows), c.cp, pad_multiple).padded_len / c.cp;
+  };
+  if (limits.min_shard > 1) {
+    DrawLimits wider = limits;
+    wider.min_shard = 1;
+    const auto gen = gen_layout_case(sizes, plan, wider);
+    std::vector<std::pair<std::int64_t, LayoutCase>> below;  // (shard, case), shard < min_shard
+    for (int k = 0; k < 2000 && static_cast<int>(below.size()) < 50 * per_contract; ++k) {
+      LayoutCase c = gen(rc::Random(seed + static_cast<std::uint64_t>(k)), k % 40).value();
+      if (const std::int64_t shard = shard_of(c); shard < limits.min_shard) below.emplace_back(shard, std::move(c));
+    }
+    // The longest shards below the contract, at the largest CP sizes first (where
+    // a shard's halo or state spans the most ranks).
+    std::stable_sort(below.begin(), below.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first > b.first : a.second.cp > b.second.cp;
+    });
+    for (int i = 0; i < per_contract && i < static_cast<int>(below.size()); ++i)
+      out.push_back({below[i].second, "min_shard " + std::to_string(limits.min_shard) + ": its equal shards hold " +
+                                          std::to_string(below[i].first) + " positions"});
+  }
+  if (!limits.forms.empty()) {
+    std::vector<std::string> allowed, left_out;
+    for (const auto& [name, form] : layout_forms())
+      (std::find(limits.forms.begin(), limits.forms.end(), form) != limits.forms.end() ? allowed : left_out)
+          .push_back(name);
+    for (int i = 0; i < per_contract && i < static_cast<int>(left_out.size()); ++i) {
+      DrawLimits other = limits;
+      other.forms = {layout_forms().at(left_out[static_cast<std::size_t>(i)])};
+      const auto gen = gen_layout_case(sizes, plan, other);
+      std::string names;
+      for (const auto& n : allowed) names += (names.empty() ? "" : ", ") + n;
+      out.push_back({gen(rc::Random(seed + 7919u * static_cast<std::uint64_t>(i + 1)), 10).value(),
+                     "forms " + names + ": a layout in form " + left_out[static_cast<std::size_t>(i)]});
+    }
+  }
+  return out;
 }
 
 nlohmann::json case_json(const LayoutCase& c) {
@@ -207,12 +271,37 @@ int run_harness(const HarnessArgs& a) {
         break;
       }
     }
-  nlohmann::json result{{"ok", outcome.ok && !stopped}, {"stopped", stopped}, {"ran", ran},
+  // The contract probed, once the property held (random draws at drawn CP sizes).
+  bool probes_ok = true;
+  nlohmann::json probes = nlohmann::json::array();
+  if (outcome.ok && !stopped && !family && a.cp == 0)
+    for (const Probe& p : draw_probes(sizes, plan, limits, a.pad_multiple, a.probes, a.seed.value_or(1))) {
+      const std::optional<Verdict> verdict = ask_verdict(p.c, o, g, folder, "probe");
+      if (!verdict) {
+        stopped = true;
+        break;
+      }
+      const char* what = verdict->partial                      ? "refused on some ranks"
+                         : verdict->kind == Verdict::outside ? "refused"
+                         : verdict->kind == Verdict::ok      ? "accepted"
+                                                             : "wrong";
+      probes.push_back({{"contract", p.contract}, {"outcome", what}, {"why", verdict->why}});
+      if (verdict->kind == Verdict::fail) {
+        probes_ok = false;
+        smallest = p.c;
+        failure = "outside its contract (" + p.contract +
+                  ") the step took the layout and gave a wrong result (it must refuse it, OutsideContract or an "
+                  "exception on every rank, or handle it right): " + verdict->why;
+        break;
+      }
+    }
+  nlohmann::json result{{"ok", outcome.ok && probes_ok && !stopped}, {"stopped", stopped}, {"ran", ran},
                         {"outside", outside}, {"outside_why", nlohmann::json(outside_why)}, {"failure", failure},
-                        {"report", outcome.report}};
+                        {"report", outcome.ok ? std::string("a layout outside the contract") : outcome.report},
+                        {"probes", probes}};
   if (smallest && !stopped) result.update(case_json(*smallest));
   finish(a, result);
-  return stopped ? kExitAborted : outcome.ok ? kExitOk : kExitFailed;
+  return stopped ? kExitAborted : outcome.ok && probes_ok ? kExitOk : kExitFailed;
 }
 
 }  // namespace cpsim::cli

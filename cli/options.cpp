@@ -158,6 +158,10 @@ Parsed parse_options(int argc, char** argv) {
                 "draw random layouts only in these forms (seq_lens_padded, seq_lens, cu_seqlens, cu_seqlens_only, "
                 "cu_seqlens_padded_only, unpacked, position_ids)")
       ->delimiter(',');
+  h->add_option("--probes", harness.probes,
+                "once the property held, this many layouts just outside each contract (--min-shard, --forms): the "
+                "step must refuse them or handle them right")
+      ->check(CLI::Range(0, 1000));
   h->add_option("--workdir", harness.workdir, "where each case's golden folder is written")->required();
   h->footer("Speaks a line protocol on stdin/stdout (cli/harness.cpp); run it through cpsim.torch.check.");
   ShowArgs& show = o.show;

@@ -89,6 +89,7 @@ struct HarnessArgs {
   std::int64_t pad_multiple = 1;  // the sequence padded to a multiple of cp * this
   int min_shard = 1;  // drawn layouts give every rank (equal plan) at least this many positions
   std::vector<std::string> forms;  // random layouts only in these forms (family form names); empty: all
+  int probes = 2;  // layouts just outside each contract (--min-shard, --forms) handed to the step after
   std::string workdir;
 };
 

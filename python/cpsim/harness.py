@@ -69,12 +69,21 @@ class CheckFailed(AssertionError):
 class Checked(int):
     """What check() returns: the number of cases run (an int), and `outside`, how
     many drawn cases were set aside as outside the step's contract, with
-    `outside_why`, each reason given and how often ({why: count})."""
+    `outside_why`, each reason given and how often ({why: count}); `probes`,
+    the layouts just outside the contract it was handed afterwards and what it
+    did with each ({"contract", "outcome": "refused" | "refused on some ranks"
+    | "accepted", "why"})."""
 
-    def __new__(cls, ran, outside=0, outside_why=None):
+    def __new__(cls, ran, outside=0, outside_why=None, probes=()):
         value = super().__new__(cls, ran)
         value.outside, value.outside_why = outside, dict(outside_why or {})
+        value.probes = [dict(p) for p in probes]
         return value
+
+    def probe_report(self):
+        """What the step did outside its contract, a line a probe ('' when none ran)."""
+        return "\n".join("%s: %s%s" % (p["contract"], p["outcome"], " (%s)" % p["why"] if p["why"] else "")
+                         for p in self.probes)
 
 
 
@@ -91,7 +100,8 @@ def _generator(workdir, cases, layouts, inputs, sizes, seed, in_job):
     """The command line of `cpsim harness` that draws (or replays) the cases."""
     command = [program.binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--plan", layouts.plan,
                "--conv-width", str(int(inputs.conv_width)), "--dtype", inputs.dtype,
-               "--pad-multiple", str(int(layouts.pad_multiple)), "--min-shard", str(int(layouts.min_shard))]
+               "--pad-multiple", str(int(layouts.pad_multiple)), "--min-shard", str(int(layouts.min_shard)),
+               "--probes", str(int(layouts.probes))]
     if layouts.batch is not None:
         command += ["--batch", os.fspath(layouts.batch), "--cp", str(int(layouts.cp))]
     else:
@@ -164,17 +174,25 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
                 line = line.rstrip("\n")
                 if line == "done":
                     break
-                if not line.startswith("case "):
+                probe = line.startswith("probe ")
+                if not (line.startswith("case ") or probe):
                     raise RuntimeError("cpsim harness said %r" % line)
                 number += 1
-                folder = line[len("case "):]
+                folder = line.split(" ", 1)[1]
                 why = (_verdict.job_verdict(folder, step, number, dp, inputs.tolerance, ranks.mesh) if in_job
                        else _verdict.verdict(folder, step, ranks.backend, ranks.timeout, dp, inputs.tolerance,
                                              ranks.mesh))
-                if isinstance(why, _verdict.Outside):
+                if probe and isinstance(why, _verdict.Raised) and 0 < len(why.ranks) < why.world:
+                    # Outside its contract, refused by some ranks only: the others wait for them.
+                    answer = "partial ranks %s of %d raised, the others waited in a collective (on NCCL, a hang): %s" % (
+                        ", ".join(map(str, why.ranks)), why.world, " | ".join(why.splitlines()))
+                elif probe and isinstance(why, (_verdict.Outside, _verdict.Raised)):
+                    answer = "refused " + " | ".join(why.splitlines())  # outside its contract: loudly, as it must
+                elif isinstance(why, _verdict.Outside):
                     answer = "outside " + " | ".join(why.splitlines())
                 elif why:
-                    last_failure = why
+                    # A probe's failure: cpsim's line says which contract, then this verdict's text.
+                    last_failure = (" | ".join(why.splitlines()), why) if probe else why
                     answer = "fail " + " | ".join(why.splitlines())  # its first line leads, the rest joined
                 else:
                     answer = "ok"
@@ -192,8 +210,12 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
         with open(os.path.join(workdir, "result.json")) as f:
             result = json.load(f)
         if result["ok"]:
-            return Checked(result["ran"], result.get("outside", 0), result.get("outside_why"))
-        if last_failure is not None:
+            return Checked(result["ran"], result.get("outside", 0), result.get("outside_why"), result.get("probes", ()))
+        if isinstance(last_failure, tuple):  # outside its contract: the verdict after what cpsim says of it
+            joined, whole = last_failure
+            if result["failure"].endswith(joined):
+                result["failure"] = result["failure"][:len(result["failure"]) - len(joined)] + whole
+        elif last_failure is not None:
             result["failure"] = last_failure
         first = result["failure"].split("\n", 1)[0]
         if result.get("cp") == 1 and "relative RMSE" in first and "the step's loss is " not in result["failure"]:
@@ -217,7 +239,8 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
                                                                                result["seed"])
         message = ("cpsim.torch.check: %s\n%s failing layout (cp=%d, plan %s), saved to %s:\n%s"
                    "\nreplay the step with: %s\nreplay the references with: %s"
-                   % (result["failure"], "the replayed" if replay else "smallest", result["cp"], result["plan"],
+                   % (result["failure"], "the replayed" if replay else "the probed" if isinstance(last_failure, tuple)
+                      else "smallest", result["cp"], result["plan"],
                       path, json.dumps(json.loads(result["batch"])), again, references))
         raise CheckFailed(message, result["failure"], result["batch"], path, result["cp"], plan_arg, result["seed"])
     finally:

@@ -38,6 +38,9 @@ class Layouts:
                              "contract, as FLA's CP convolution's W - 1)")
     pad_multiple: int = _option(1, "every sequence padded to a multiple of cp * M (case.P), as a library that pads "
                                 "to 2 * cp does (equal or balanced plan)")
+    probes: int = _option(2, "once every drawn layout held, this many layouts just outside each contract "
+                          "(min_shard, forms) go to the step: it must refuse each (OutsideContract or an exception) "
+                          "or handle it right; a wrong result fails the check (Checked.probes says what it did)")
     batch: str = _option(None, "a BATCH file to replay instead of drawing (a CheckFailed's path), at CP size cp")
     cp: int = _option(None, "the CP size of the replayed batch")
 

@@ -191,9 +191,10 @@ class RankFailed(RuntimeError):
     message names the user's frame; with CPSIM_TRACEBACK=1 it holds the whole
     traceback, which is not printed again as a chained exception)."""
 
-    def __init__(self, rank, report, error=None):
+    def __init__(self, rank, report, error=None, ranks=None):
         super().__init__("rank %d: %s" % (rank, report))
         self.rank, self.error = rank, error
+        self.ranks = list(ranks) if ranks is not None else [rank]  # every rank that raised its own
 
 
 class RankStuck(RuntimeError):
@@ -317,7 +318,7 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=(), sends="rende
     # print the rank's traceback, or the same report, a second time).
     if own:
         rank, error = own[0]
-        raise RankFailed(rank, where.failure(error), error) from None
+        raise RankFailed(rank, where.failure(error), error, [r for r, _ in own]) from None
     if reported:
         rank, error = reported[0]
         raise CollectiveError(str(error)) from None

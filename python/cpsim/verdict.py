@@ -23,6 +23,18 @@ class Outside(str):
     """A case's verdict: set aside (the text says why)."""
 
 
+class Raised(str):
+    """A case's verdict: a rank's step raised an exception of its own (the text
+    says which and where): a failure, and for a layout outside the step's
+    contract a loud refusal; `ranks` raised, of `world` (the others failed in
+    a collective their peer never joined: on NCCL, a hang)."""
+
+    def __new__(cls, text, ranks=(), world=0):
+        value = super().__new__(cls, text)
+        value.ranks, value.world = list(ranks), world
+        return value
+
+
 def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp"):
     golden = Golden(folder, tolerance)
     cp = golden.cp
@@ -35,7 +47,7 @@ def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp"):
     except ct.RankFailed as e:
         if isinstance(e.error, OutsideContract):
             return Outside(str(e.error))
-        return "rank %d raised %s" % (e.rank, str(e).split(": ", 1)[1])
+        return Raised("rank %d raised %s" % (e.rank, str(e).split(": ", 1)[1]), e.ranks, dp * cp)
     except ct.RankStuck as e:
         return str(e)
     except ct.CollectiveError as e:
@@ -130,9 +142,10 @@ def job_verdict(folder, step, case_number, dp=1, tolerance=None, mesh="dp,cp"):
     verdicts = exchange(("1" if own else "2" if outside else "0") + why, main)
     del session, groups
     # A rank's own exception first (its peers' reports are its consequence).
+    raised = [q for q, v in enumerate(verdicts) if v[:1] == "1"]
     for v in verdicts:
         if v[:1] == "1":
-            return v[1:]
+            return Raised(v[1:], raised, len(verdicts))
     for v in verdicts:
         if v[:1] == "2":
             return Outside(v[1:])

@@ -60,3 +60,16 @@ def test_finding_f2_a_context_built_from_a_buffer_updated_in_place_is_stale():
     assert (first.cu_seqlens_cpu.tolist(), first.pre_num_conv_tokens) == ([0, 1, 4], 4)
     assert second is first  # the cache compares its arguments by identity, not by value
     assert (fresh.cu_seqlens_cpu.tolist(), fresh.pre_num_conv_tokens) == ([0, 4], 2)
+
+
+def test_fla_s_convolution_outside_its_contract_is_probed():
+    # Handed shards one position shorter than W - 1 (check's probes), FLA's CP
+    # convolution raises a shape error, never a wrong result; but on the ranks
+    # whose halo would span two ranks only: the others wait in a collective their
+    # peers never join (a hang on NCCL, finding F1).
+    ran = cpsim.torch.check(fla_step.VARIANTS["conv_always"], cases=60, max_cp=8, seed=SEED,
+                            min_shard=fla_step.MIN_SHARD, probes=4)
+    outcomes = [p["outcome"] for p in ran.probes]
+    assert len(outcomes) == 4 and all(o.startswith("refused") for o in outcomes), ran.probe_report()
+    assert "refused on some ranks" in outcomes, ran.probe_report()
+    assert all("raised RuntimeError" in p["why"] for p in ran.probes), ran.probe_report()
