@@ -187,14 +187,13 @@ class _UseBeforeWait(TorchFunctionMode):
 
 
 class RankFailed(RuntimeError):
-    """A rank of a spawn raised; `rank` says which, `error` what it raised (its
-    message names the user's frame; with CPSIM_TRACEBACK=1 it holds the whole
-    traceback, which is not printed again as a chained exception)."""
+    """A rank of a spawn raised: `rank` says which, `ranks` every one that did,
+    `error` what `rank` raised (not chained: the report says it once)."""
 
     def __init__(self, rank, report, error=None, ranks=None):
         super().__init__("rank %d: %s" % (rank, report))
         self.rank, self.error = rank, error
-        self.ranks = list(ranks) if ranks is not None else [rank]  # every rank that raised its own
+        self.ranks = list(ranks) if ranks is not None else [rank]
 
 
 class RankStuck(RuntimeError):
@@ -314,8 +313,7 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=(), sends="rende
 
     own = [(r, e) for r, e in enumerate(errors) if e is not None and not reported_by_cpsim(r, e)]
     reported = [(r, e) for r, e in enumerate(errors) if e is not None]
-    # Raised from None: the report says it all once (a chained exception would
-    # print the rank's traceback, or the same report, a second time).
+    # From None: a chained exception would print the report (or a traceback) twice.
     if own:
         rank, error = own[0]
         raise RankFailed(rank, where.failure(error), error, [r for r, _ in own]) from None
@@ -382,10 +380,8 @@ def init_process_group(timeout=20.0, sends="rendezvous"):
     transport: every call is checked across the processes, so a rank that skips a
     collective, calls another one or another size, raises, or never arrives ends
     every rank within `timeout` with cpsim's one-line error. Sends and receives
-    between the processes match in any order, as in spawn(), and `sends` is
-    spawn()'s: "rendezvous" (a blocking send returns when its receive took it,
-    as on Gloo and NCCL) or "eager". A receive from a rank whose program
-    returned or raised ends at once. Returns the group."""
+    between the processes match in any order, with spawn()'s `sends`; a
+    receive from a rank that returned or raised ends at once. Returns the group."""
     global _job, _session
     if _job is not None:
         raise RuntimeError("cpsim.torch.init_process_group: this process already joined its job")
