@@ -60,21 +60,22 @@ void Mailbox::remote_state(int rank, State state) {
   cv_.notify_all();
 }
 
-void Mailbox::publish_locked() {
-  if (!publish_) return;
+const Mailbox::Waiting* Mailbox::local_wait_locked() const {
   const auto mine = std::find_if(waiting_.begin(), waiting_.end(),
                                  [&](const Waiting* w) { return w->rank == local_ && !w->over(); });
-  const bool waiting = mine != waiting_.end();
-  if (!waiting && !published_waiting_) return;  // not waiting, and its peers know: its counts need not go
-  published_waiting_ = waiting;
-  publish_(State{waiting, waiting ? (*mine)->doing : "", wire_sent_, wire_got_});
+  return mine == waiting_.end() ? nullptr : *mine;
+}
+
+void Mailbox::publish_locked() {
+  if (!publish_) return;
+  const Waiting* mine = local_wait_locked();
+  if (!mine && !published_waiting_) return;  // not waiting, and its peers know: its counts need not go
+  published_waiting_ = mine != nullptr;
+  publish_(State{published_waiting_, mine ? mine->doing : "", wire_sent_, wire_got_});
 }
 
 bool Mailbox::processes_deadlocked_locked() const {
-  if (!publish_) return false;
-  const bool waits = std::any_of(waiting_.begin(), waiting_.end(),
-                                 [&](const Waiting* w) { return w->rank == local_ && !w->over(); });
-  if (!waits) return false;
+  if (!publish_ || !local_wait_locked()) return false;
   auto counts = [&](int q) -> std::pair<const std::vector<std::int64_t>*, const std::vector<std::int64_t>*> {
     if (q == local_) return {&wire_sent_, &wire_got_};
     const State& s = remote_states_.at(q);
@@ -136,12 +137,12 @@ void Mailbox::arrive(const std::string& group, int src, int dst, int tag, Messag
 void Mailbox::taken(int dst, int seq) {
   std::lock_guard<std::mutex> lock(mutex_);
   ++wire_got_[dst];
-  publish_locked();
-  const auto it = remote_sends_.find({dst, seq});
-  if (it == remote_sends_.end()) return;
-  it->second->taken = true;
-  remote_sends_.erase(it);
-  cv_.notify_all();
+  if (const auto it = remote_sends_.find({dst, seq}); it != remote_sends_.end()) {
+    it->second->taken = true;
+    remote_sends_.erase(it);
+    cv_.notify_all();
+  }
+  publish_locked();  // its counts changed, and the wait this ends is over
 }
 
 void Mailbox::send_receipts() {
@@ -336,15 +337,15 @@ void Mailbox::check_peer(int me, int peer, const char* op) const {
 
 std::string Mailbox::pending_locked(const Waiting* w) const {
   std::string out;
+  const auto not_received = [&](int src, int dst, const std::string& shape, int tag, const std::string& site) {
+    out += "\n  rank " + std::to_string(src) + " sent rank " + std::to_string(dst) + " " + shape + " (tag " +
+           std::to_string(tag) + (site.empty() ? "" : ", at " + site) + "), not received yet";
+  };
   for (const auto& [key, queue] : queues_)
     for (const Message& m : queue)
-      out += "\n  rank " + std::to_string(std::get<1>(key)) + " sent rank " + std::to_string(std::get<2>(key)) + " " +
-             m.payload.shape() + " (tag " + std::to_string(std::get<3>(key)) +
-             (m.site.empty() ? "" : ", at " + m.site) + "), not received yet";
+      not_received(std::get<1>(key), std::get<2>(key), m.payload.shape(), std::get<3>(key), m.site);
   for (const auto& [key, s] : remote_sends_)  // sent to another process, no receipt yet
-    if (!(w && w->rank == s->src && w->what == s->what()))
-      out += "\n  rank " + std::to_string(s->src) + " sent rank " + std::to_string(s->dst) + " " + s->shape + " (tag " +
-             std::to_string(s->tag) + (s->site.empty() ? "" : ", at " + s->site) + "), not received yet";
+    if (!(w && w->rank == s->src && w->what == s->what())) not_received(s->src, s->dst, s->shape, s->tag, s->site);
   for (const auto& p : posted_)
     if (!p->done && !(w && w->rank == p->dst && w->what == p->what()))
       out += "\n  rank " + std::to_string(p->dst) + " posted a " + p->what() + ", nothing came yet";

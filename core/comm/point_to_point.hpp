@@ -194,6 +194,8 @@ class Mailbox {
   bool processes_deadlocked_locked() const;
   // This rank's state to its peers, when it waits or just stopped waiting.
   void publish_locked();
+  // This process's rank's wait that is not over, or null.
+  const Waiting* local_wait_locked() const;
 
   std::mutex mutex_;
   std::condition_variable cv_;

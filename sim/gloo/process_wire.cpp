@@ -66,15 +66,20 @@ void ProcessWire::put(int peer, const void* header, std::size_t size, const std:
   if (payload) payload->waitSend(limit);
 }
 
+int ProcessWire::peer_of(int rank) const {
+  const auto it = std::find(ranks_.begin(), ranks_.end(), rank);
+  return it == ranks_.end() ? -1 : static_cast<int>(it - ranks_.begin());
+}
+
 void ProcessWire::send(int dst, int tag, const Mailbox::Message& m) {
-  const auto it = std::find(ranks_.begin(), ranks_.end(), dst);
-  if (it == ranks_.end() || !context_) throw InvalidInput("send to rank " + std::to_string(dst) + ": not in this group");
+  const int peer = peer_of(dst);
+  if (peer < 0 || !context_) throw InvalidInput("send to rank " + std::to_string(dst) + ": not in this group");
   WireHeader h;
   h.tag = tag, h.numel = m.payload.numel, h.nbytes = static_cast<std::int64_t>(m.payload.bytes.size()), h.seq = m.seq;
   std::strncpy(h.dtype, m.payload.dtype.c_str(), sizeof h.dtype - 1);
   std::strncpy(h.site, m.site.c_str(), sizeof h.site - 1);
   try {
-    put(static_cast<int>(it - ranks_.begin()), &h, sizeof h, m.payload.bytes.data(), m.payload.bytes.size(), timeout_);
+    put(peer, &h, sizeof h, m.payload.bytes.data(), m.payload.bytes.size(), timeout_);
   } catch (const std::exception& e) {
     throw CollectiveError("rank " + std::to_string(ranks_[me_]) + "'s send to rank " + std::to_string(dst) + " (tag " +
                           std::to_string(tag) + ", " + m.payload.shape() + ") did not leave within " +
@@ -94,6 +99,11 @@ void ProcessWire::notify(Notice n) {
   notices_.push_back(std::move(n));
   ++notices_queued_;
   notices_cv_.notify_all();
+}
+
+void ProcessWire::notify_peers(const std::vector<std::uint8_t>& header, const std::vector<std::uint8_t>& bytes) {
+  for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
+    if (q != me_) notify(Notice{q, header, bytes});
 }
 
 void ProcessWire::send_notices() {
@@ -152,35 +162,32 @@ void ProcessWire::state(const Mailbox::State& s) {
   WireHeader h;
   std::vector<std::uint8_t> bytes = state_bytes(s);
   h.kind = Kind::state, h.numel = s.waiting ? 1 : 0, h.nbytes = static_cast<std::int64_t>(bytes.size());
-  for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
-    if (q != me_) notify(Notice{q, bytes_of(h), bytes});
+  notify_peers(bytes_of(h), bytes);
 }
 
 void ProcessWire::receipt(int dst, int seq) {
-  const auto it = std::find(ranks_.begin(), ranks_.end(), dst);
-  if (it == ranks_.end() || !notifier_.joinable()) return;
+  const int peer = peer_of(dst);
+  if (peer < 0 || !notifier_.joinable()) return;
   WireHeader h;
   h.kind = Kind::receipt, h.seq = seq;
-  notify(Notice{static_cast<int>(it - ranks_.begin()), bytes_of(h), {}});
+  notify(Notice{peer, bytes_of(h), {}});
 }
 
 void ProcessWire::ended(const std::string& how, bool failed) {
   if (!notifier_.joinable()) return;
   WireHeader h;
   h.kind = Kind::end, h.numel = failed ? 1 : 0, h.nbytes = static_cast<std::int64_t>(how.size());
-  for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
-    if (q != me_) notify(Notice{q, bytes_of(h), std::vector<std::uint8_t>(how.begin(), how.end())});
+  notify_peers(bytes_of(h), std::vector<std::uint8_t>(how.begin(), how.end()));
   // Gone before the session's end: the peers learn it first.
   std::unique_lock<std::mutex> lock(notices_mutex_);
   const std::int64_t mine = notices_queued_;
   notices_cv_.wait_for(lock, timeout_, [&] { return notices_sent_ >= mine || notices_stop_; });
 }
 
-bool ProcessWire::wait_for_ends() {
+void ProcessWire::wait_for_ends() {
   std::unique_lock<std::mutex> lock(ends_mutex_);
   const int peers = static_cast<int>(ranks_.size()) - 1;
   ends_cv_.wait_for(lock, timeout_, [&] { return ends_ >= peers || !taking_; });
-  return ends_ >= peers;
 }
 
 void ProcessWire::take() {

@@ -51,9 +51,9 @@ class ProcessWire {
   void ended(const std::string& how, bool failed);
   // Tells every peer what this rank does in point to point (Mailbox::Publish).
   void state(const Mailbox::State& s);
-  // Waits until every peer's end came (or the timeout): every message sent here
-  // is then in the mailbox. False when some end did not come.
-  bool wait_for_ends();
+  // Waits until every peer's end came (or the timeout, or the connections
+  // closed): every message sent here is then in the mailbox.
+  void wait_for_ends();
 
  private:
   void take();  // every message from any peer, into the mailbox, until the group ends
@@ -68,6 +68,8 @@ class ProcessWire {
     std::vector<std::uint8_t> header, bytes;
   };
   void notify(Notice n);  // queues it
+  void notify_peers(const std::vector<std::uint8_t>& header, const std::vector<std::uint8_t>& bytes);
+  int peer_of(int rank) const;  // the group rank of job rank `rank`, or -1
   void send_notices();
 
   std::shared_ptr<gloo::Context> context_;
