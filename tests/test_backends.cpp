@@ -13,6 +13,7 @@
 #include "core/comm/call_check.hpp"
 #include "core/comm/rendezvous.hpp"
 #include "core/comm/run_ranks.hpp"
+#include "tests/tensor_helpers.hpp"
 
 using namespace cpsim;
 using namespace std::chrono_literals;
@@ -24,13 +25,8 @@ namespace {
 // E = Aborted a run that could not complete (a timeout).
 template <class E = CollectiveError, class F>
 std::string collective_error(const std::string& backend, int n, F f, std::chrono::milliseconds t) {
-  try {
-    run_ranks(n, f, {backend, t});
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no " << (std::is_same_v<E, Aborted> ? "Aborted" : "CollectiveError");
-  return "";
+  return cpsim::testing::thrown<E>([&] { run_ranks(n, f, {backend, t}); },
+                                   std::is_same_v<E, Aborted> ? "Aborted" : "CollectiveError");
 }
 }  // namespace
 

@@ -20,13 +20,7 @@ Batch spec_example() {
 // Runs f and returns the InvalidInput message (fails the test if none).
 template <class F>
 std::string invalid(F f) {
-  try {
-    f();
-  } catch (const InvalidInput& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no InvalidInput thrown";
-  return "";
+  return cpsim::testing::thrown<InvalidInput>(f, "InvalidInput");
 }
 }  // namespace
 

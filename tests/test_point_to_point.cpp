@@ -18,6 +18,7 @@
 
 #include "core/comm/point_to_point.hpp"
 #include "core/error.hpp"
+#include "tests/tensor_helpers.hpp"
 
 namespace cpsim {
 namespace {
@@ -41,6 +42,12 @@ struct Inbox {
                     "step.py:7");
   }
 };
+
+// What a wait that must fail threw (a CollectiveError's text).
+template <class F>
+std::string error_of(F wait) {
+  return cpsim::testing::thrown<CollectiveError>(wait, "CollectiveError");
+}
 
 Mailbox mailbox(int ranks, milliseconds timeout = milliseconds(5000)) {
   return Mailbox(ranks, timeout, std::make_shared<ActivityBoard>(ranks));
@@ -110,11 +117,8 @@ TEST(PointToPoint, ASizeOrDtypeThatDiffersIsNamed) {
   box.send("g", 0, 1, 0, floats({1, 2, 3}), "a.py:3");
   Inbox in;
   auto p = in.post(box, 1, 0, 0, 2);
-  try {
-    box.wait(*p);
-    FAIL() << "no error";
-  } catch (const CollectiveError& e) {
-    const std::string what = e.what();
+  {
+    const std::string what = error_of([&] { box.wait(*p); });
     EXPECT_NE(what.find("rank 1's recv from rank 0 (tag 0, float32 x 2) at step.py:7 got rank 0's send #1, which "
                         "holds float32 x 3 (sent at a.py:3)"),
               std::string::npos)
@@ -132,11 +136,9 @@ TEST(PointToPoint, APeerThatReturnedWithoutSendingIsNamedAtOnce) {
   auto p = in.post(box, 1, 0, 0);
   box.stopped(0, "returned", false);
   const auto start = std::chrono::steady_clock::now();
-  try {
-    box.wait(*p);
-    FAIL() << "no error";
-  } catch (const CollectiveError& e) {
-    EXPECT_NE(std::string(e.what()).find("but rank 0 returned without sending it"), std::string::npos) << e.what();
+  {
+    const std::string what = error_of([&] { box.wait(*p); });
+    EXPECT_NE(what.find("but rank 0 returned without sending it"), std::string::npos) << what;
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(5000));
 }
@@ -146,11 +148,8 @@ TEST(PointToPoint, AReceiveNothingComesForTimesOutNamingWhatIsPending) {
   box.send("g", 2, 0, 9, floats({1, 1}), "b.py:4");
   Inbox in;
   auto p = in.post(box, 1, 0, 0);
-  try {
-    box.wait(*p);
-    FAIL() << "no error";
-  } catch (const CollectiveError& e) {
-    const std::string what = e.what();
+  {
+    const std::string what = error_of([&] { box.wait(*p); });
     EXPECT_NE(what.find("timeout: rank 1"), std::string::npos) << what;
     EXPECT_NE(what.find("and nothing came"), std::string::npos) << what;
     EXPECT_NE(what.find("rank 2 sent rank 0 float32 x 2 (tag 9, at b.py:4), not received yet"), std::string::npos)
@@ -188,11 +187,9 @@ TEST(PointToPoint, AFailedRankStopsEveryWaitingReceive) {
   Inbox in;
   auto p = in.post(box, 1, 0, 0);
   box.stopped(2, "threw: boom", true);
-  try {
-    box.wait(*p);
-    FAIL() << "no error";
-  } catch (const CollectiveError& e) {
-    EXPECT_NE(std::string(e.what()).find("but the group stopped: rank 2 threw: boom"), std::string::npos) << e.what();
+  {
+    const std::string what = error_of([&] { box.wait(*p); });
+    EXPECT_NE(what.find("but the group stopped: rank 2 threw: boom"), std::string::npos) << what;
   }
 }
 
@@ -368,20 +365,16 @@ TEST(PointToPoint, AProcessToldItsPeerEndedStopsWaitingAtOnce) {
   auto posted = in.post(*job.boxes[0], 0, 1, 3);
   const auto start = std::chrono::steady_clock::now();
   job.boxes[0]->stopped(1, "returned", false);  // rank 1's end came over the wire
-  try {
-    job.boxes[0]->wait(*sent);
-    FAIL() << "no error";
-  } catch (const CollectiveError& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 0 waits for its send to rank 1 (tag 0, float32 x 2) at a.py:1 to be "
-                                         "received, but rank 1 returned without receiving it"),
+  {
+    const std::string what = error_of([&] { job.boxes[0]->wait(*sent); });
+    EXPECT_NE(what.find("rank 0 waits for its send to rank 1 (tag 0, float32 x 2) at a.py:1 to be "
+                        "received, but rank 1 returned without receiving it"),
               std::string::npos)
-        << e.what();
+        << what;
   }
-  try {
-    job.boxes[0]->wait(*posted);
-    FAIL() << "no error";
-  } catch (const CollectiveError& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 1 returned without sending it"), std::string::npos) << e.what();
+  {
+    const std::string what = error_of([&] { job.boxes[0]->wait(*posted); });
+    EXPECT_NE(what.find("rank 1 returned without sending it"), std::string::npos) << what;
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(30000));  // told, not timed out (60 s)
 }
@@ -456,28 +449,24 @@ TEST(PointToPoint, ASendToARankThatReturnedWithoutReceivingIsNamed) {
   Mailbox box = mailbox(2, milliseconds(60000));
   auto sent = box.send("g", 0, 1, 4, floats({1, 2}), "d.py:2");
   box.stopped(1, "returned", false);
-  try {
-    box.wait(*sent);
-    FAIL() << "no error";
-  } catch (const CollectiveError& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 0 waits for its send to rank 1 (tag 4, float32 x 2) at d.py:2 to be "
-                                         "received, but rank 1 returned without receiving it"),
+  {
+    const std::string what = error_of([&] { box.wait(*sent); });
+    EXPECT_NE(what.find("rank 0 waits for its send to rank 1 (tag 4, float32 x 2) at d.py:2 to be "
+                        "received, but rank 1 returned without receiving it"),
               std::string::npos)
-        << e.what();
+        << what;
   }
 }
 
 TEST(PointToPoint, ASendWaitNothingTakesTimesOut) {
   Mailbox box = mailbox(3, milliseconds(100));  // rank 2 runs on: no deadlock, the timeout ends it
   auto sent = box.send("g", 0, 1, 0, floats({1}), "e.py:1");
-  try {
-    box.wait(*sent);
-    FAIL() << "no error";
-  } catch (const CollectiveError& e) {
-    EXPECT_NE(std::string(e.what()).find("timeout: rank 0 waited"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("for its send to rank 1 (tag 0, float32 x 1) at e.py:1 and no receive took it"),
+  {
+    const std::string what = error_of([&] { box.wait(*sent); });
+    EXPECT_NE(what.find("timeout: rank 0 waited"), std::string::npos) << what;
+    EXPECT_NE(what.find("for its send to rank 1 (tag 0, float32 x 1) at e.py:1 and no receive took it"),
               std::string::npos)
-        << e.what();
+        << what;
   }
 }
 

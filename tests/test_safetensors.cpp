@@ -36,13 +36,8 @@ std::string file(const std::string& header, const std::string& data) {
 }
 
 std::string invalid(const std::string& bytes) {
-  try {
-    parse_batch_safetensors(bytes, "batch.safetensors");
-  } catch (const InvalidInput& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no InvalidInput";
-  return "";
+  return cpsim::testing::thrown<InvalidInput>([&] { parse_batch_safetensors(bytes, "batch.safetensors"); },
+                                              "InvalidInput");
 }
 
 // The SPEC §1 example as safetensors: input_ids I64 [1, 8], seq_lens I32 [1, 3],
