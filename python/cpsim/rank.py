@@ -1,20 +1,26 @@
 """One rank of one case: the step, then its outputs compared with the golden
 values and their gradients taken, in the same order on every rank."""
+import collections
+
 import torch
 
 from cpsim.case import RankCase
 from cpsim.loss import hint as _loss_hint
 from cpsim.mesh import who as _who
 from cpsim.compare import difference as _difference, rms as _rms
-from cpsim.layer import layer_run as _layer_run
-from cpsim.user_loss import loss_run as _loss_run
+from cpsim.layer import layer_differences as _layer_differences, layer_run as _layer_run
+from cpsim.user_loss import loss_differences as _loss_differences, loss_run as _loss_run
 from cpsim.outputs import CP_CONTEXT_FIELDS, OUTPUTS, RECURRENCE_INPUTS
 from cpsim.upstream import laid_out, layout_for
 
 
-# The outputs compared with the step itself run unsharded (on a group of one),
-# and how each one's run on a rank is taken: {name: run(case, output, who)}.
-UNSHARDED_OUTPUTS = {"layer": _layer_run, "user_loss": _loss_run}
+# The outputs compared with the step itself run unsharded (on a group of one):
+# how each one's run on a rank is taken (run(case, output, who)), how the runs
+# are compared (differences(runs, cp, dp, S, mesh) -> {world rank: (phase, why)})
+# and what its backward is called in reports.
+Unsharded = collections.namedtuple("Unsharded", "run differences noun")
+UNSHARDED_OUTPUTS = {"layer": Unsharded(_layer_run, _layer_differences, "layer"),
+                     "user_loss": Unsharded(_loss_run, _loss_differences, "loss")}
 
 
 def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, mesh="dp,cp"):
@@ -28,9 +34,10 @@ def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, me
     case = RankCase(golden, rank, dp, dp_rank, unsharded, mesh)
     if unsharded:  # the reference run: nothing else is compared
         out = step(case)
-        for name, run in UNSHARDED_OUTPUTS.items():
+        for name, kind in UNSHARDED_OUTPUTS.items():
             if name in runs:
-                runs[name][None] = run(case, out.get(name) if isinstance(out, dict) else None, "the unsharded run")
+                runs[name][None] = kind.run(case, out.get(name) if isinstance(out, dict) else None,
+                                            "the unsharded run")
         return None
     who = _who(rank, dp_rank, case.cp, dp, mesh)
     out = step(case)
@@ -156,16 +163,16 @@ def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, me
         backward("recurrence_o", out["recurrence_o"], [case.recurrence[n] for n in RECURRENCE_INPUTS],
                  golden.inputs["recurrence_grad_o"][:, lo:hi], ["d" + n for n in RECURRENCE_INPUTS],
                  [rms("dq"), rms("dk"), rms("dv"), rms("dbeta", "dq", "dk"), rms("dg", "dq", "dk")])
-    for name, run in UNSHARDED_OUTPUTS.items():
+    for name, kind in UNSHARDED_OUTPUTS.items():
         if name not in out:
             continue
         if runs is None:
             raise ValueError("a \"%s\" output is compared on thread ranks (check(backend='threads'), not in a job)"
                              % name)
         from cpsim import _C
-        _C.set_site_context("the backward of the step's %s" % ("layer" if name == "layer" else "loss"))
+        _C.set_site_context("the backward of the step's %s" % kind.noun)
         try:
-            runs.setdefault(name, {})[(dp_rank, rank)] = run(case, out[name], who)
+            runs.setdefault(name, {})[(dp_rank, rank)] = kind.run(case, out[name], who)
         finally:
             _C.set_site_context("")
     if "targets" in out:

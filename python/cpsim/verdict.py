@@ -8,9 +8,7 @@ from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.
 from cpsim import where
 from cpsim.case import Golden
 from cpsim.mesh import placed
-from cpsim.layer import layer_differences as _layer_differences
-from cpsim.user_loss import loss_differences as _loss_differences
-from cpsim.rank import first_differences, run_rank
+from cpsim.rank import UNSHARDED_OUTPUTS, first_differences, run_rank
 
 
 class OutsideContract(Exception):
@@ -63,13 +61,10 @@ def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp"):
             return "the unsharded run (cp 1) raised %s" % str(e).split(": ", 1)[1]
         except (ct.RankStuck, ct.CollectiveError) as e:
             return "the unsharded run (cp 1): %s" % e
-        compared = {"layer": _layer_differences, "user_loss": _loss_differences}
-        for name, of in compared.items():
+        for name, kind in UNSHARDED_OUTPUTS.items():  # the unsharded run gave each in runs (else it raised)
             if name not in runs:
                 continue
-            if None not in runs[name]:
-                return "the unsharded run (cp 1) returned no \"%s\" (the sharded ranks did)" % name
-            for r, why in of(runs[name], cp, dp, golden.manifest["S"], mesh).items():
+            for r, why in kind.differences(runs[name], cp, dp, golden.manifest["S"], mesh).items():
                 if not found[r] or why[0] < found[r][0]:
                     found[r] = why
     return first_differences(found)
