@@ -14,6 +14,12 @@ def rms(t):
     return t.square().mean().sqrt().item() if t.numel() else 0.0
 
 
+def close(a, b, tolerance):
+    """Whether the number a is b within `tolerance` relative to b (|b| at least
+    1e-12); a NaN on either side is never close."""
+    return abs(a - b) <= tolerance * max(abs(b), 1e-12)
+
+
 def _nonfinite_mismatch(got, want):
     """The first position where one side holds a NaN or an inf that the other does
     not (the same non-finite value on both agrees), as a list; None when none."""

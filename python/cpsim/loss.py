@@ -5,6 +5,8 @@ named when the step's value is one of them."""
 import torch
 import torch.nn.functional as F
 
+from cpsim.compare import close
+
 IGNORE = -100  # the targets' ignore index
 
 # (name, value of rank r from every rank's (sum, count)): what a report calls it.
@@ -49,12 +51,9 @@ def convention(golden, rank, got, tolerance):
     sums, counts = _sums_and_counts(golden)
     reference = sum(sums) / max(sum(counts), 1)
     near = max(float(tolerance) * 4, 1e-9)
-
-    def close(a, b):
-        return abs(a - b) <= near * max(abs(b), 1e-12)
     for name, of in _CONVENTIONS:
         candidate = of(sums, counts, rank)
-        if not close(candidate, reference) and close(value, candidate):
+        if not close(candidate, reference, near) and close(value, candidate, near):
             return name
     return ""
 

@@ -6,7 +6,7 @@ run must give the unsharded run's labels at each rank's positions, its value
 (every rank, or summed over the CP ranks) and its gradient to the logits."""
 import torch
 
-from cpsim.compare import difference, rms
+from cpsim.compare import close, difference, rms
 from cpsim.mesh import who as _who, world_rank
 
 VALUES = ("global", "share")
@@ -69,7 +69,7 @@ def loss_run(case, loss, who):
 
 
 def _close(a, b, tolerance):
-    return abs(a - b) <= max(tolerance, 1e-12) * max(abs(b), 1e-12)
+    return close(a, b, max(tolerance, 1e-12))
 
 
 def _positions(name, who, got, want, lo, S):
