@@ -69,6 +69,14 @@ std::optional<Verdict> ask_verdict(const LayoutCase& c, const CheckOptions& o, c
   return Verdict{Verdict::fail, line.rfind("fail ", 0) == 0 ? line.substr(5) : line};
 }
 
+// The positions each rank of the equal plan holds: the sequence padded to a
+// multiple of cp * pad_multiple, over cp.
+std::int64_t equal_shard(const LayoutCase& c, std::int64_t pad_multiple) {
+  Batch rows = c.batch;  // one row may be given as [S] tensors
+  normalize_batch_axis(rows);
+  return shard_geometry(sequence_length(rows), c.cp, pad_multiple).padded_len / c.cp;
+}
+
 // A layout just outside a contract, and which contract and how.
 struct Probe {
   LayoutCase c;
@@ -82,11 +90,6 @@ std::vector<Probe> draw_probes(const std::vector<int>& sizes, const PlanDraw& pl
                                std::int64_t pad_multiple, int per_contract, std::uint64_t seed) {
   std::vector<Probe> out;
   if (per_contract <= 0) return out;
-  const auto shard_of = [&](const LayoutCase& c) {
-    Batch rows = c.batch;
-    normalize_batch_axis(rows);
-    return shard_geometry(sequence_length(rows), c.cp, pad_multiple).padded_len / c.cp;
-  };
   if (limits.min_shard > 1) {
     DrawLimits wider = limits;
     wider.min_shard = 1;
@@ -94,7 +97,8 @@ std::vector<Probe> draw_probes(const std::vector<int>& sizes, const PlanDraw& pl
     std::vector<std::pair<std::int64_t, LayoutCase>> below;  // (shard, case), shard < min_shard
     for (int k = 0; k < 2000 && static_cast<int>(below.size()) < 50 * per_contract; ++k) {
       LayoutCase c = gen(rc::Random(seed + static_cast<std::uint64_t>(k)), k % 40).value();
-      if (const std::int64_t shard = shard_of(c); shard < limits.min_shard) below.emplace_back(shard, std::move(c));
+      if (const std::int64_t shard = equal_shard(c, pad_multiple); shard < limits.min_shard)
+        below.emplace_back(shard, std::move(c));
     }
     // The longest shards below the contract, at the largest CP sizes first (where
     // a shard's halo or state spans the most ranks).
@@ -106,18 +110,21 @@ std::vector<Probe> draw_probes(const std::vector<int>& sizes, const PlanDraw& pl
                                           std::to_string(below[i].first) + " positions"});
   }
   if (!limits.forms.empty()) {
-    std::vector<std::string> allowed, left_out;
-    for (const auto& [name, form] : layout_forms())
-      (std::find(limits.forms.begin(), limits.forms.end(), form) != limits.forms.end() ? allowed : left_out)
-          .push_back(name);
+    std::string allowed;  // "seq_lens, cu_seqlens": the contract's forms
+    std::vector<std::pair<std::string, LayoutForm>> left_out;
+    for (const auto& [name, form] : layout_forms()) {
+      if (std::find(limits.forms.begin(), limits.forms.end(), form) == limits.forms.end())
+        left_out.emplace_back(name, form);
+      else
+        allowed += (allowed.empty() ? "" : ", ") + name;
+    }
     for (int i = 0; i < per_contract && i < static_cast<int>(left_out.size()); ++i) {
+      const auto& [name, form] = left_out[static_cast<std::size_t>(i)];
       DrawLimits other = limits;
-      other.forms = {layout_forms().at(left_out[static_cast<std::size_t>(i)])};
+      other.forms = {form};
       const auto gen = gen_layout_case(sizes, plan, other);
-      std::string names;
-      for (const auto& n : allowed) names += (names.empty() ? "" : ", ") + n;
       out.push_back({gen(rc::Random(seed + 7919u * static_cast<std::uint64_t>(i + 1)), 10).value(),
-                     "forms " + names + ": a layout in form " + left_out[static_cast<std::size_t>(i)]});
+                     "forms " + allowed + ": a layout in form " + name});
     }
   }
   return out;
@@ -207,10 +214,7 @@ int run_harness(const HarnessArgs& a) {
   // A family's members are drawn by its own lengths: one whose shards are shorter
   // than --min-shard is discarded here, never shown to the step.
   const auto too_short = [&](const LayoutCase& c) {
-    if (a.min_shard <= 1) return false;
-    Batch rows = c.batch;  // one row may be given as [S] tensors
-    normalize_batch_axis(rows);
-    return shard_geometry(sequence_length(rows), c.cp, a.pad_multiple).padded_len / c.cp < a.min_shard;
+    return a.min_shard > 1 && equal_shard(c, a.pad_multiple) < a.min_shard;
   };
 
   std::optional<LayoutCase> smallest;
