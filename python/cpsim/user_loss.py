@@ -130,39 +130,42 @@ def _value_hint(values, whole, tolerance):
     return why
 
 
+def _counted(run, whole, who, lo, S):
+    """The first way a rank counts other tokens than the unsharded run (its
+    labels or mask, its CP padding), or ''."""
+    for name in ("labels", "loss_mask"):
+        if (run[name] is None) != (whole[name] is None):
+            return "%s gave %s %s, the unsharded run %s" % (
+                who, "no" if run[name] is None else "its", name, "none" if whole[name] is None else "its")
+        if run[name] is not None:
+            why = _positions(name, who, run[name], whole[name], lo, S)
+            if why:
+                return why
+    return _left_out(who, run, S)
+
+
 def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
     """Each rank's labels, mask, value and gradient to its logits against the
     unsharded run's; per world rank its first difference (0 value, 1 gradient)."""
     whole = losses[None]
     found = {}
     for dp_rank in range(dp):
-        runs = [losses.get((dp_rank, rank)) for rank in range(cp)]
-        values = [run["value"] for run in runs if run is not None]
-        for rank, run in enumerate(runs):
+        ranks = []  # (run, who, world rank, lo, positions before S) of each rank that gave a user_loss
+        for rank in range(cp):
+            run = losses.get((dp_rank, rank))
             who, at = _who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
             if run is None:
                 found.setdefault(at, (0, "%s returned no user_loss (the unsharded run did)" % who))
-                continue
-            lo, n = run["lo"], max(min(run["hi"], S) - run["lo"], 0)
-            tolerance = run["tolerance"]
-            for name in ("labels", "loss_mask"):
-                if (run[name] is None) != (whole[name] is None):
-                    found.setdefault(at, (0, "%s gave %s %s, the unsharded run %s" % (
-                        who, "no" if run[name] is None else "its", name, "none" if whole[name] is None else "its")))
-                elif run[name] is not None:
-                    why = _positions(name, who, run[name], whole[name], lo, S)
-                    if why:
-                        found.setdefault(at, (0, why))
-            why = _left_out(who, run, S)
+            else:
+                ranks.append((run, who, at, run["lo"], max(min(run["hi"], S) - run["lo"], 0)))
+        values = [run["value"] for run, *_ in ranks]
+        for run, who, at, lo, _ in ranks:
+            why = _counted(run, whole, who, lo, S)
             if why:
                 found.setdefault(at, (0, why))
         # A value that differs where the labels or the mask do follows from them.
         counted_wrong = any(found.get(world_rank(r, dp_rank, cp, dp, mesh)) for r in range(cp))
-        for rank, run in enumerate(runs):
-            if run is None:
-                continue
-            who, at = _who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
-            lo, n = run["lo"], max(min(run["hi"], S) - run["lo"], 0)
+        for run, who, at, lo, n in ranks:
             tolerance = run["tolerance"]
             if run["value_is"] == "global" and not _close(run["value"], whole["value"], tolerance):
                 hint = ("; it follows from the tokens counted (the labels or mask reported)" if counted_wrong else
@@ -188,8 +191,8 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
             if bool((run["grad"][:, n:] != 0).any()):
                 found.setdefault(at, (1, "%s user_loss gradient to the logits is not 0 at the CP padding "
                                          "(positions from %d)" % (who, S)))
-        if len(values) == cp and runs[0]["value_is"] == "share":
-            total, tolerance = sum(values), runs[0]["tolerance"]
+        if len(values) == cp and ranks[0][0]["value_is"] == "share":
+            total, tolerance = sum(values), ranks[0][0]["tolerance"]
             if not _close(total, whole["value"], tolerance):
                 why = "the CP ranks' user_loss values (%s) sum to %.10g; the unsharded run's loss is %.10g" % (
                     ", ".join("%.6g" % v for v in values), total, whole["value"])
