@@ -183,6 +183,14 @@ RankActivity activity_of(const CallRecord& c, GlooRank::Status status, const std
   return {};
 }
 
+// Where a rank is in an exchange: in its call, or past its last one (its
+// record tells its peers it returned or threw).
+std::string place(const CallRecord& me, GlooRank::Status status, const RankNames& names) {
+  if (status == GlooRank::Status::call) return "in " + describe_call(me, names) + names.on();
+  return std::string("after it ") + (status == GlooRank::Status::returned ? "returned" : "threw") + names.on() +
+         " (last completed: " + (me.seq > 0 ? describe_call(me, names) : "nothing") + ")";
+}
+
 }  // namespace
 
 GlooRank::GlooRank(std::shared_ptr<gloo::Context> context, int rank, int size, std::shared_ptr<Store> records,
@@ -371,14 +379,19 @@ std::vector<CallRecord> GlooRank::exchange(const CallRecord& mine, Status status
         why = names_.rank(rank_) + " sat out the run of " + names_.ranks(group) + " and stopped waiting for " +
               names_.ranks(missing) + " at " + sat_out;
       }
-      else if (timed_out && !sending)
-        why = call_timeout(rank_, me, start, timeout, names_) + " for " + names_.ranks(missing) + ", which never arrived";
-      else if (timed_out)
-        why = call_timeout(rank_, me, start, timeout, names_) + " to deliver its call to " + names_.ranks(suspects) +
-              " after every peer's had arrived";
-      else
-        why = names_.rank(rank_) + " lost its connection to " + names_.ranks(suspects) + " in " + describe_call(me, names_) +
-              names_.on() + " (gloo: " + what + ")";
+      else {
+        const std::string waited = status == Status::call
+                                       ? call_timeout(rank_, me, start, timeout, names_)
+                                       : "timeout: " + names_.rank(rank_) + " " + waited_since(start, timeout) + " " +
+                                             place(me, status, names_);
+        if (timed_out && !sending)
+          why = waited + " for " + names_.ranks(missing) + ", which never arrived";
+        else if (timed_out)
+          why = waited + " to deliver its call to " + names_.ranks(suspects) + " after every peer's had arrived";
+        else
+          why = names_.rank(rank_) + " lost its connection to " + names_.ranks(suspects) + " " +
+                place(me, status, names_) + " (gloo: " + what + ")";
+      }
       break_group(why + describe_ranks(activities, names_), suspects, timeout);
     }
     for (int q = 0; q < size_; ++q) {

@@ -22,16 +22,13 @@ struct WireHeader {
   char site[96] = {};
 };
 
-// How long a receipt or an end may take to leave: a peer that no longer takes
-// them has ended, and the calls that wait on it report that.
-constexpr std::chrono::milliseconds kNoticeLimit{2000};
-
 }  // namespace
 
 ProcessWire::ProcessWire(const GlooRank& rank, std::vector<int> ranks, std::shared_ptr<Mailbox> mailbox,
                          std::chrono::milliseconds timeout)
     : context_(rank.context_ptr()), ranks_(std::move(ranks)), me_(rank.rank()), mailbox_(std::move(mailbox)),
       timeout_(timeout) {
+  gone_.assign(ranks_.size(), false);
   if (context_ && ranks_.size() > 1) {
     notifier_ = std::thread([this] { send_notices(); });
     thread_ = std::thread([this] { take(); });
@@ -42,6 +39,7 @@ ProcessWire::~ProcessWire() {
   {
     std::lock_guard<std::mutex> lock(notices_mutex_);
     notices_stop_ = true;
+    abort_notice_locked(-1);
     notices_cv_.notify_all();
   }
   if (notifier_.joinable()) notifier_.join();
@@ -54,16 +52,40 @@ ProcessWire::~ProcessWire() {
 }
 
 void ProcessWire::put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes,
-                      std::chrono::milliseconds limit) {
+                      std::chrono::milliseconds limit, bool notice) {
   auto h = context_->createUnboundBuffer(const_cast<void*>(header), size);
   std::unique_ptr<gloo::transport::UnboundBuffer> payload;
-  h->send(peer, kWireHeaderSlot);
-  if (nbytes) {
-    payload = context_->createUnboundBuffer(const_cast<std::uint8_t*>(bytes), nbytes);
-    payload->send(peer, kWirePayloadSlot);
+  if (nbytes) payload = context_->createUnboundBuffer(const_cast<std::uint8_t*>(bytes), nbytes);
+  if (notice) {
+    std::lock_guard<std::mutex> lock(notices_mutex_);
+    if (notices_stop_ || gone_[peer]) return;
+    in_flight_ = {peer, h.get(), payload.get()};
   }
-  h->waitSend(limit);
-  if (payload) payload->waitSend(limit);
+  struct Landed {  // the buffers are not aborted once this returns
+    ProcessWire& wire;
+    bool notice;
+    ~Landed() {
+      if (!notice) return;
+      std::lock_guard<std::mutex> lock(wire.notices_mutex_);
+      wire.in_flight_ = {};
+    }
+  } landed{*this, notice};
+  h->send(peer, kWireHeaderSlot);
+  if (payload) payload->send(peer, kWirePayloadSlot);
+  if (h->waitSend(limit) && payload) payload->waitSend(limit);
+}
+
+void ProcessWire::abort_notice_locked(int peer) {
+  if (in_flight_.header == nullptr || (peer >= 0 && in_flight_.peer != peer)) return;
+  in_flight_.header->abortWaitSend();
+  if (in_flight_.payload) in_flight_.payload->abortWaitSend();
+}
+
+void ProcessWire::abandon(int peer) {
+  std::lock_guard<std::mutex> lock(notices_mutex_);
+  gone_[peer] = true;
+  abort_notice_locked(peer);
+  notices_cv_.notify_all();
 }
 
 int ProcessWire::peer_of(int rank) const {
@@ -115,9 +137,12 @@ void ProcessWire::send_notices() {
     notices_.pop_front();
     lock.unlock();
     try {
-      put(n.peer, n.header.data(), n.header.size(), n.bytes.data(), n.bytes.size(), std::min(timeout_, kNoticeLimit));
+      // As long as a message may take: Gloo closes every connection of the
+      // group when a wait of its times out, so a shorter limit would end the
+      // group's collectives too (on a slow, lossy link a notice can take seconds).
+      put(n.peer, n.header.data(), n.header.size(), n.bytes.data(), n.bytes.size(), timeout_, /*notice=*/true);
     } catch (const std::exception&) {
-      // That peer ended, or its connection is gone: what waited on it has been told, or its session's end says so.
+      // That peer's connection is gone: what waited on it has been told, or its session's end says so.
     }
     lock.lock();
     ++notices_sent_;
@@ -234,6 +259,8 @@ void ProcessWire::take() {
           break;
         case Kind::end: {
           mailbox_->stopped(ranks_[src], std::string(bytes.begin(), bytes.end()), h.numel != 0);
+          // A peer that threw takes nothing more (a peer that returned takes until it has every end).
+          if (h.numel != 0) abandon(src);
           std::lock_guard<std::mutex> lock(ends_mutex_);
           ++ends_;
           ends_cv_.notify_all();

@@ -57,9 +57,15 @@ class ProcessWire {
 
  private:
   void take();  // every message from any peer, into the mailbox, until the group ends
-  // One header, and `bytes` when there are any, to group rank `peer`.
+  // One header, and `bytes` when there are any, to group rank `peer`. A
+  // notice is dropped, or its wait aborted, once that peer is gone (abandon).
   void put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes,
-           std::chrono::milliseconds limit);
+           std::chrono::milliseconds limit, bool notice = false);
+  // Group rank `peer` threw: its wire takes nothing more, so notices to it are
+  // dropped (waiting for one would end in a timeout that closes every
+  // connection of the group).
+  void abandon(int peer);
+  void abort_notice_locked(int peer);  // the notice in flight (to `peer`, or any: -1)
   // Receipts and ends leave from a thread of their own: take() never waits on a
   // send (three processes whose take threads each sent a receipt round a ring,
   // each waiting for the next to take it, would wait in a circle).
@@ -89,6 +95,11 @@ class ProcessWire {
   std::deque<Notice> notices_;
   std::int64_t notices_queued_ = 0, notices_sent_ = 0;
   bool notices_stop_ = false;
+  std::vector<bool> gone_;  // by group rank: peers that threw
+  struct InFlight {
+    int peer = -1;
+    gloo::transport::UnboundBuffer *header = nullptr, *payload = nullptr;
+  } in_flight_;  // the notice whose send is being waited for
   std::thread notifier_;
   std::thread thread_;
 };
