@@ -1,0 +1,151 @@
+// The process wire (sim/gloo/process_wire.cpp) and the call exchange over
+// Gloo, between ranks on threads of one process, each with its own Gloo context
+// as the processes of a job have: notices that wait as a message does (a Gloo
+// wait that times out closes every connection of its context), notices to a peer
+// that threw dropped, and a link lost after a rank returned named as such.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/comm/point_to_point.hpp"
+#include "core/error.hpp"
+#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/process_wire.hpp"
+#include "tests/tensor_helpers.hpp"
+
+namespace cpsim {
+namespace {
+
+using std::chrono::milliseconds;
+
+Payload floats(std::vector<float> values) {
+  Payload p{std::vector<std::uint8_t>(values.size() * sizeof(float)), "float32", static_cast<std::int64_t>(values.size())};
+  std::memcpy(p.bytes.data(), values.data(), p.bytes.size());
+  return p;
+}
+
+std::string error_of(const std::function<void()>& wait) {
+  return cpsim::testing::thrown<CollectiveError>(wait, "CollectiveError");
+}
+
+// Two ranks of a group over Gloo, on threads, each with the process wire two
+// processes of a job have (python/torch_backend/groups.cpp, JobSession). `body`
+// runs on each rank with its GlooRank, its wire and its mailbox; what it throws
+// is that rank's error.
+template <class F>
+std::vector<std::string> wired_pair(milliseconds timeout, F&& body) {
+  auto store = sim::open_store("memory");
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        auto context = sim::connect_gloo(r, 2, *store, sim::gloo_device("127.0.0.1"), timeout);
+        auto rank = std::make_shared<sim::GlooRank>(context, r, 2, store, timeout, false);
+        rank->begin(timeout);
+        auto box = std::make_shared<Mailbox>(2, timeout, std::make_shared<ActivityBoard>(2), Sends::rendezvous);
+        body(r, *rank, box);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  return errors;
+}
+
+TEST(ProcessWire, ANoticeTakenLateLeavesTheGroupsConnectionsWhole) {
+  // Rank 1's wire takes 3 s after rank 0 told its end: on a slow, lossy link a
+  // notice waits that long. Gloo closes every connection of a group when one of
+  // its waits times out, so waiting must last as long as a message may (the
+  // group's timeout): the all-reduce after it runs on both ranks.
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = wired_pair(milliseconds(30000), [](int r, sim::GlooRank& rank, std::shared_ptr<Mailbox> box) {
+    if (r == 1) std::this_thread::sleep_for(milliseconds(3000));
+    sim::ProcessWire wire(rank, {0, 1}, box, milliseconds(30000));
+    if (r == 0) wire.ended("returned", false);
+    float x = 1.0f + static_cast<float>(r);
+    rank.communicator()->all_reduce(&x, 1, DType::f32);
+    if (x != 3.0f) throw std::runtime_error("all_reduce gave " + std::to_string(x));
+    if (r == 1) {
+      wire.wait_for_ends();
+      auto sent = box->send("g", 1, 0, 0, floats({1}), "late.py:1");  // rank 0 returned: named, not waited for
+      const std::string what = error_of([&] { box->wait(*sent); });
+      if (what.find("but rank 0 returned without receiving it") == std::string::npos)
+        throw std::runtime_error("rank 0's end did not come: " + what);
+    }
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(20000));
+}
+
+TEST(ProcessWire, NoticesToAPeerThatThrewAreDroppedNotWaitedFor) {
+  // Rank 1 throws: it tells its end and its wire stops taking, its process
+  // (connections) still up. Rank 0's state and end then go nowhere: its end
+  // returns at once instead of waiting the group's timeout (60 s) for rank 1 to
+  // take them, and the group's connections stay whole.
+  const auto errors = wired_pair(milliseconds(60000), [](int r, sim::GlooRank& rank, std::shared_ptr<Mailbox> box) {
+    auto wire = std::make_unique<sim::ProcessWire>(rank, std::vector<int>{0, 1}, box, milliseconds(60000));
+    float x = 1.0f;
+    rank.communicator()->all_reduce(&x, 1, DType::f32);  // both wires are up
+    if (r == 1) {
+      wire->ended("threw: ValueError", true);
+      wire.reset();
+    } else {
+      std::this_thread::sleep_for(milliseconds(200));  // rank 1's wire is gone, or about to be
+      const auto start = std::chrono::steady_clock::now();
+      wire->state(Mailbox::State{});
+      wire->ended("returned", false);
+      const auto took = std::chrono::steady_clock::now() - start;
+      if (took > milliseconds(10000))
+        throw std::runtime_error("rank 0's end waited " +
+                                 std::to_string(std::chrono::duration_cast<milliseconds>(took).count()) + " ms");
+    }
+    rank.communicator()->all_reduce(&x, 1, DType::f32);
+    if (x != 4.0f) throw std::runtime_error("all_reduce gave " + std::to_string(x));
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+TEST(Gloo, ALinkLostAfterARankReturnedIsNamedAfterItsEndNotInItsLastCall) {
+  // Rank 1's process goes away once both completed an all-reduce; rank 0 then
+  // returns, and the exchange that tells its peers so loses the connection.
+  // The all-reduce completed: the report says where rank 0 was, after it.
+  auto store = sim::open_store("memory");
+  const milliseconds timeout(30000);
+  std::atomic<bool> gone{false};
+  std::string error;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      {
+        auto rank = std::make_shared<sim::GlooRank>(
+            sim::connect_gloo(r, 2, *store, sim::gloo_device("127.0.0.1"), timeout), r, 2, store, timeout, false);
+        rank->begin(timeout);
+        float x = 1.0f;
+        rank->communicator()->all_reduce(&x, 1, DType::f32);
+        if (r == 0) {
+          while (!gone) std::this_thread::sleep_for(milliseconds(10));
+          error = cpsim::testing::thrown<Aborted>([&] { rank->finish(); }, "Aborted");
+        }
+      }
+      if (r == 1) gone = true;  // its connections are closed
+    });
+  for (auto& t : ranks) t.join();
+  EXPECT_NE(error.find("rank 0 lost its connection to rank 1 after it returned (last completed: all_reduce #1"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(error.find("in all_reduce #1"), std::string::npos) << error;
+}
+
+
+}  // namespace
+}  // namespace cpsim
