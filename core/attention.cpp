@@ -1,5 +1,6 @@
 #include "core/attention.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/gather.hpp"
@@ -20,16 +21,31 @@ Tensor where(const Tensor& t, const Tensor& like) {
 
 }  // namespace
 
+MropeSections mrope_sections(std::int64_t dim) {
+  const std::int64_t half = dim / 2;
+  CPSIM_ENFORCE(half >= 2, "mRoPE: rotary dim ", dim, " has fewer than 2 pairs");
+  const std::int64_t side = std::max<std::int64_t>(1, 3 * half / 8);
+  return {half - 2 * side, side, side};
+}
+
 Var rope(const Var& x, const Tensor& positions, double base) {
   const Tensor& xv = x.value();
   CPSIM_ENFORCE(xv.ndim() == 4 && xv.dim(3) % 2 == 0, "rope: x ", shape_str(xv.shape()), " is not [B, L, H, D even]");
-  CPSIM_ENFORCE(positions.dtype() == DType::i64 && positions.shape() == Shape({xv.dim(0), xv.dim(1)}),
-                "rope: positions ", shape_str(positions.shape()), " do not match x ", shape_str(xv.shape()));
+  const bool mrope = positions.ndim() == 3;
+  CPSIM_ENFORCE(positions.dtype() == DType::i64 &&
+                    (positions.shape() == Shape({xv.dim(0), xv.dim(1)}) ||
+                     positions.shape() == Shape({3, xv.dim(0), xv.dim(1)})),
+                "rope: positions ", shape_str(positions.shape()), " do not match x ", shape_str(xv.shape()),
+                " ([B, L], or mRoPE's [3, B, L])");
   expect_float(xv, "rope");
   const Tensor pos = where(positions, xv);
   kernels::Rope a;
   a.pos = static_cast<const std::int64_t*>(pos.raw());
   a.rows = xv.dim(0), a.len = xv.dim(1), a.heads = xv.dim(2), a.dim = xv.dim(3), a.base = base;
+  if (mrope) {
+    const MropeSections sections = mrope_sections(a.dim);
+    a.planes = 3, a.section_t = sections.t, a.section_h = sections.h;
+  }
   auto turn = [](kernels::Rope a, const Tensor& in, int sign) {
     Tensor out(in.shape(), in.dtype(), in.device());
     a.x = in.raw();

@@ -11,8 +11,18 @@
 namespace cpsim {
 
 // x [B, L, H, D] (D even) rotated by positions [B, L] int64: pair (x_2m, x_2m+1)
-// turns by pos * base^(-2m/D). float32 or float64.
+// turns by pos * base^(-2m/D). float32 or float64. mRoPE: positions [3, B, L]
+// (temporal, height, width planes); the D/2 pairs split into mrope_sections(D),
+// each part turned by its plane's position.
 Var rope(const Var& x, const Tensor& positions, double base = 10000);
+
+// How many rotary pairs each mRoPE plane turns (temporal, height, width): height
+// and width 3/8 of the D/2 pairs each (at least 1), temporal the rest, as
+// Qwen2-VL's mrope_section [16, 24, 24] for D = 128. D >= 4.
+struct MropeSections {
+  std::int64_t t, h, w;
+};
+MropeSections mrope_sections(std::int64_t dim);
 
 // Attention of local queries q [B, Lq, H, D] (query t at global position
 // q_start + t) over keys k [B, Lk, H, D] and values v [B, Lk, H, Dv] at global

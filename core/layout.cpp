@@ -273,6 +273,11 @@ void check_batch_keys(const Batch& batch) {
 }
 
 void normalize_batch_axis(Batch& batch) {
+  // One row written without its batch axis ([S]): mRoPE's position_ids are then
+  // [3, S] (the planes of that row).
+  bool one_row = false;
+  for (const auto& [key, t] : batch)
+    if (t.defined() && !is_length_key(key) && key != "position_ids") one_row = one_row || t.ndim() == 1;
   for (auto& [key, t] : batch) {
     if (!t.defined()) continue;
     if (key == "cu_seqlens" || key == "cu_seqlens_padded") {
@@ -281,8 +286,23 @@ void normalize_batch_axis(Batch& batch) {
       continue;
     }
     if (t.ndim() == 1) t = t.reshape({1, t.dim(0)});
+    else if (key == "position_ids" && one_row && t.ndim() == 2 && t.dim(0) == 3) t = t.reshape({3, 1, t.dim(1)});
   }
 }
+
+bool is_mrope(const Tensor& positions) { return positions.defined() && positions.ndim() == 3; }
+
+namespace {
+// Whether token i (of B x S) starts a document by its positions: 0, in every
+// plane of mRoPE's.
+bool position_is_zero(const Tensor& positions, std::int64_t i) {
+  if (!is_mrope(positions)) return positions.get_int(i) == 0;
+  const std::int64_t plane = positions.dim(1) * positions.dim(2);
+  for (std::int64_t k = 0; k < 3; ++k)
+    if (positions.get_int(k * plane + i) != 0) return false;
+  return true;
+}
+}  // namespace
 
 bool is_length_key(const std::string& key) {
   return key == "seq_lens" || key == "seq_lens_padded" || key == "cu_seqlens" || key == "cu_seqlens_padded";
@@ -292,15 +312,20 @@ std::int64_t sequence_length(const Batch& batch) {
   std::int64_t S = -1, B = -1;
   std::string first;
   // input_ids first, so that shape errors name the other key.
-  auto visit = [&](const std::string& key, const Tensor& t) {
+  auto visit = [&](const std::string& key, const Tensor& given) {
+    if (key == "position_ids" && given.ndim() == 3 && given.dim(0) != 3)
+      CPSIM_INVALID(key, ": expected [batch, sequence] or mRoPE's [3, batch, sequence], got ", shape_str(given.shape()));
+    // mRoPE's planes: each a [batch, sequence] stream.
+    const Tensor t = key == "position_ids" && is_mrope(given) ? given.reshape({given.dim(1), given.dim(2) * 3}) : given;
+    const std::int64_t width = key == "position_ids" && is_mrope(given) ? given.dim(2) : t.ndim() == 2 ? t.dim(1) : 0;
     if (t.ndim() != 2)
       CPSIM_INVALID(key, ": expected shape [batch, sequence], got ", shape_str(t.shape()),
                     " (every key but the packing lengths is a [batch, sequence] token stream)");
     if (S < 0) {
-      S = t.dim(1);
+      S = width;
       B = t.dim(0);
       first = key;
-    } else if (t.dim(0) != B || t.dim(1) != S) {
+    } else if (t.dim(0) != B || width != S) {
       CPSIM_INVALID(key, ": shape ", shape_str(t.shape()), " disagrees with ", first, " [", B, ", ", S, "]");
     }
   };
@@ -319,7 +344,7 @@ std::int64_t batch_rows(const Batch& batch) {
   sequence_length(batch);
   if (has(batch, "input_ids")) return batch.at("input_ids").dim(0);
   for (const auto& [key, t] : batch)
-    if (!is_length_key(key)) return t.dim(0);
+    if (!is_length_key(key)) return key == "position_ids" && is_mrope(t) ? t.dim(1) : t.dim(0);
   return 0;
 }
 
@@ -368,7 +393,7 @@ Tensor global_doc_ids(const Batch& batch) {
       const bool is_pad = padding_mask ? padding_mask->get_int(i) != 0
                           : attention_mask ? attention_mask->get_int(i) == 0
                                            : false;
-      if (!is_pad && (doc == 0 || (positions && positions->get_int(i) == 0))) ++doc;
+      if (!is_pad && (doc == 0 || (positions && position_is_zero(*positions, i)))) ++doc;
       ids.data<std::int64_t>()[i] = is_pad ? kPadDocId : (positions ? doc : 1);
     }
   }
@@ -401,12 +426,21 @@ Layout derive_layout(const Batch& batch) {
   if (has(batch, "position_ids")) {
     out.positions = batch.at("position_ids").to(DType::i64);
     const auto* given = out.positions.data<std::int64_t>();
-    for (std::int64_t i = 0; i < B * S; ++i)
+    for (std::int64_t i = 0; i < out.positions.numel(); ++i)
       if (given[i] > kMaxPosition || given[i] < -kMaxPosition)
-        CPSIM_INVALID("position_ids row ", i / S, " index ", i % S, ": position ", given[i],
+        CPSIM_INVALID("position_ids row ", i / S % B, " index ", i % S, ": position ", given[i],
                       " is beyond 2^52 (4503599627370496): RoPE turns a token by its position in float64, which "
                       "holds integers exactly only below 2^53, and the padded tail continues from the last position");
-    if (is_packed(batch)) {
+    if (is_packed(batch) && is_mrope(out.positions)) {
+      // mRoPE's planes are all 0 at every document's start, and nowhere else.
+      const Tensor offsets = derive_positions(out.doc_ids);
+      const auto* k = offsets.data<std::int64_t>();
+      for (std::int64_t i = 0; i < B * S; ++i)
+        if (!pad[i] && (k[i] == 0) != position_is_zero(out.positions, i))
+          CPSIM_INVALID("position_ids row ", i / S, " index ", i % S, ": mRoPE positions ",
+                        k[i] == 0 ? "not 0 in every plane at the start of a document of the lengths"
+                                  : "0 in every plane inside a document of the lengths (only a document's start is)");
+    } else if (is_packed(batch)) {
       // Given positions must agree with the documents: the offset inside the
       // document at every real token (0 at its start, unit steps).
       const Tensor offsets = derive_positions(out.doc_ids);
@@ -438,7 +472,55 @@ void unpack_row_layout(Batch& batch, const Layout& layout) {
   batch["position_ids"] = layout.positions;
 }
 
+namespace {
+// mRoPE (SPEC's RoPE over three planes, as Qwen2-VL's get_rope_index gives
+// them): a document starts at (0, 0, 0); each later token is text, the next
+// position in all three planes (one past the largest of the document so far;
+// an image grid's first token is one too), or the next token of an image grid,
+// which keeps the temporal plane and has height and width at least it.
+void validate_mrope_positions(const Tensor& keep, const Tensor& positions) {
+  const std::int64_t B = keep.dim(0), S = keep.dim(1), plane = B * S;
+  for (std::int64_t r = 0; r < B; ++r) {
+    bool prev_kept = false, seen = false;
+    std::int64_t top = 0, prev_t = 0;  // the document's largest position so far; the last token's temporal one
+    for (std::int64_t s = 0; s < S; ++s) {
+      const std::int64_t i = r * S + s;
+      if (keep.get_int(i) == 0) {
+        prev_kept = false;
+        continue;
+      }
+      const std::int64_t t = positions.get_int(i), h = positions.get_int(plane + i), w = positions.get_int(2 * plane + i);
+      const auto at = [&] {
+        return "position_ids row " + std::to_string(r) + " index " + std::to_string(s) + ": mRoPE position (" +
+               std::to_string(t) + ", " + std::to_string(h) + ", " + std::to_string(w) + ")";
+      };
+      if (t < 0 || h < 0 || w < 0) CPSIM_INVALID(at(), " is negative");
+      // The row's first real token may lie inside a document (a row that is one
+      // shard of a longer one), as with [B, S] positions.
+      const bool starts = (t == 0 && h == 0 && w == 0) || !seen;
+      if (!prev_kept && !starts) CPSIM_INVALID(at(), " after a gap must be (0, 0, 0) (a gap never resumes a document)");
+      const bool text = t == top + 1 && h == t && w == t;
+      const bool grid = prev_kept && t == prev_t && h >= t && w >= t;
+      if (!starts && !text && !grid)
+        CPSIM_INVALID(at(), " must be (", top + 1, ", ", top + 1, ", ", top + 1,
+                      ") (text, or an image grid's first token: one past the document's largest position), keep the "
+                      "temporal position ", prev_t, " (the next token of an image grid), or be (0, 0, 0) (a new document)");
+      top = starts ? std::max({t, h, w}) : std::max({top, t, h, w});
+      prev_t = t;
+      prev_kept = seen = true;
+    }
+  }
+}
+}  // namespace
+
 void validate_document_positions(const Tensor& keep, const Tensor& positions) {
+  if (is_mrope(positions)) {
+    if (keep.ndim() != 2 || positions.shape() != Shape({3, keep.dim(0), keep.dim(1)}))
+      CPSIM_INVALID("position_ids: shape ", shape_str(positions.shape()), " disagrees with the validity mask ",
+                    shape_str(keep.shape()), " (mRoPE's are [3, batch, sequence])");
+    validate_mrope_positions(keep, positions);
+    return;
+  }
   if (keep.shape() != positions.shape() || keep.ndim() != 2)
     CPSIM_INVALID("position_ids: shape ", shape_str(positions.shape()), " disagrees with the validity mask ",
                   shape_str(keep.shape()));

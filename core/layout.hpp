@@ -25,7 +25,7 @@ inline constexpr std::int64_t kIgnoreLabel = -100;
 struct Layout {
   Tensor doc_ids;    // int64: i+1 over document i's occupied span, 0 beyond
   Tensor padding;    // bool: true = padding
-  Tensor positions;  // int64: given position_ids, else derived
+  Tensor positions;  // int64 [B, S]: given position_ids, else derived; or mRoPE's [3, B, S] as given
 };
 
 // The keys cpsim reads by name (SPEC §1, and token_type_ids). Any other key is a
@@ -73,7 +73,13 @@ void unpack_row_layout(Batch& batch);
 // The same with the batch's layout already derived (derive_layout of this batch).
 void unpack_row_layout(Batch& batch, const Layout& layout);
 
-// SPEC §1 position rule over kept tokens, per row; throws InvalidInput.
+// SPEC §1 position rule over kept tokens, per row; throws InvalidInput. mRoPE's
+// [3, B, S] planes (temporal, height, width) follow their own rule
+// (docs/files.md): (0, 0, 0) at a document's start, then text one past the
+// document's largest position in all three planes, or an image grid's next
+// token keeping the temporal plane.
 void validate_document_positions(const Tensor& keep, const Tensor& positions);
+// Whether position_ids are mRoPE's [3, B, S] planes.
+bool is_mrope(const Tensor& positions);
 
 }  // namespace cpsim

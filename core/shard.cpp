@@ -92,16 +92,20 @@ ShardedBatch shard_batch_at(int rank, int cp_size, Batch batch, std::optional<Te
     const bool global = key == "input_ids" && !shard_primary;  // padded to P, kept whole
     const std::int64_t start = global ? 0 : plan.begin(rank), len = global ? g.padded_len : plan.size(rank);
     const auto f = fill.find(key);
-    Tensor local = slice_sequence(t, start, len, f == fill.end() ? 0 : f->second);
+    // mRoPE's position_ids [3, B, S]: each plane's rows are sliced along the
+    // sequence, as [3 B, S] rows.
+    const bool planes = key == "position_ids" && is_mrope(t);
+    const Tensor rows = planes ? t.reshape({3 * t.dim(1), S}) : t;
+    Tensor local = slice_sequence(rows, start, len, f == fill.end() ? 0 : f->second);
     if (key == "position_ids") {
-      // Position ids continue last+1, ... into the padded tail (derive_layout made them int64).
+      // Position ids continue last+1, ... into the padded tail (derive_layout made them int64), in every plane.
       auto* p = local.data<std::int64_t>();
-      const auto* src = t.data<std::int64_t>();
-      for (std::int64_t r = 0; r < t.dim(0); ++r)
+      const auto* src = rows.data<std::int64_t>();
+      for (std::int64_t r = 0; r < rows.dim(0); ++r)
         for (std::int64_t j = std::max<std::int64_t>(0, S - start); j < len; ++j)
           p[r * len + j] = src[r * S + S - 1] + (start + j - S + 1);
     }
-    t = std::move(local);
+    t = planes ? local.reshape({3, t.dim(1), len}) : std::move(local);
   }
   return {std::move(batch), PackedContext(std::move(doc_ids), std::move(plan), rank, S)};
 }

@@ -43,6 +43,30 @@ Layout padding_at_the_tail(const Batch& batch) {
   return l;
 }
 
+// mRoPE turned as plain RoPE by the temporal plane alone (a text model's rotary
+// layer reused for a vision-language one): right on text, wrong inside an image.
+Var rope_by_temporal_plane(const Var& x, const Tensor& positions) {
+  if (positions.ndim() != 3) return rope(x, positions);
+  return rope(x, narrow(positions, 0, 0, 1).reshape({positions.dim(1), positions.dim(2)}));
+}
+
+// A sharder that cuts [3, B, S] position_ids along axis 1 (pos[:, lo:hi], as for
+// [B, S] keys): the rows, not the sequence. Right at CP size 1 only.
+ShardedBatch shard_planes_by_rows(int rank, int cp, const Batch& batch, std::int64_t pad_token_id, bool shard_primary,
+                                  const PlanChoice& plan) {
+  ShardedBatch sb = shard_batch_at(rank, cp, batch, std::nullopt, pad_token_id, shard_primary, 1, plan);
+  Batch b = batch;
+  normalize_batch_axis(b);
+  if (!b.count("position_ids")) return sb;
+  const Tensor& pos = b.at("position_ids");
+  if (pos.ndim() == 3) {
+    const std::int64_t rows = pos.dim(1), lo = std::min(sb.context.seq_start(), rows),
+                       hi = std::min(sb.context.seq_start() + sb.context.local_seq_len(), rows);
+    sb.local["position_ids"] = narrow(pos.to(DType::i64), 1, lo, hi - lo);
+  }
+  return sb;
+}
+
 }  // namespace
 
 TEST(Families, TheShippedFamiliesDrawOnlyTheirMembers) {
@@ -179,5 +203,41 @@ TEST(Families, ATailInTheLastDocumentFillsEveryRow) {
   for (int k = 0; k < 20; ++k) {
     const LayoutCase c = outside(rc::Random(k + 3), 50).value();
     EXPECT_THAT(family_violation(family, c), HasSubstr("the tail in the last document")) << c;
+  }
+}
+
+// mRoPE (vision_language_mrope): members carry [3, S] position_ids whose planes
+// differ inside image grids; every property holds on them (above), and two bugs
+// that pass every [B, S] layout are found on them: RoPE by the temporal plane
+// alone, and a sharder that cuts the planes' rows instead of their sequence.
+TEST(Families, MropeMembersCatchRopeByOnePlaneAndPlanesShardedByRows) {
+  const LayoutFamily family = read_family(kFamilies + "vision_language_mrope.json");
+  ASSERT_TRUE(family.mrope && family.image_spans);
+  const auto gen = gen_family_case(family);
+  int grids = 0;
+  for (int k = 0; k < 50; ++k) {
+    const LayoutCase c = gen(rc::Random(k + 1), 40).value();
+    const Tensor& pos = c.batch.at("position_ids");
+    ASSERT_EQ(pos.shape(), (Shape{3, c.batch.at("input_ids").numel()})) << c;
+    for (std::int64_t s = 0; s < pos.dim(1); ++s) grids += pos.get_int(s) != pos.get_int(2 * pos.dim(1) + s);
+  }
+  EXPECT_GT(grids, 0) << "no member had an image grid";
+  CheckOptions o;
+  o.key_dim = 8;  // pairs: 2 temporal, 1 height, 1 width
+  for (const auto& [name, row, impl] :
+       {std::tuple<std::string, std::string, Impl>{"rope by the temporal plane", "rope", {.rope = rope_by_temporal_plane}},
+        {"attention after rope by the temporal plane", "attention_forward", {.rope = rope_by_temporal_plane}},
+        {"planes sharded by rows", "shard", {.shard = shard_planes_by_rows}}}) {
+    const std::string report = cpsim::testing::expect_counterexample(name, [&] {
+      const LayoutCase c = *gen;
+      RC_ASSERT(check_row(row, c, o, impl).ok);
+    });
+    EXPECT_FALSE(report.empty()) << name << ": passed every member";
+    // Neither bug shows on [B, S] positions: the plain vision-language family passes.
+    const auto plain = gen_family_case(read_family(kFamilies + "vision_language.json"));
+    EXPECT_EQ(cpsim::testing::expect_counterexample(
+                  name + " on [B, S] positions", [&] { RC_ASSERT(check_row(row, *plain, o, impl).ok); }, 100),
+              "")
+        << name;
   }
 }

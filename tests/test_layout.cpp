@@ -296,3 +296,61 @@ TEST(LayoutErrors, EmptySequenceOrNoRows) {
   Batch none{{"input_ids", Tensor({0, 4}, DType::i64)}};
   EXPECT_THAT(invalid([&] { derive_layout(none); }), AllOf(HasSubstr("input_ids"), HasSubstr("no rows")));
 }
+
+// mRoPE position_ids (Qwen2-VL's get_rope_index): two documents of one row, the
+// first with a 2 x 3 image grid after one text token, written as [3, S] beside
+// [S] tokens (one row), or as [3, B, S].
+namespace {
+Batch mrope_batch() {
+  // doc 1: text 0; image grid from 1 (t 1; h 1..2; w 1..3); text after it at 4 and 5.
+  // doc 2: text 0, 1.
+  return {{"input_ids", i64({10}, {5, 9, 9, 9, 9, 9, 9, 6, 7, 8})},
+          {"cu_seqlens", i64({3}, {0, 8, 10})},
+          {"position_ids", i64({3, 10}, {0, 1, 1, 1, 1, 1, 1, 4, 0, 1,    //
+                                         0, 1, 1, 1, 2, 2, 2, 4, 0, 1,    //
+                                         0, 1, 2, 3, 1, 2, 3, 4, 0, 1})}};
+}
+}  // namespace
+
+TEST(Layout, MropePlanesAreKeptAndCheckedPerDocument) {
+  Batch b = mrope_batch();
+  normalize_batch_axis(b);
+  EXPECT_EQ(b.at("position_ids").shape(), (Shape{3, 1, 10}));
+  EXPECT_EQ(b.at("input_ids").shape(), (Shape{1, 10}));
+  const Layout l = derive_layout(b);
+  EXPECT_EQ(l.positions.shape(), (Shape{3, 1, 10}));
+  EXPECT_EQ(values(l.doc_ids), (std::vector<std::int64_t>{1, 1, 1, 1, 1, 1, 1, 1, 2, 2}));
+  unpack_row_layout(b);
+  EXPECT_EQ(values(b.at("position_ids")), values(mrope_batch().at("position_ids")));
+
+  // A grid token that moves the temporal plane; text not one past the largest;
+  // a document of the lengths that does not start at (0, 0, 0); (0, 0, 0) inside one.
+  const auto broken = [](std::int64_t at, std::int64_t value) {
+    Batch x = mrope_batch();
+    x.at("position_ids").set(at, static_cast<double>(value));
+    normalize_batch_axis(x);
+    return invalid([&] { derive_layout(x); });
+  };
+  EXPECT_THAT(broken(3, 2), AllOf(HasSubstr("position_ids row 0 index 3: mRoPE position (2, 1, 3)"),
+                                  HasSubstr("keep the temporal position 1")));
+  EXPECT_THAT(broken(7, 3), HasSubstr("index 7: mRoPE position (3, 4, 4) must be (4, 4, 4)"));
+  EXPECT_THAT(broken(8, 1), HasSubstr("index 8: mRoPE positions not 0 in every plane at the start of a document"));
+  Batch inside = mrope_batch();
+  for (std::int64_t k = 0; k < 3; ++k) inside.at("position_ids").set(k * 10 + 9, 0.0);
+  normalize_batch_axis(inside);
+  EXPECT_THAT(invalid([&] { derive_layout(inside); }), HasSubstr("index 9: mRoPE positions 0 in every plane inside"));
+  // Planes that are not three: [2, B, S] is no form.
+  Batch two{{"input_ids", i64({1, 2}, {1, 2})}, {"position_ids", i64({2, 1, 2}, {0, 1, 0, 1})}};
+  EXPECT_THAT(invalid([&] { derive_layout(two); }), HasSubstr("mRoPE's [3, batch, sequence]"));
+}
+
+TEST(Layout, MropeResetsStartDocumentsOnlyWhereEveryPlaneIsZero) {
+  // A flattening collator's row: no lengths, documents where all planes are 0.
+  // The image grid at the start of the first document has temporal 0 throughout.
+  Batch b{{"input_ids", i64({1, 7}, {9, 9, 9, 9, 5, 6, 7})},
+          {"position_ids", i64({3, 1, 7}, {0, 0, 0, 0, 2, 0, 1,  //
+                                            0, 0, 1, 1, 2, 0, 1,  //
+                                            0, 1, 0, 1, 2, 0, 1})}};
+  const Layout l = derive_layout(b);
+  EXPECT_EQ(values(l.doc_ids), (std::vector<std::int64_t>{1, 1, 1, 1, 1, 2, 2}));
+}

@@ -84,6 +84,25 @@ TEST(Safetensors, OneDimensionalBoolAndUnsignedKeys) {
   EXPECT_EQ(values(f.batch.at("padding_mask")), (std::vector<std::int64_t>{0, 0, 0, 1}));
 }
 
+TEST(Safetensors, MropePositionIdsAreThreePlanes) {
+  // position_ids I32 [3, 1, 4]: temporal, height, width of one row (a 1 x 2
+  // image grid after one text token, then text one past the grid's largest).
+  const std::string header =
+      R"({"input_ids":{"dtype":"I64","shape":[1,4],"data_offsets":[0,32]},)"
+      R"("position_ids":{"dtype":"I32","shape":[3,1,4],"data_offsets":[32,80]}})";
+  const BatchFile f = parse_batch_safetensors(
+      file(header, le<std::int64_t>({5, 9, 9, 6}) + le<std::int32_t>({0, 1, 1, 3, 0, 1, 1, 3, 0, 1, 2, 3})),
+      "mrope.safetensors");
+  EXPECT_EQ(f.batch.at("position_ids").shape(), (Shape{3, 1, 4}));
+  EXPECT_EQ(derive_layout(f.batch).positions.shape(), (Shape{3, 1, 4}));
+  // Only position_ids have planes, and only three.
+  const std::string four =
+      R"({"input_ids":{"dtype":"I64","shape":[1,2],"data_offsets":[0,16]},)"
+      R"("position_ids":{"dtype":"I64","shape":[4,1,2],"data_offsets":[16,80]}})";
+  EXPECT_THAT(invalid(file(four, le<std::int64_t>({1, 2, 0, 1, 0, 1, 0, 1, 0, 1}))),
+              HasSubstr("position_ids: shape must be [S] or [B, S] (mRoPE's: [3, B, S]) (got [4, 1, 2])"));
+}
+
 TEST(SafetensorsErrors, EveryMalformedFileIsOneClearError) {
   const std::string ids = R"("input_ids":{"dtype":"I64","shape":[1,2],"data_offsets":[0,16]})";
   const std::string data = le<std::int64_t>({1, 2});
@@ -177,4 +196,23 @@ TEST(Safetensors, TheCommandLineChecksASafetensorsBatch) {
   EXPECT_EQ(e.status, 2) << e.err;
   EXPECT_EQ(std::count(e.err.begin(), e.err.end(), '\n'), 1) << e.err;
   std::filesystem::remove_all(dir);
+}
+
+// A JSON batch nests mRoPE's position_ids three deep ([3, B, S]); a batch
+// written back (a counterexample) reads as the same tensors.
+TEST(BatchJson, MropePositionIdsNestThreeDeepAndRoundTrip) {
+  const BatchFile f = parse_batch_json(
+      R"({"input_ids": [[5, 9, 9, 6], [1, 2, 3, 4]], "seq_lens": [[4], [4]],
+          "position_ids": [[[0, 1, 1, 3], [0, 1, 2, 3]], [[0, 1, 1, 3], [0, 1, 2, 3]], [[0, 1, 2, 3], [0, 1, 2, 3]]]})");
+  const Tensor& pos = f.batch.at("position_ids");
+  EXPECT_EQ(pos.shape(), (Shape{3, 2, 4}));
+  EXPECT_EQ(pos.get_int(2 * 8 + 2), 2);  // width plane, row 0, token 2
+  const BatchFile again = parse_batch_json(batch_to_json(f.batch, 0));
+  EXPECT_EQ(again.batch.at("position_ids").shape(), (Shape{3, 2, 4}));
+  EXPECT_EQ(values(again.batch.at("position_ids")), values(pos));
+  // Planes of different shapes are ragged.
+  EXPECT_THAT(cpsim::testing::thrown<InvalidInput>(
+                  [] { parse_batch_json(R"({"input_ids": [[1, 2]], "position_ids": [[[0, 1]], [[0, 1]], [[0]]]})"); },
+                  "InvalidInput"),
+              HasSubstr("position_ids plane 2"));
 }

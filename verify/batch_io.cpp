@@ -24,9 +24,31 @@ namespace {
 
 bool is_bool_key(const std::string& key) { return key == "padding_mask"; }
 
+Tensor tensor_from_json(const json& value, const std::string& key);
+
+// Three levels of nesting (mRoPE's position_ids [3, B, S]): planes of equal shape.
+Tensor planes_from_json(const json& value, const std::string& key) {
+  std::vector<Tensor> planes;
+  for (std::size_t k = 0; k < value.size(); ++k) {
+    if (!value[k].is_array() || value[k].empty() || !value[k][0].is_array())
+      CPSIM_INVALID(key, " plane ", k, ": expected a [batch, sequence] array, as plane 0 is");
+    planes.push_back(tensor_from_json(value[k], key + " plane " + std::to_string(k)));
+    if (planes.back().shape() != planes[0].shape())
+      CPSIM_INVALID(key, " plane ", k, ": shape ", shape_str(planes.back().shape()), ", plane 0's ",
+                    shape_str(planes[0].shape()), " (shapes must be rectangular)");
+  }
+  const std::int64_t n = planes[0].numel();
+  Tensor t({static_cast<std::int64_t>(planes.size()), planes[0].dim(0), planes[0].dim(1)}, planes[0].dtype());
+  for (std::size_t k = 0; k < planes.size(); ++k)
+    for (std::int64_t i = 0; i < n; ++i) t.set(static_cast<std::int64_t>(k) * n + i, planes[k].get(i));
+  return t;
+}
+
 // Nested arrays of integers (or booleans) -> a tensor; the shape must be rectangular.
 Tensor tensor_from_json(const json& value, const std::string& key) {
   if (!value.is_array()) CPSIM_INVALID(key, ": expected a nested array of integers");
+  if (!value.empty() && value[0].is_array() && !value[0].empty() && value[0][0].is_array())
+    return planes_from_json(value, key);
   const bool two_d = !value.empty() && value[0].is_array();
   const std::int64_t rows = two_d ? static_cast<std::int64_t>(value.size()) : 1;
   const std::int64_t cols = two_d ? static_cast<std::int64_t>(value[0].size()) : static_cast<std::int64_t>(value.size());
@@ -57,6 +79,10 @@ Tensor tensor_from_json(const json& value, const std::string& key) {
 
 json tensor_to_json(const Tensor& t) {
   json out = json::array();
+  if (t.ndim() == 3) {  // mRoPE's position_ids: a [B, S] array per plane
+    for (std::int64_t k = 0; k < t.dim(0); ++k) out.push_back(tensor_to_json(narrow(t, 0, k, 1).reshape({t.dim(1), t.dim(2)})));
+    return out;
+  }
   const std::int64_t rows = t.ndim() == 2 ? t.dim(0) : 1, cols = t.ndim() == 2 ? t.dim(1) : t.numel();
   for (std::int64_t r = 0; r < rows; ++r) {
     json row = json::array();

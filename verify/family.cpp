@@ -81,7 +81,8 @@ LayoutFamily parse_family(const std::string& text, const std::string& source) {
       "name",           "description",      "form",         "cp",          "rows",
       "documents",      "document_length",  "length_distribution",         "pad_documents_to",
       "interior_padding", "zero_length_placeholders", "tail_padding", "left_padding", "eos_is_pad",
-      "pad_token_id",   "one_dimensional",  "image_spans", "tail_in_last_document", "position_ids"};
+      "pad_token_id",   "one_dimensional",  "image_spans", "tail_in_last_document", "position_ids",
+      "mrope"};
   for (auto it = doc.begin(); it != doc.end(); ++it)
     if (!known.count(it.key()))
       CPSIM_INVALID(source, ": family field \"", it.key().substr(0, 64), "\": unknown (docs/files.md lists the fields)");
@@ -132,6 +133,9 @@ LayoutFamily parse_family(const std::string& text, const std::string& source) {
   f.position_ids = in.flag("position_ids", false);
   if (f.position_ids && !packed(f.form))
     in.fail("position_ids", "a packed form's option (form position_ids always gives them)");
+  f.mrope = in.flag("mrope", false);
+  if (f.mrope && !packed(f.form)) in.fail("mrope", "a packed form's option (documents from the lengths)");
+  if (f.mrope) f.position_ids = true;
   f.eos_is_pad = in.flag("eos_is_pad", false);
   f.pad_token_id = in.integer("pad_token_id", 0, 0, 1 << 30);
   f.one_dimensional = in.flag("one_dimensional", false);
@@ -171,6 +175,60 @@ struct Draw {
   std::uint64_t seed = 0;
   PlanSpec plan;
 };
+
+// The grid an image span of n tokens is read as (one frame): the most square
+// gh x gw = n, gh <= gw.
+std::pair<std::int64_t, std::int64_t> image_grid(std::int64_t n) {
+  std::int64_t gh = 1;
+  for (std::int64_t d = 1; d * d <= n; ++d)
+    if (n % d == 0) gh = d;
+  return {gh, n / gh};
+}
+
+// mRoPE position_ids [3, B, S] as Qwen2-VL's get_rope_index gives them, per
+// document: a text token is one past the document's largest position so far in
+// all three planes (0 at its start); a run of image tokens is a grid from
+// offset o (that same next position): temporal o, height o + i / gw, width
+// o + i % gw, and the token after it follows the grid's largest. Tokens that
+// are not real (a document's padding, the row's tail) go on as text.
+void mrope_positions(LayoutCase& c, const LayoutFamily& f, const LayoutSpec& spec) {
+  const Tensor& ids = c.batch.at("input_ids");
+  const std::int64_t S = spec.seq_len, B = static_cast<std::int64_t>(spec.rows.size());
+  const int image = f.image_spans ? f.image_spans->token_id : -1;
+  Tensor planes({3, B, S}, DType::i64);
+  auto* p = planes.data<std::int64_t>();
+  const auto put = [&](std::int64_t r, std::int64_t s, std::int64_t t, std::int64_t h, std::int64_t w) {
+    p[r * S + s] = t, p[(B + r) * S + s] = h, p[(2 * B + r) * S + s] = w;
+  };
+  for (std::int64_t r = 0; r < B; ++r) {
+    std::int64_t s = 0, top = -1;
+    const auto text = [&](std::int64_t at) {
+      ++top;
+      put(r, at, top, top, top);
+    };
+    for (const DocSpec& doc : spec.rows[r]) {
+      top = -1;  // a document starts at 0
+      const std::int64_t end = s + doc.real;
+      while (s < end) {
+        std::int64_t n = 0;
+        while (s + n < end && ids.get_int(r * S + s + n) == image) ++n;
+        if (n == 0) {
+          text(s++);
+          continue;
+        }
+        const auto [gh, gw] = image_grid(n);
+        const std::int64_t o = top + 1;
+        for (std::int64_t i = 0; i < n; ++i) put(r, s + i, o, o + i / gw, o + i % gw);
+        top = o + std::max(gh, gw) - 1;
+        s += n;
+      }
+      for (std::int64_t k = 0; k < doc.extra; ++k) text(s++);
+    }
+    for (; s < S; ++s) text(s);
+  }
+  c.truth->positions = planes;
+  c.batch["position_ids"] = spec.one_dimensional && B == 1 ? planes.reshape({3, S}) : planes;
+}
 
 LayoutCase member(const LayoutFamily& f, const Draw& d) {
   LayoutSpec spec;
@@ -236,6 +294,7 @@ LayoutCase member(const LayoutFamily& f, const Draw& d) {
       }
     }
   }
+  if (f.mrope) mrope_positions(c, f, spec);
   return c;
 }
 
@@ -326,6 +385,8 @@ std::string family_violation(const LayoutFamily& f, const LayoutCase& c) {
     return f.position_ids ? "no position_ids (the family's packer gives them)" : "position_ids the family does not give";
   const Tensor& ids = b.at("input_ids");
   const std::int64_t B = ids.ndim() == 1 ? 1 : ids.dim(0), S = ids.dim(ids.ndim() - 1);
+  if (has("position_ids") && (b.at("position_ids").numel() == 3 * B * S) != f.mrope)
+    return f.mrope ? "position_ids not mRoPE's three planes" : "mRoPE position_ids the family does not give";
   if (!within(B, thd(f.form) ? Range{1, 1} : f.rows)) return std::to_string(B) + " rows, outside " + range_text(f.rows);
   const int m = f.document_multiple(c.cp);
   std::int64_t longest = 0;

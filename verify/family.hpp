@@ -10,7 +10,8 @@
 //    "interior_padding": [0, 0], "zero_length_placeholders": [0, 0],
 //    "tail_padding": [0, 0], "left_padding": [0, 0], "eos_is_pad": false,
 //    "pad_token_id": 0, "one_dimensional": false,
-//    "image_spans": {"token_id": 9, "per_document": [0, 2], "length": [1, 4]}}
+//    "image_spans": {"token_id": 9, "per_document": [0, 2], "length": [1, 4]},
+//    "mrope": false}
 // Ranges are [min, max], inclusive.
 #pragma once
 
@@ -44,6 +45,7 @@ struct LayoutFamily {
   Range left_padding{0, 0};              // unpacked rows only
   bool tail_in_last_document = false;    // a row's tail counted in its last document's occupied length
   bool position_ids = false;             // the packer gives position_ids (packed forms)
+  bool mrope = false;                    // ... as mRoPE's [3, B, S] planes, image spans as grids
   bool eos_is_pad = false;
   int pad_token_id = 0;
   bool one_dimensional = false;

@@ -53,7 +53,12 @@ struct GoldenBuild {
   // references run on the rounded values).
   Tensor low(const Tensor& t) const { return dt == DType::f64 ? t : t.to(dt).to(DType::f64); }
   // Rank r's slice [B, L_r, ...] of a global [B, P, ...] tensor.
+  // Rank r's slice of a global [B, P, ...] tensor; mRoPE's position_ids
+  // [3, B, P] along their last axis (the sequence).
   Tensor slice(const Tensor& global, int r) const { return narrow(global, 1, g.start(r), g.size(r)); }
+  Tensor slice_key(const std::string& key, const Tensor& global, int r) const {
+    return key == "position_ids" && global.ndim() == 3 ? narrow(global, 2, g.start(r), g.size(r)) : slice(global, r);
+  }
   // Inputs several rows' values share, drawn once and rounded.
   const inputs::Conv& conv_inputs();         // x: the conv's, the halo's and what the gather gathers
   const AttentionInputs& attention_inputs();  // the dense and the sparse form's, and RoPE's

@@ -121,6 +121,12 @@ LayoutTruth reference_layout(const Batch& raw) {
   auto* id = t.doc_ids.data<std::int64_t>();
   auto* pad = t.padding.data<bool>();
   const auto has = [&](const char* key) { return raw.count(key) != 0; };
+  // position_ids: K planes of B x S positions (K = 3: mRoPE's temporal, height, width).
+  const std::int64_t K = has("position_ids") ? raw.at("position_ids").numel() / (B * S) : 1;
+  const auto given = [&](std::int64_t k, std::int64_t r, std::int64_t s) {
+    return raw.at("position_ids").get_int((k * B + r) * S + s);
+  };
+  if (K == 3) t.positions = Tensor({3, B, S}, DType::i64);
   for (std::int64_t r = 0; r < B; ++r) {
     std::vector<std::int64_t> real, occupied;
     bool packed = true;
@@ -158,14 +164,16 @@ LayoutTruth reference_layout(const Batch& raw) {
         else if (has("attention_mask")) is_pad = raw.at("attention_mask").get_int(r * S + s) == 0;
         pad[r * S + s] = is_pad;
         if (is_pad) continue;
-        const bool reset = has("position_ids") && raw.at("position_ids").get_int(r * S + s) == 0;
+        bool reset = has("position_ids");  // 0 in every plane
+        for (std::int64_t k = 0; k < K && reset; ++k) reset = given(k, r, s) == 0;
         if (documents == 0 || reset) ++documents;
         id[r * S + s] = has("position_ids") ? documents : 1;
       }
     }
     auto* p = t.positions.data<std::int64_t>() + r * S;
     if (has("position_ids")) {
-      for (std::int64_t s = 0; s < S; ++s) p[s] = raw.at("position_ids").get_int(r * S + s);
+      for (std::int64_t k = 0; k < K; ++k)
+        for (std::int64_t s = 0; s < S; ++s) p[k * B * S + s] = given(k, r, s);
       continue;
     }
     // Offset inside each run of one id; the padding after the last document continues it.
@@ -211,13 +219,15 @@ Batch reference_padded_global(const LayoutCase& c, std::int64_t P) {
     }
     out[key] = o;
   }
-  Tensor padding({B, P}, DType::b8), positions({B, P}, DType::i64);
+  const std::int64_t K = t.positions.numel() / (B * S);  // mRoPE: 3 planes
+  Tensor padding({B, P}, DType::b8), positions(K == 1 ? Shape{B, P} : Shape{K, B, P}, DType::i64);
   for (std::int64_t r = 0; r < B; ++r)
+    for (std::int64_t s = 0; s < P; ++s) padding.data<bool>()[r * P + s] = s < S ? t.padding.data<bool>()[r * S + s] : true;
+  // Positions continue last+1, ... into the padded tail, in every plane.
+  for (std::int64_t kr = 0; kr < K * B; ++kr)
     for (std::int64_t s = 0; s < P; ++s) {
-      padding.data<bool>()[r * P + s] = s < S ? t.padding.data<bool>()[r * S + s] : true;
-      // Positions continue last+1, ... into the padded tail.
-      positions.data<std::int64_t>()[r * P + s] =
-          s < S ? t.positions.data<std::int64_t>()[r * S + s] : t.positions.data<std::int64_t>()[r * S + S - 1] + (s - S + 1);
+      const auto* from = t.positions.data<std::int64_t>() + kr * S;
+      positions.data<std::int64_t>()[kr * P + s] = s < S ? from[s] : from[S - 1] + (s - S + 1);
     }
   out["padding_mask"] = padding;
   out["position_ids"] = positions;

@@ -42,14 +42,21 @@ Tensor reference_rope(const Tensor& x_in, const Tensor& positions, double base) 
   const double* X = x.data<double>();
   double* Y = y.data<double>();
   std::vector<double> c(D / 2), sn(D / 2);
+  // mRoPE ([3, B, S] positions): the pairs in three runs, temporal, height,
+  // width; height and width 3/8 of the pairs each (at least one), as Qwen2-VL's
+  // [16, 24, 24] of 64 pairs. Pair m reads its run's plane.
+  const bool mrope = positions.ndim() == 3;
+  const std::int64_t pairs = D / 2, side = std::max<std::int64_t>(1, pairs * 3 / 8);
+  std::vector<std::int64_t> plane(static_cast<std::size_t>(pairs), 0);
+  for (std::int64_t m = 0; m < pairs && mrope; ++m) plane[m] = m >= pairs - side ? 2 : m >= pairs - 2 * side ? 1 : 0;
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t s = 0; s < S; ++s) {
       // This token's angle for each pair m, the same for every head: pos *
       // base^(-2m/D) as SPEC §3b writes it, the one float64 expression both
       // sides agree on (p / base^(2m/D) rounds differently, and at a large
       // position one unit in the last place of the angle is a visible turn).
-      const double p = static_cast<double>(positions.get_int(b * S + s));
       for (std::int64_t m = 0; m < D / 2; ++m) {
+        const double p = static_cast<double>(positions.get_int((plane[m] * B + b) * S + s));
         const double theta = p * std::pow(base, -2.0 * static_cast<double>(m) / static_cast<double>(D));
         c[m] = std::cos(theta), sn[m] = std::sin(theta);
       }

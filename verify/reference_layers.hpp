@@ -26,7 +26,8 @@ struct LossInputs {
 };
 LossInputs random_loss_inputs(const Tensor& input_ids, std::int64_t vocab, std::uint64_t seed);
 
-// x [B, S, H, D] with each pair (x_2m, x_2m+1) turned by pos * base^(-2m/D).
+// x [B, S, H, D] with each pair (x_2m, x_2m+1) turned by pos * base^(-2m/D);
+// positions [B, S], or mRoPE's [3, B, S] (each pair by its plane's position).
 Tensor reference_rope(const Tensor& x, const Tensor& positions, double base = 10000);
 // The gradient of x through reference_rope: dy turned back by -pos * base^(-2m/D).
 Tensor reference_rope_backward(const Tensor& dy, const Tensor& positions, double base = 10000);

@@ -177,7 +177,10 @@ BatchFile parse_batch_safetensors(std::string_view bytes, const std::string& sou
   SafetensorsFile f = parse_safetensors(bytes, source, false);
   BatchFile out;
   for (auto& [key, t] : f.tensors) {
-    if (t.ndim() < 1 || t.ndim() > 2) CPSIM_INVALID(key, ": shape must be [S] or [B, S] (got ", shape_str(t.shape()), ")");
+    const bool planes = key == "position_ids" && t.ndim() == 3 && t.dim(0) == 3;  // mRoPE's [3, B, S]
+    if ((t.ndim() < 1 || t.ndim() > 2) && !planes)
+      CPSIM_INVALID(key, ": shape must be [S] or [B, S]", key == "position_ids" ? " (mRoPE's: [3, B, S])" : "", " (got ",
+                    shape_str(t.shape()), ")");
     out.batch[key] = t;
     out.given[key] = {f.dtypes.at(key), t.shape()};
   }

@@ -27,21 +27,26 @@
 
 namespace cpsim::kernels {
 
+// Where pair m's position lies in a Rope's pos: its plane's offset (0 but for mRoPE).
+CPSIM_HD inline index_t rope_plane_offset(const Rope& a, index_t m) {
+  if (a.planes == 1) return 0;
+  const index_t plane = m < a.section_t ? 0 : m < a.section_t + a.section_h ? 1 : 2;
+  return plane * a.rows * a.len;
+}
+
 template <class T>
 struct RopeRotate {
-  const T* x;
-  const std::int64_t* pos;
-  T* y;
-  index_t H, D;
-  double base;
-  int sign;
+  Rope a;
   CPSIM_HD void operator()(index_t i) const {  // i over (b, t, h, m) with m < D/2
-    const index_t half = D / 2, m = i % half, bth = i / half, bt = bth / H;
-    const double angle = sign * static_cast<double>(pos[bt]) * pow(base, -2.0 * static_cast<double>(m) / D);
+    const index_t D = a.dim, half = D / 2, m = i % half, bth = i / half, bt = bth / a.heads;
+    const double angle =
+        a.sign * static_cast<double>(a.pos[rope_plane_offset(a, m) + bt]) * pow(a.base, -2.0 * static_cast<double>(m) / D);
     const double c = cos(angle), s = sin(angle);
-    const T a = x[bth * D + 2 * m], b = x[bth * D + 2 * m + 1];
-    y[bth * D + 2 * m] = static_cast<T>(a * c - b * s);
-    y[bth * D + 2 * m + 1] = static_cast<T>(a * s + b * c);
+    const T* x = static_cast<const T*>(a.x);
+    T* y = static_cast<T*>(a.y);
+    const T p = x[bth * D + 2 * m], q = x[bth * D + 2 * m + 1];
+    y[bth * D + 2 * m] = static_cast<T>(p * c - q * s);
+    y[bth * D + 2 * m + 1] = static_cast<T>(p * s + q * c);
   }
 };
 
@@ -49,9 +54,7 @@ template <class Policy>
 void rope(Policy&& policy, const Rope& a, DType dtype) {
   with_float(dtype, [&](auto tag) {
     using T = decltype(tag);
-    for_each_index(policy, a.rows * a.len * a.heads * (a.dim / 2),
-                   RopeRotate<T>{static_cast<const T*>(a.x), a.pos, static_cast<T*>(a.y), a.heads, a.dim, a.base,
-                                 a.sign});
+    for_each_index(policy, a.rows * a.len * a.heads * (a.dim / 2), RopeRotate<T>{a});
   });
 }
 
@@ -65,10 +68,14 @@ inline void rope_host(const Rope& a, DType dtype) {
     const T* x = static_cast<const T*>(a.x);
     T* y = static_cast<T*>(a.y);
     std::vector<double> freq(static_cast<std::size_t>(half)), c(freq.size()), s(freq.size());
-    for (index_t m = 0; m < half; ++m) freq[m] = pow(a.base, -2.0 * static_cast<double>(m) / D);
+    std::vector<index_t> plane(freq.size());
+    for (index_t m = 0; m < half; ++m) {
+      freq[m] = pow(a.base, -2.0 * static_cast<double>(m) / D);
+      plane[m] = rope_plane_offset(a, m);
+    }
     for (index_t bt = 0; bt < a.rows * a.len; ++bt) {
       for (index_t m = 0; m < half; ++m) {
-        const double angle = a.sign * static_cast<double>(a.pos[bt]) * freq[m];
+        const double angle = a.sign * static_cast<double>(a.pos[plane[m] + bt]) * freq[m];
         c[m] = cos(angle), s[m] = sin(angle);
       }
       for (index_t h = 0; h < H; ++h) {

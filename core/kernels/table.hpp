@@ -113,11 +113,14 @@ struct Sum {
 // is also the backward).
 struct Rope {
   const void* x = nullptr;
-  const std::int64_t* pos = nullptr;
+  const std::int64_t* pos = nullptr;  // [B, L], or mRoPE's [3, B, L] (planes 3)
   void* y = nullptr;
   std::int64_t rows = 0, len = 0, heads = 0, dim = 0;
   double base = 10000;
   int sign = 1;
+  // mRoPE: pair m turns by plane 0 (temporal) while m < section_t, plane 1
+  // (height) while m < section_t + section_h, else plane 2 (width).
+  std::int64_t planes = 1, section_t = 0, section_h = 0;
 };
 
 // Document-masked causal attention of local queries q [B, Lq, H, D] (query t at

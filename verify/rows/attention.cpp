@@ -198,7 +198,7 @@ AttentionRun run_attention(const Prepared& s, const CheckOptions& opt, const Att
     const PackedContext& ctx = s.context(r);
     auto mine = [&](const Tensor& t) { return Var(on(comm, local(t, ctx)), true); };
     Var vq = mine(q), vk = mine(k), vv = mine(v);
-    const Tensor pos = local(rows.positions, ctx);
+    const Tensor pos = local_positions(rows.positions, ctx);
     const SparseIndexer indexer{topk >= 0 ? local(iq, ctx) : Tensor(), topk >= 0 ? local(ik, ctx) : Tensor(), topk};
     const CpAttention a = fn(rope_fn(vq, pos), rope_fn(vk, pos), vv, ctx, local(rows.padding, ctx), &comm,
                              topk >= 0 ? &indexer : nullptr, probe.defined() ? local(probe, ctx) : Tensor());

@@ -96,7 +96,6 @@ PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
   std::vector<Tensor> local_ids;
   for (int r = 0; r < c.cp; ++r) {
     const std::string rank = "rank " + std::to_string(r);
-    const Shape local_shape{B, g.size(r)};
     const ShardedBatch sb = shard(r, c.cp, c.batch, c.pad_token_id, false, c.plan);
     const PackedContext& ctx = sb.context;
     const bool geometry = ctx.doc_ids().defined() && ctx.doc_ids().shape() == (Shape{B, g.padded_len}) &&
@@ -113,8 +112,9 @@ PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
       const Tensor& got = sb.local.at(key);
       if (key == "input_ids") {
         t.expect_equal(expected, got, "global input_ids of " + rank);
-      } else if (got.shape() != local_shape) {
-        t.expect(false, key + " of " + rank + " has shape " + shape_str(got.shape()) + ", not " + shape_str(local_shape));
+      } else if (Shape want = expected.shape(); (want.back() = g.size(r), got.shape() != want)) {
+        // [B, L], or mRoPE's [3, B, L]: each key's sequence is its last axis.
+        t.expect(false, key + " of " + rank + " has shape " + shape_str(got.shape()) + ", not " + shape_str(want));
       } else {
         parts[key].push_back(got);
       }
@@ -140,7 +140,8 @@ PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
     }
   }
   for (const auto& [key, shards] : parts)
-    if (static_cast<int>(shards.size()) == c.cp) t.expect_equal(ref.at(key), cat(shards, 1), "concatenated " + key);
+    if (static_cast<int>(shards.size()) == c.cp)
+      t.expect_equal(ref.at(key), cat(shards, ref.at(key).ndim() - 1), "concatenated " + key);
   if (static_cast<int>(local_ids.size()) == c.cp) {
     Tensor ref_ids({B, g.padded_len}, DType::i64);
     for (std::int64_t row = 0; row < B; ++row) {
@@ -166,8 +167,10 @@ Tensor i64_vector(const std::vector<std::int64_t>& v) {
 void layout_golden(GoldenBuild& b) {
   b.ref.add("doc_ids", b.ids, "global document ids [B, P]: i+1 over document i, 0 beyond", "§1, §2");
   b.ref.add("padding", b.truth.padding, "padding [B, S]: true where padding (decided from lengths)", "§1");
-  b.ref.add("position_ids", b.truth.positions, "positions [B, S] (given, or derived)", "§1");
-  for (const auto& [key, t] : b.padded) b.ref.add("padded." + key, t, key + " padded to P with its fill value [B, P]", "§2");
+  b.ref.add("position_ids", b.truth.positions, "positions [B, S] (given, or derived; mRoPE's [3, B, S])", "§1");
+  for (const auto& [key, t] : b.padded)
+    b.ref.add("padded." + key, t, key + " padded to P with its fill value [B, P]" + (t.ndim() == 3 ? " in each plane" : ""),
+              "§2");
 }
 
 // Each rank: what it must hold after shard_batch.
@@ -177,9 +180,9 @@ void shard_golden(GoldenBuild& build) {
     GoldenFile& rank = build.ranks[r];
     for (const auto& [key, t] : build.padded) {
       const bool global = key == "input_ids" && !build.given.shard_primary;
-      rank.add("batch." + key, global ? t : build.slice(t, r),
+      rank.add("batch." + key, global ? t : build.slice_key(key, t, r),
                global ? "input_ids after shard_batch: global, padded to P [B, P] (shard_primary false)"
-                      : key + " after shard_batch: this rank's slice [B, L]",
+                      : key + " after shard_batch: this rank's slice [B, L]" + (t.ndim() == 3 ? " of each plane" : ""),
                "§2");
     }
     rank.add("local_doc_ids", build.slice(build.ids, r), "PackedContext.local_doc_ids() [B, L]", "§2");

@@ -37,6 +37,12 @@ inline Tensor local(const Tensor& global, const PackedContext& ctx) {
   return narrow(global, 1, ctx.seq_start(), ctx.local_seq_len());
 }
 
+// Rank r's slice of the global positions, [B, P] or mRoPE's [3, B, P]: along
+// the sequence, each plane's last axis.
+inline Tensor local_positions(const Tensor& global, const PackedContext& ctx) {
+  return global.ndim() == 3 ? narrow(global, 2, ctx.seq_start(), ctx.local_seq_len()) : local(global, ctx);
+}
+
 // A rank's input where its backend keeps tensors (the host, or cuda:N), and a
 // result back on the host for the comparison.
 inline Tensor on(const Communicator& comm, const Tensor& t) {

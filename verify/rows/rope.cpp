@@ -51,7 +51,7 @@ static PropertyResult rope_of(const Prepared& s, const CheckOptions& o, const Ro
     const int r = comm.rank();
     const PackedContext& ctx = s.context(r);
     Var xv(on(comm, local(x, ctx)), true);
-    const Var out = fn(xv, local(rows.positions, ctx));
+    const Var out = fn(xv, local_positions(rows.positions, ctx));
     backward(dot(out, local(up, ctx)));
     y[r] = host(out.value());
     dx[r] = host(xv.grad());
