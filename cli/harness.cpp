@@ -153,6 +153,11 @@ int replay_batch(const HarnessArgs& a, const CheckOptions& o, const GoldenOption
   if (a.plan.plan == "random") throw UsageError("cpsim harness --batch: --plan equal, balanced or a plan file, not random");
   const std::optional<PlanChoice> plan = plan_choice_of(a.plan);
   const BatchFile file = read_batch_file(a.batch);  // invalid: exit 2, naming the file and the key
+  try {
+    derive_layout(file.batch);  // its layout too (positions against the documents), as cpsim check reads it
+  } catch (const InvalidInput& e) {
+    throw InvalidInput(a.batch + ": " + e.what());
+  }
   LayoutCase c{file.batch, file.pad_token_id, a.cp, a.seed.value_or(0), std::nullopt, *plan};
   if (c.plan.kind == PlanChoice::Kind::cuts && static_cast<int>(c.plan.cuts.size()) - 1 != a.cp)
     throw UsageError("cpsim harness --batch: the plan file cuts for " + std::to_string(c.plan.cuts.size() - 1) +

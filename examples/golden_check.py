@@ -186,8 +186,8 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
           recurrence=None, rope=None, attention=None, targets=None, loss=None, log=print):
     """Compares the given functions with every rank's expected values.
 
-    layout(batch) -> (doc_ids, padding, position_ids), each [B, S]: the layout of
-        the raw batch (docs/layout.md)
+    layout(batch) -> (doc_ids, padding, position_ids), each [B, S] (mRoPE's
+        position_ids [3, B, S]): the layout of the raw batch (docs/layout.md)
     shard(batch, rank, cp, pad_token_id) -> dict: the local batch after shard_batch
     cp_context(doc_ids, cuts) -> list: for every rank a dict with "local_doc_ids"
         [B, L], "row_cu_seqlens" (one list per row) and the recurrent CP context
@@ -217,7 +217,8 @@ def check(golden, layout=None, shard=None, cp_context=None, halo=None, gather=No
     takes lists with one entry per rank, that rank's shard, and returns one
     result per rank:
     rope(x, positions) -> list: each rank's x [B, L, H, D] turned by its
-        position_ids [B, L] (interleaved pairs, base manifest["rope_base"])
+        position_ids [B, L] or mRoPE's [3, B, L] (interleaved pairs, base
+        manifest["rope_base"])
     attention(q, k, v, positions, doc_ids, padding, grad_o, topk=None,
               index_q=None, index_k=None) -> list of dicts with "o", "dq", "dk",
         "dv" (and "kept" [B, L, topk] when topk is given): RoPE on q and k by
@@ -381,7 +382,9 @@ def numpy_layout(batch):
         cu = batch[key].reshape(-1).astype(np.int64)
         return list(np.diff(cu[cu >= 0]))
 
-    given_pos = _rows(batch["position_ids"]).astype(np.int64) if "position_ids" in batch else None
+    # Given positions as planes [K, B, S]: K = 1, or mRoPE's 3 (temporal, height, width).
+    planes = batch["position_ids"].astype(np.int64).reshape(-1, B, S) if "position_ids" in batch else None
+    given_pos = None if planes is None else planes[0] if len(planes) == 1 else planes
     for b in range(B):
         if "seq_lens" in batch:
             real = [int(n) for n in _rows(batch["seq_lens"])[b] if n >= 0]
@@ -408,7 +411,7 @@ def numpy_layout(batch):
                 pad[b] = False
             documents = 0
             for s in np.flatnonzero(~pad[b]):
-                if documents == 0 or (given_pos is not None and given_pos[b, s] == 0):
+                if documents == 0 or (planes is not None and not planes[:, b, s].any()):
                     documents += 1
                 ids[b, s] = documents if given_pos is not None else 1
     if given_pos is not None:
@@ -437,14 +440,14 @@ def numpy_shard(golden):
             if src is None:
                 src = batch[key].reshape(rows, S).astype(np.int64)
             fill = pad_token_id if key == "input_ids" else _FILL.get(key, 0)
-            padded = np.empty((rows, P), dtype=src.dtype)
-            padded[:, :S] = src
+            padded = np.empty(src.shape[:-1] + (P,), dtype=src.dtype)  # mRoPE's positions: [3, B, P]
+            padded[..., :S] = src
             if key == "position_ids":
-                padded[:, S:] = src[:, S - 1:S] + np.arange(1, P - S + 1)
+                padded[..., S:] = src[..., S - 1:S] + np.arange(1, P - S + 1)
             else:
-                padded[:, S:] = fill
+                padded[..., S:] = fill
             keep_global = key == "input_ids" and not m.get("shard_primary", False)
-            out[key] = padded if keep_global else padded[:, cuts[rank]:cuts[rank + 1]]
+            out[key] = padded if keep_global else padded[..., cuts[rank]:cuts[rank + 1]]
         return out
 
     return shard
@@ -631,10 +634,20 @@ def numpy_gather(shards):
 
 
 def numpy_rope(x, positions, base=10000.0):
+    """Each rank's x turned by its positions: [B, L], or mRoPE's [3, B, L], where
+    pair m reads the plane of its run (temporal, height, width; height and width
+    3/8 of the pairs each, at least one: Qwen2-VL's [16, 24, 24] of 64)."""
     out = []
     for xs, pos in zip(x, positions):
         D = xs.shape[-1]
-        theta = pos[..., None].astype(np.float64) * base ** (-2.0 * np.arange(D // 2) / D)  # [B, L, D/2]
+        pairs = np.arange(D // 2)
+        if pos.ndim == 3:
+            side = max(1, (D // 2) * 3 // 8)
+            plane = np.where(pairs >= D // 2 - side, 2, np.where(pairs >= D // 2 - 2 * side, 1, 0))
+            pos = np.moveaxis(pos[plane], 0, -1)  # [B, L, D/2]: each pair's position
+        else:
+            pos = pos[..., None]
+        theta = pos.astype(np.float64) * base ** (-2.0 * pairs / D)  # [B, L, D/2]
         cos, sin = np.cos(theta)[:, :, None, :], np.sin(theta)[:, :, None, :]
         even, odd = xs[..., 0::2], xs[..., 1::2]
         y = np.empty_like(xs)
@@ -649,7 +662,7 @@ def numpy_attention(q, k, v, positions, doc_ids, padding, grad_o, topk=None, ind
     (what gather_sequence gives every rank), and each rank keeps its slice."""
     cp, cuts = len(q), _cuts(q)
     join = lambda parts: np.concatenate(parts, axis=1)
-    pos, ids, pad = join(positions), join(doc_ids), join(padding)
+    pos, ids, pad = np.concatenate(positions, axis=-1), join(doc_ids), join(padding)  # mRoPE's: [3, B, P]
     Q, K, V, G = numpy_rope([join(q)], [pos])[0], numpy_rope([join(k)], [pos])[0], join(v), join(grad_o)
     B, S, H, D = Q.shape
     scale = 1.0 / np.sqrt(D)

@@ -31,6 +31,13 @@ def _rows(t):
     return t.reshape(1, -1) if t.dim() == 1 else t
 
 
+def _position_planes(batch, B, S):
+    """The given position_ids as [K, B, S] int64: K = 1, or mRoPE's 3 planes
+    (temporal, height, width; [3, S] beside [S] tokens is one row's)."""
+    given = batch["position_ids"].to(torch.int64)
+    return given.reshape(-1, B, S)
+
+
 # --- the layout of the raw batch (glm5_next.cp: doc ids; inkling2: positions) ---
 
 def doc_ids_from_seq_lens(seq_lens, seq_len, padding_value=-1000):
@@ -62,9 +69,10 @@ def segment_cu_seqlens(doc_ids_row):
 
 
 def layout_of(batch):
-    """(doc_ids, padding, position_ids), each [B, S], from the raw batch. Padding
-    comes from the lengths (or the mask of an unpacked row), never from token
-    ids: a real EOS stays valid even when the tokenizer uses it as PAD."""
+    """(doc_ids, padding, position_ids), each [B, S] (mRoPE's position_ids
+    [3, B, S]), from the raw batch. Padding comes from the lengths (or the mask
+    of an unpacked row), never from token ids: a real EOS stays valid even when
+    the tokenizer uses it as PAD."""
     tokens = _rows(batch["input_ids"])
     B, S = tokens.shape
 
@@ -81,7 +89,8 @@ def layout_of(batch):
         return None, None
 
     occupied, real = occupied_and_real()
-    given = _rows(batch["position_ids"]).to(torch.int64) if "position_ids" in batch else None
+    planes = _position_planes(batch, B, S) if "position_ids" in batch else None
+    given = planes[0] if planes is not None and len(planes) == 1 else planes
     if occupied is not None:
         ids = occupied.clone()
         # A token is real when it lies within its document's real length.
@@ -106,7 +115,7 @@ def layout_of(batch):
         for b in range(B):
             documents = 0
             for s in (~padding[b]).nonzero().reshape(-1).tolist():
-                if documents == 0 or (given is not None and int(given[b, s]) == 0):
+                if documents == 0 or (planes is not None and not bool(planes[:, b, s].any())):
                     documents += 1
                 ids[b, s] = documents if given is not None else 1
     if given is not None:
@@ -127,7 +136,7 @@ def padded_length(S, cp):
     return -(-S // cp) * cp
 
 
-def shard_batch(batch, rank, cp, pad_token_id=0, shard_primary=False, restart_positions=False):
+def shard_batch(batch, rank, cp, pad_token_id=0, shard_primary=False, restart_positions=False, mrope_rows=False):
     """Every token stream padded to P (a multiple of cp) and cut into cp equal
     contiguous intervals; input_ids stay global unless shard_primary (a VLM
     splices image features in first). Returns (local batch, global doc ids [B, P],
@@ -151,10 +160,9 @@ def shard_batch(batch, rank, cp, pad_token_id=0, shard_primary=False, restart_po
         padded = pad(_rows(value).to(torch.int64), fill)
         local[key] = padded if key == "input_ids" and not shard_primary else padded[:, lo:hi]
     local["padding_mask"] = pad(padding, True)[:, lo:hi]
-    # Positions continue through the tail padding.
-    full = pad(positions, 0)
-    full[:, S:] = positions[:, S - 1:S] + torch.arange(1, P - S + 1)
-    local["position_ids"] = full[:, lo:hi]
+    # Positions continue through the tail padding (in every plane of mRoPE's [3, B, S]).
+    full = torch.cat([positions, positions[..., S - 1:S] + torch.arange(1, P - S + 1)], dim=-1)
+    local["position_ids"] = full[:, lo:hi] if mrope_rows else full[..., lo:hi]  # PLANTED: mrope_rows
     if restart_positions:  # PLANTED: each rank counts the document it starts inside from 0
         local_ids = pad(ids, PAD_DOC_ID)[:, lo:hi]
         restarted = local["position_ids"].clone()
@@ -244,11 +252,23 @@ def convolution_history(masked, width, wrong_neighbour=False):
 
 # --- the layer that consumes the layout: RoPE, then document-masked attention ---
 
+def mrope_section(D):
+    """Rotary pairs per mRoPE plane (temporal, height, width): height and width
+    3/8 of the D/2 pairs each (at least 1), as Qwen2-VL's [16, 24, 24] of 64."""
+    side = max(1, (D // 2) * 3 // 8)
+    return [D // 2 - 2 * side, side, side]
+
+
 def rope(x, positions, base):
-    """x [B, L, H, D] turned pairwise by position: interleaved pairs, angle pos * base^(-2m/D)."""
+    """x [B, L, H, D] turned pairwise by position: interleaved pairs, angle pos * base^(-2m/D).
+    mRoPE's positions [3, B, L]: pair m by the plane of its section."""
     D = x.shape[-1]
     freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    angle = positions.to(torch.float64)[..., None, None] * freq  # [B, L, 1, D/2]
+    if positions.dim() == 3:  # [3, B, L] -> each pair's plane: [B, L, D/2]
+        plane = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section(D)))
+        angle = positions.to(torch.float64)[plane].permute(1, 2, 0)[:, :, None, :] * freq
+    else:
+        angle = positions.to(torch.float64)[..., None, None] * freq  # [B, L, 1, D/2]
     cos, sin = angle.cos(), angle.sin()
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
@@ -324,10 +344,10 @@ def token_mean_loss(logits, targets, per_rank_mean=False):
 # --- one rank's step, as cpsim.torch.check runs it ---
 
 def make_step(restart_positions=False, wrong_neighbour=False, anchor=True, targets_after_sharding=False,
-              per_rank_mean=False):
+              per_rank_mean=False, mrope_rows=False, rope_one_plane=False):
     def step(case):
         local, doc_ids, padding = shard_batch(case.batch, case.rank, case.cp, case.pad_token_id,
-                                              case.shard_primary, restart_positions)
+                                              case.shard_primary, restart_positions, mrope_rows)
         L = local["padding_mask"].shape[1]
         start = case.rank * L
         P = doc_ids.shape[1]
@@ -339,6 +359,9 @@ def make_step(restart_positions=False, wrong_neighbour=False, anchor=True, targe
         else:
             targets = next_token_targets(tokens, doc_ids, padding)[:, start:start + L]
         assert P == case.cp * L
+        positions = local["position_ids"]
+        if rope_one_plane and positions.dim() == 3:  # PLANTED: mRoPE turned by the temporal plane alone
+            positions = positions[0]
         return {
             "targets": targets,
             "loss": token_mean_loss(case.logits, targets, per_rank_mean),
@@ -348,7 +371,7 @@ def make_step(restart_positions=False, wrong_neighbour=False, anchor=True, targe
             "cu_seqlens": [segment_cu_seqlens(row) for row in doc_ids[:, start:start + L]],
             "gathered": gather_sequence(case.x),
             "halo": convolution_history(case.x, case.conv_width, wrong_neighbour),
-            "attention_o": document_attention(case.q, case.k, case.v, local["position_ids"], doc_ids, padding,
+            "attention_o": document_attention(case.q, case.k, case.v, positions, doc_ids, padding,
                                               start, case.softmax_scale, case.rope_base, anchor),
         }
     return step
@@ -362,6 +385,8 @@ VARIANTS = {
     "restart_positions": make_step(restart_positions=True),  # positions restarted per rank
     "targets_after_sharding": make_step(targets_after_sharding=True),  # a target lost at every shard edge
     "per_rank_mean": make_step(per_rank_mean=True),     # the mean of per-rank means
+    "mrope_rows": make_step(mrope_rows=True),  # mRoPE's [3, B, S] cut along axis 1 (rows), not the sequence
+    "rope_one_plane": make_step(rope_one_plane=True),  # a text model's RoPE on mRoPE's positions
 }
 
 

@@ -18,7 +18,7 @@ OUTPUT_TABLE = (
            "row)"),
     Output("position_ids", "[B, S]",
            "the position of every token in its document (given, or derived: tail padding continues the last "
-           "position)"),
+           "position; mRoPE's as given, [3, B, S])"),
     Output("doc_ids", "[B, P]", "global document ids (i + 1 on document i's span, 0 on padding beyond the "
            "documents)"),
     Output("local_doc_ids", "[B, L]", "this rank's slice of them"),

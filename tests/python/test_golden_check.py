@@ -109,3 +109,24 @@ def test_the_writers_tolerances_of_every_dtype_are_within_golden_checks_bounds(t
     sys.path.insert(0, os.path.dirname(CHECK))
     import golden_check
     assert golden_check.check_tolerances(golden_check.load_golden(folder)) > 100
+
+
+def test_an_mrope_folder_holds_and_rope_by_one_plane_is_rejected(tmp_path):
+    # examples/mrope_example.json: [3, S] position_ids (a 2 x 3 image grid in the
+    # first document). The numpy check turns each pair by its plane; turned by
+    # the temporal plane alone, the rope and attention keys are rejected.
+    binary = os.environ.get("CPSIM_BINARY")
+    if not binary:
+        pytest.skip("CPSIM_BINARY (the cpsim executable) is not set: run through CTest")
+    folder = str(tmp_path / "mrope")
+    subprocess.run([binary, "golden", os.path.join(ROOT, "examples", "mrope_example.json"), "--cp", "3", "--out",
+                    folder], check=True, stdout=subprocess.DEVNULL)
+    code, out = _run_check(folder)
+    assert code == 0, out
+    sys.path.insert(0, os.path.dirname(CHECK))
+    import golden_check
+    golden = golden_check.load_golden(folder)
+    assert golden.ranks[1]["batch.position_ids"].shape[0] == 3
+    one_plane = lambda x, positions: golden_check.numpy_rope(x, [p[0] for p in positions])
+    with pytest.raises(AssertionError, match="rope"):
+        golden_check.check(golden, rope=one_plane, log=lambda *a: None)

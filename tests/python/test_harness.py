@@ -108,6 +108,47 @@ def test_positions_restarted_per_rank_are_caught():
     assert torch.tensor(json.loads(e.value.batch)["input_ids"]).numel() <= 4, e.value
 
 
+MROPE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "families", "vision_language_mrope.json")
+
+
+def test_mrope_position_ids_are_sharded_along_the_sequence_of_each_plane():
+    # Qwen2-VL-style [3, S] position_ids (image spans as grids): the faithful
+    # step holds (mRoPE in its RoPE, each plane cut along the sequence); a
+    # sharder that cuts the planes' axis 1 (the rows) passes every [B, S]
+    # layout and is caught on them.
+    ct.check(cp_step.step, cases=CASES, max_cp=8, seed=11, family=MROPE)
+    plain = os.path.join(os.path.dirname(MROPE), "vision_language.json")
+    ct.check(cp_step.VARIANTS["mrope_rows"], cases=CASES, max_cp=8, seed=11, family=plain)
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(cp_step.VARIANTS["mrope_rows"], cases=CASES, max_cp=8, seed=11, family=MROPE)
+    assert e.value.cp >= 2, e.value
+    assert len(json.loads(e.value.batch)["position_ids"]) == 3, e.value.batch
+
+
+def test_a_replayed_batch_whose_positions_disagree_with_its_documents_is_refused(tmp_path):
+    # As cpsim check reads it: the file and the position named, no step run.
+    batch = tmp_path / "positions.json"
+    batch.write_text('{"input_ids": [[1, 2, 3, 4]], "seq_lens": [[4]], "position_ids": [[0, 1, 5, 6]]}')
+    with pytest.raises(RuntimeError) as e:
+        ct.check(cp_step.step, batch=str(batch), cp=2)
+    assert "positions.json: position_ids row 0 index 2: position 5" in str(e.value), e.value
+    planes = tmp_path / "planes.json"  # mRoPE: text after a grid is one past its largest position
+    planes.write_text('{"input_ids": [5, 9, 9, 6], "cu_seqlens": [0, 4], '
+                      '"position_ids": [[0, 1, 1, 2], [0, 1, 1, 2], [0, 1, 2, 3]]}')
+    with pytest.raises(RuntimeError) as e:
+        ct.check(cp_step.step, batch=str(planes), cp=2)
+    assert "index 3: mRoPE position (2, 2, 3) must be (3, 3, 3)" in str(e.value), e.value
+
+
+def test_rope_by_one_plane_of_mrope_is_caught():
+    # A text model's RoPE (the temporal plane alone) in a vision-language step:
+    # right on text, wrong on an image grid's tokens.
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(cp_step.VARIANTS["rope_one_plane"], cases=CASES, max_cp=8, seed=11, family=MROPE)
+    assert "attention_o" in e.value.failure, e.value.failure
+    assert len(json.loads(e.value.batch)["position_ids"]) == 3, e.value.batch
+
+
 def _gather_with_backward(backward):
     """The example's sequence gather (dim 1), with a backward of the test's own."""
     class Gather(torch.autograd.Function):
