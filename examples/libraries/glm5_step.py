@@ -92,9 +92,12 @@ def _positions_continued(local_positions, raw, case, seq_start):
     positions, so nothing reads them): the shard's padded slots given back in
     cpsim's convention, from the library's own positions of the row."""
     given = raw.get("position_ids")
-    last = (given.reshape(-1, case.S)[:, -1:] if given is not None
-            else torch.full((local_positions.shape[0], 1), case.S - 1, dtype=local_positions.dtype))
-    where = torch.arange(seq_start, seq_start + local_positions.shape[1])
+    lead = local_positions.shape[:-1]  # [B], or the planes of mRoPE's [3, B, S] ([3] of a THD row's [3, S])
+    if local_positions.shape[-1] != case.P // case.cp or (given is not None and given.numel() != lead.numel() * case.S):
+        return local_positions  # not this rank's cut of the sequence: compared as the library gives it
+    last = (given.reshape(*lead, case.S)[..., -1:] if given is not None
+            else torch.full((*lead, 1), case.S - 1, dtype=local_positions.dtype))
+    where = torch.arange(seq_start, seq_start + local_positions.shape[-1])
     return torch.where(where >= case.S, last + (where - case.S + 1), local_positions)
 
 
@@ -112,13 +115,17 @@ def _arange_positions_fit(batch):
 
 
 def _contract(batch, findings=True):
-    """The layouts whose documents glm5_next.cp reads (findings G2-G5, G7, G8
+    """The layouts whose documents glm5_next.cp reads (findings G2-G5, G7-G9
     outside unless findings=False)."""
     if "token_type_ids" in batch:
         raise OutsideContract("glm5_next.cp shards the keys its model reads (input_ids, labels, position_ids, "
                               "padding_mask, loss_mask); token_type_ids stay global")
     if not findings:
         return
+    positions = batch.get("position_ids")
+    if positions is not None and positions.numel() == 3 * batch["input_ids"].numel():
+        raise OutsideContract("finding G9 (docs/libraries.md): mRoPE's [3, B, S] position_ids are not cut along the "
+                              "sequence (read by their axis 1, the rows)")
     if _padded_slots(batch):
         raise OutsideContract("finding G2 (docs/libraries.md, K1): a document's padded slots are real in the "
                               "padding_mask")

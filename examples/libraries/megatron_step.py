@@ -44,21 +44,26 @@ def padded_global_batch(case):
     from the layout, lengths consumed), padded to P with its fill value."""
     whole, _, _ = cp_step.shard_batch(case.batch, 0, 1, case.pad_token_id, shard_primary=True)
     out = {}
-    for key, value in whole.items():
-        B, S = value.shape
-        if key == "position_ids":  # positions continue through the tail padding
-            tail = value[:, S - 1:S] + torch.arange(1, case.P - S + 1)
-            out[key] = torch.cat([value, tail], dim=1)
+    for key, value in whole.items():  # [B, S]; mRoPE's position_ids [3, B, S]
+        S = value.shape[-1]
+        if key == "position_ids":  # positions continue through the tail padding (in every plane)
+            tail = value[..., S - 1:S] + torch.arange(1, case.P - S + 1)
+            out[key] = torch.cat([value, tail], dim=-1)
             continue
         fill = case.pad_token_id if key == "input_ids" else _FILL.get(key, 0)
-        out[key] = torch.cat([value, torch.full((B, case.P - S), fill, dtype=value.dtype)], dim=1)
+        out[key] = torch.cat([value, torch.full((*value.shape[:-1], case.P - S), fill, dtype=value.dtype)], dim=-1)
     return out
 
 
-def make_step(chunks_in_rank_order=False):
+def make_step(chunks_in_rank_order=False, guarded=True):
+    """guarded=False: mRoPE's position_ids are handed over too (finding M1)."""
     def step(case):
         if "attention_mask" in case.batch:
             raise OutsideContract("Megatron's attention_mask is [B, 1, S, S] (cut along dim 2), not HF's [B, S]")
+        positions = case.batch.get("position_ids")
+        if guarded and positions is not None and positions.numel() == 3 * case.batch["input_ids"].numel():
+            raise OutsideContract("finding M1 (docs/libraries.md): get_batch_on_this_cp_rank cuts every key but "
+                                  "attention_mask along dim 1, mRoPE's [3, B, S] position_ids along their rows")
         group = dist.group.WORLD
         mine = get_batch_on_this_cp_rank(padded_global_batch(case), cp_group=group)
         cp, r = case.cp, case.rank
@@ -69,16 +74,17 @@ def make_step(chunks_in_rank_order=False):
             parts = [torch.empty_like(value) for _ in range(cp)]
             dist.all_gather(parts, value.contiguous(), group=group)
             chunks = [None] * (2 * cp)
-            for q, part in enumerate(parts):
+            for q, part in enumerate(parts):  # the sequence is the last axis (of mRoPE's planes too)
                 first, second = (2 * q, 2 * q + 1) if chunks_in_rank_order else (q, 2 * cp - 1 - q)
-                chunks[first], chunks[second] = part[:, :chunk], part[:, chunk:]
-            local[key] = torch.cat(chunks, dim=1)[:, r * 2 * chunk:(r + 1) * 2 * chunk]
+                chunks[first], chunks[second] = part[..., :chunk], part[..., chunk:]
+            local[key] = torch.cat(chunks, dim=-1)[..., r * 2 * chunk:(r + 1) * 2 * chunk]
         return {"batch": local}
     return step
 
 
 step = make_step()
-VARIANTS = {"chunks_in_rank_order": make_step(chunks_in_rank_order=True)}  # PLANTED: rank q's chunks taken as 2q, 2q+1
+VARIANTS = {"chunks_in_rank_order": make_step(chunks_in_rank_order=True),  # PLANTED: rank q's chunks taken as 2q, 2q+1
+            "unguarded": make_step(guarded=False)}  # mRoPE's position_ids handed over (finding M1)
 SETTINGS = {"pad_multiple": 2, "shard_primary": True}
 
 

@@ -33,6 +33,19 @@ def test_thd_holds_on_automodels_own_packer():
     assert automodel_step.check("thd", cases=100, seed=SEED, family=PACK_DATASET) >= 100
 
 
+def test_the_contiguous_sharder_cuts_mrope_planes_along_the_sequence(tmp_path):
+    # shard_batch_contiguous reads [3, B, S] position_ids' sequence as dim 2
+    # (docs/libraries.md): two HF rows, one left-padded with a 1 x 2 image grid.
+    batch = tmp_path / "mrope.json"
+    batch.write_text('{"input_ids": [[0, 5, 9, 9, 6, 7], [7, 8, 4, 3, 2, 1]], '
+                     '"labels": [[-100, 5, 9, 9, 6, 7], [7, 8, 4, 3, 2, 1]], '
+                     '"padding_mask": [[1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]], '
+                     '"position_ids": [[[0, 0, 1, 1, 3, 4], [0, 1, 2, 3, 4, 5]], '
+                     '[[0, 0, 1, 1, 3, 4], [0, 1, 2, 3, 4, 5]], [[0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]]]}')
+    for cp in (1, 2, 3):
+        assert automodel_step.check("contiguous", batch=str(batch), cp=cp) == 1
+
+
 def test_the_contiguous_sharder_holds_on_hf_families():
     for name in ("unpacked_left_padding", "flattening_collator"):
         automodel_step.check("contiguous", cases=25, seed=SEED, family=FAMILY[name])

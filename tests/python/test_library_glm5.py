@@ -39,7 +39,8 @@ def test_flas_context_built_by_the_cp_module_holds():
 # The shipped families whose members lie outside glm5_next.cp's contract, by the
 # finding that puts them there (docs/libraries.md); every other family holds.
 OUTSIDE = {"interior_padding": "G2", "nemo_automodel_pack_dataset": "G2", "nemo_automodel_seq_lens": "G2, G3",
-           "unpacked_left_padding": "G3", "te_thd_2cp": "G8"}
+           "unpacked_left_padding": "G3", "te_thd_2cp": "G8", "vision_language_mrope": "G9",
+           "vision_language_mrope_rows": "G2, G9"}
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.rsplit("/", 1)[-1][:-5])
@@ -49,7 +50,8 @@ def test_every_shipped_family_holds_or_shows_its_finding(family):
         failure = expect_reported(lambda: glm5_step.check("cp", glm5_step.VARIANTS["cp"]["unguarded"], cases=10,
                                                           seed=SEED, family=family),
                                   "smallest failing layout")
-        symptoms = {"G2": ["padding_mask"], "G3": ["position_ids"], "G8": ["doc_ids", "padding_mask"]}
+        symptoms = {"G2": ["padding_mask"], "G3": ["position_ids"], "G8": ["doc_ids", "padding_mask"],
+                    "G9": ["position_ids"]}
         assert any(s in failure.failure for g in OUTSIDE[name].split(", ") for s in symptoms[g]), failure.failure
     else:
         assert glm5_step.check("cp", cases=10, seed=SEED, family=family) >= 10
