@@ -71,8 +71,17 @@ def _rows(t):
 
 def _raw(case):
     """The batch as a collator hands it over: [B, S] tensors (a THD collator's
-    [S] row made [1, S], as every one of these libraries expects)."""
-    return {k: (v if k in ("cu_seqlens", "cu_seqlens_padded") else _rows(v)) for k, v in case.batch.items()}
+    [S] row made [1, S], as every one of these libraries expects; mRoPE's [3, S]
+    position_ids [3, 1, S])."""
+    tokens = case.batch["input_ids"].numel()
+    return {k: (v if k in ("cu_seqlens", "cu_seqlens_padded")
+                else v.reshape(3, -1, v.shape[-1]) if _mrope(k, v, tokens) else _rows(v))
+            for k, v in case.batch.items()}
+
+
+def _mrope(key, value, tokens):
+    """Whether `value` is mRoPE's position_ids: three planes of the batch's tokens."""
+    return key == "position_ids" and value.numel() == 3 * tokens
 
 
 def _mask_back(local, given):
@@ -119,6 +128,10 @@ def make_kimi_step(rank_from_world=False, guarded=True, gradient_in_place=False)
         if guarded and "seq_lens" not in keys and int(cp_step.layout_of(batch)[0].max()) > 1:
             raise OutsideContract("finding K3 (docs/libraries.md): documents given by position resets (a flattening "
                                   "collator's) are read as one document a row")
+        if guarded and "position_ids" in batch and _mrope("position_ids", batch["position_ids"],
+                                                          batch["input_ids"].numel()):
+            raise OutsideContract("finding K5 (docs/libraries.md): mRoPE's [3, B, S] position_ids are padded and cut "
+                                  "along their axis 1, the rows")
         mesh = _cp_mesh(case)
         loss_mask = batch.pop("loss_mask", None)
         given = set(batch)
@@ -188,10 +201,12 @@ def make_thd_step(rows_transposed=False):
         if "position_ids" not in batch:
             raise OutsideContract("process_input_for_thd requires position_ids")
         thd = process_input_for_thd(batch, padding_token_id=case.pad_token_id)
+        positions = thd["position_ids"]
+        planes = positions.shape[:1] if positions.dim() == 3 else ()  # mRoPE's: [3, 1, B * S]
         if rows_transposed:  # PLANTED: the THD stream unflattened sequence-major
             return {"padding": thd["padding_mask"].reshape(S, B).t(),
-                    "position_ids": thd["position_ids"].reshape(S, B).t()}
-        return {"padding": thd["padding_mask"].reshape(B, S), "position_ids": thd["position_ids"].reshape(B, S)}
+                    "position_ids": positions.reshape(*planes, S, B).transpose(-1, -2)}
+        return {"padding": thd["padding_mask"].reshape(B, S), "position_ids": positions.reshape(*planes, B, S)}
     return step
 
 

@@ -46,6 +46,16 @@ def test_the_contiguous_sharder_cuts_mrope_planes_along_the_sequence(tmp_path):
         assert automodel_step.check("contiguous", batch=str(batch), cp=cp) == 1
 
 
+def test_thd_keeps_mrope_planes_and_kimis_sharder_cuts_their_rows():
+    # process_input_for_thd flattens each plane on its own ([3, 1, B * S]);
+    # Kimi-Linear's sharder pads and cuts [3, B, S] along axis 1 (finding K5).
+    rows = FAMILY["vision_language_mrope_rows"]
+    assert automodel_step.check("thd", cases=10, seed=SEED, family=rows) >= 10
+    expect_reported(lambda: automodel_step.check("kimi", automodel_step.VARIANTS["kimi"]["unguarded"], cases=10,
+                                                 seed=SEED, family=rows),
+                    "batch position_ids: shape [3, ")
+
+
 def test_the_contiguous_sharder_holds_on_hf_families():
     for name in ("unpacked_left_padding", "flattening_collator"):
         automodel_step.check("contiguous", cases=25, seed=SEED, family=FAMILY[name])
