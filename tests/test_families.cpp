@@ -241,3 +241,29 @@ TEST(Families, MropeMembersCatchRopeByOnePlaneAndPlanesShardedByRows) {
         << name;
   }
 }
+
+// cpsim fuzz draws mRoPE too (1 in 6 packed layouts, image spans as grids):
+// RoPE by the temporal plane alone, found on the mRoPE family above, is found
+// by fuzz's random draw as well.
+TEST(Families, FuzzDrawsMropeLayoutsAndFindsRopeByOnePlane) {
+  const auto gen = gen_layout_case(8, std::nullopt, fuzz_draw_limits());
+  int planes = 0, grids = 0;
+  for (int i = 0; i < 300; ++i) {
+    const LayoutCase c = gen(rc::Random(777 + i), i % 100).value();
+    if (!c.batch.count("position_ids") || c.batch.at("position_ids").numel() != 3 * c.batch.at("input_ids").numel())
+      continue;
+    ++planes;
+    const Tensor& pos = c.batch.at("position_ids");
+    const std::int64_t n = pos.numel() / 3;
+    for (std::int64_t i = 0; i < n; ++i) grids += pos.get_int(i) != pos.get_int(2 * n + i);
+  }
+  EXPECT_GE(planes, 20) << "of 300 draws";
+  EXPECT_GT(grids, 0);
+  CheckOptions o;
+  o.key_dim = 8;
+  EXPECT_NE(cpsim::testing::expect_counterexample("rope by the temporal plane, fuzz's draw", [&] {
+              const LayoutCase c = *gen;
+              RC_ASSERT(check_row("rope", c, o, {.rope = rope_by_temporal_plane}).ok);
+            }),
+            "");
+}

@@ -75,6 +75,78 @@ void fill_positions(LayoutTruth& t, std::int64_t B, std::int64_t S) {
   }
 }
 
+// The grid an image span of n tokens is read as (one frame): the most square
+// gh x gw = n, gh <= gw.
+std::pair<std::int64_t, std::int64_t> image_grid(std::int64_t n) {
+  std::int64_t gh = 1;
+  for (std::int64_t d = 1; d * d <= n; ++d)
+    if (n % d == 0) gh = d;
+  return {gh, n / gh};
+}
+
+// Image-token spans inside each document's real tokens, placed by the seed.
+void place_image_spans(Tensor& ids, const std::vector<std::vector<DocSpec>>& docs, std::int64_t S,
+                       const ImageSpans& spans, std::uint64_t seed) {
+  SplitMix64 rng(mix_seed(seed, 7));
+  const auto draw = [&](std::pair<int, int> range) {
+    return range.first + static_cast<int>(rng.below(std::max(0, range.second - range.first) + 1));
+  };
+  for (std::size_t r = 0; r < docs.size(); ++r) {
+    std::int64_t at = 0;
+    for (const DocSpec& doc : docs[r]) {
+      const int count = draw(spans.per_document);
+      for (int k = 0; k < count && doc.real > 0; ++k) {
+        const int len = std::min(doc.real, draw(spans.length));
+        const std::int64_t first = at + static_cast<std::int64_t>(rng.below(doc.real - len + 1));
+        for (std::int64_t s = first; s < first + len; ++s) ids.set(static_cast<std::int64_t>(r) * S + s, spans.token_id);
+      }
+      at += doc.real + doc.extra;
+    }
+  }
+}
+
+// mRoPE position_ids [3, B, S] as Qwen2-VL's get_rope_index gives them, per
+// document: a text token is one past the document's largest position so far in
+// all three planes (0 at its start); a run of image tokens is a grid from
+// offset o (that same next position): temporal o, height o + i / gw, width
+// o + i % gw, and the token after it follows the grid's largest. Tokens that
+// are not real (a document's padding, the row's tail) go on as text.
+Tensor mrope_planes(const Tensor& ids, const std::vector<std::vector<DocSpec>>& docs, std::int64_t S, int image) {
+  const auto B = static_cast<std::int64_t>(docs.size());
+  Tensor planes({3, B, S}, DType::i64);
+  auto* p = planes.data<std::int64_t>();
+  const auto put = [&](std::int64_t r, std::int64_t s, std::int64_t t, std::int64_t h, std::int64_t w) {
+    p[r * S + s] = t, p[(B + r) * S + s] = h, p[(2 * B + r) * S + s] = w;
+  };
+  for (std::int64_t r = 0; r < B; ++r) {
+    std::int64_t s = 0, top = -1;
+    const auto text = [&](std::int64_t at) {
+      ++top;
+      put(r, at, top, top, top);
+    };
+    for (const DocSpec& doc : docs[r]) {
+      top = -1;  // a document starts at 0
+      const std::int64_t end = s + doc.real;
+      while (s < end) {
+        std::int64_t n = 0;
+        while (s + n < end && ids.get_int(r * S + s + n) == image) ++n;
+        if (n == 0) {
+          text(s++);
+          continue;
+        }
+        const auto [gh, gw] = image_grid(n);
+        const std::int64_t o = top + 1;
+        for (std::int64_t i = 0; i < n; ++i) put(r, s + i, o, o + i / gw, o + i % gw);
+        top = o + std::max(gh, gw) - 1;
+        s += n;
+      }
+      for (std::int64_t k = 0; k < doc.extra; ++k) text(s++);
+    }
+    for (; s < S; ++s) text(s);
+  }
+  return planes;
+}
+
 }  // namespace
 
 LayoutCase build_case(const LayoutSpec& spec) {
@@ -169,6 +241,7 @@ LayoutCase build_case(const LayoutSpec& spec) {
         if (last) run = 0;
       }
   }
+  if (spec.image_spans && !unpacked) place_image_spans(ids, docs, S, *spec.image_spans, spec.seed);
   b["input_ids"] = ids;
   b["labels"] = labels;
   if (thd) {
@@ -206,7 +279,9 @@ LayoutCase build_case(const LayoutSpec& spec) {
     for (std::int64_t i = 0; i < B * S; ++i) am.data<std::int64_t>()[i] = pad[i] ? 0 : 1;
     b["attention_mask"] = am;
   }
-  if (spec.give_positions || resets) b["position_ids"] = truth.positions.clone();
+  const bool planes = spec.mrope && !unpacked && !resets;  // mRoPE: packed forms
+  if (planes) truth.positions = mrope_planes(ids, docs, S, spec.image_spans ? spec.image_spans->token_id : -1);
+  if (spec.give_positions || resets || planes) b["position_ids"] = truth.positions.clone();
   if (spec.give_loss_mask) {
     Tensor lm({B, S}, DType::i64);
     for (std::int64_t i = 0; i < B * S; ++i) lm.data<std::int64_t>()[i] = pad[i] ? 0 : 1;
@@ -219,7 +294,7 @@ LayoutCase build_case(const LayoutSpec& spec) {
   }
   if (spec.one_dimensional && B == 1)
     for (auto& [key, t] : b)
-      if (key != "cu_seqlens" && key != "cu_seqlens_padded") t = t.reshape({t.numel()});
+      if (key != "cu_seqlens" && key != "cu_seqlens_padded") t = t.ndim() == 3 ? t.reshape({3, S}) : t.reshape({t.numel()});
   out.pad_token_id = spec.pad_token_id;
   out.cp = std::max(1, spec.cp);
   out.seed = spec.seed;

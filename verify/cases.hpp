@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <ostream>
+#include <utility>
 #include <vector>
 
 #include "core/layout.hpp"
@@ -69,6 +70,14 @@ struct PlanSpec {
 PlanChoice plan_of_spec(const PlanSpec& spec, std::int64_t padded_len, int cp);
 std::ostream& operator<<(std::ostream& os, const PlanSpec& p);
 
+// Image-token spans inside each document's real tokens (vision-language rows),
+// placed by the spec's seed: per document a count in [per_document.first,
+// .second], each of a length in [length.first, .second].
+struct ImageSpans {
+  int token_id = 9;
+  std::pair<int, int> per_document{0, 2}, length{2, 8};
+};
+
 struct LayoutSpec {
   int cp = 1;
   PlanSpec plan;
@@ -85,6 +94,10 @@ struct LayoutSpec {
   bool token_type_ids = false;  // an extra [B, S] key, sharded like labels (fill 0)
   bool one_dimensional = false; // one row given as [S] tensors, as THD collators emit
   bool eos_is_pad = false;      // each document's last real token, and one inside it, is the pad id
+  std::optional<ImageSpans> image_spans;  // packed forms and position resets
+  // position_ids given as mRoPE's [3, B, S] planes ([3, S] one-dimensional),
+  // each run of image tokens a grid (packed forms; docs/layout.md).
+  bool mrope = false;
   std::uint64_t seed = 0;     // token ids and activations
 };
 

@@ -176,60 +176,6 @@ struct Draw {
   PlanSpec plan;
 };
 
-// The grid an image span of n tokens is read as (one frame): the most square
-// gh x gw = n, gh <= gw.
-std::pair<std::int64_t, std::int64_t> image_grid(std::int64_t n) {
-  std::int64_t gh = 1;
-  for (std::int64_t d = 1; d * d <= n; ++d)
-    if (n % d == 0) gh = d;
-  return {gh, n / gh};
-}
-
-// mRoPE position_ids [3, B, S] as Qwen2-VL's get_rope_index gives them, per
-// document: a text token is one past the document's largest position so far in
-// all three planes (0 at its start); a run of image tokens is a grid from
-// offset o (that same next position): temporal o, height o + i / gw, width
-// o + i % gw, and the token after it follows the grid's largest. Tokens that
-// are not real (a document's padding, the row's tail) go on as text.
-void mrope_positions(LayoutCase& c, const LayoutFamily& f, const LayoutSpec& spec) {
-  const Tensor& ids = c.batch.at("input_ids");
-  const std::int64_t S = spec.seq_len, B = static_cast<std::int64_t>(spec.rows.size());
-  const int image = f.image_spans ? f.image_spans->token_id : -1;
-  Tensor planes({3, B, S}, DType::i64);
-  auto* p = planes.data<std::int64_t>();
-  const auto put = [&](std::int64_t r, std::int64_t s, std::int64_t t, std::int64_t h, std::int64_t w) {
-    p[r * S + s] = t, p[(B + r) * S + s] = h, p[(2 * B + r) * S + s] = w;
-  };
-  for (std::int64_t r = 0; r < B; ++r) {
-    std::int64_t s = 0, top = -1;
-    const auto text = [&](std::int64_t at) {
-      ++top;
-      put(r, at, top, top, top);
-    };
-    for (const DocSpec& doc : spec.rows[r]) {
-      top = -1;  // a document starts at 0
-      const std::int64_t end = s + doc.real;
-      while (s < end) {
-        std::int64_t n = 0;
-        while (s + n < end && ids.get_int(r * S + s + n) == image) ++n;
-        if (n == 0) {
-          text(s++);
-          continue;
-        }
-        const auto [gh, gw] = image_grid(n);
-        const std::int64_t o = top + 1;
-        for (std::int64_t i = 0; i < n; ++i) put(r, s + i, o, o + i / gw, o + i % gw);
-        top = o + std::max(gh, gw) - 1;
-        s += n;
-      }
-      for (std::int64_t k = 0; k < doc.extra; ++k) text(s++);
-    }
-    for (; s < S; ++s) text(s);
-  }
-  c.truth->positions = planes;
-  c.batch["position_ids"] = spec.one_dimensional && B == 1 ? planes.reshape({3, S}) : planes;
-}
-
 LayoutCase member(const LayoutFamily& f, const Draw& d) {
   LayoutSpec spec;
   spec.cp = d.cp;
@@ -273,29 +219,11 @@ LayoutCase member(const LayoutFamily& f, const Draw& d) {
     // position_ids alone: the tail (and shorter rows) marked by a padding mask.
     spec.mask_kind = MaskKind::padding_mask;
   }
-  LayoutCase c = build_case(spec);
-  if (f.image_spans && f.form != LayoutForm::unpacked) {
-    // Image-token spans inside each document's real tokens, placed by the seed.
-    Tensor& ids = c.batch.at("input_ids");
-    const std::int64_t S = spec.seq_len;
-    SplitMix64 rng(mix_seed(d.seed, 7));
-    for (std::size_t r = 0; r < B; ++r) {
-      std::int64_t at = 0;
-      for (const DocSpec& doc : spec.rows[r]) {
-        const int spans = f.image_spans->per_document.min +
-                          static_cast<int>(rng.below(f.image_spans->per_document.max - f.image_spans->per_document.min + 1));
-        for (int k = 0; k < spans && doc.real > 0; ++k) {
-          const int len = std::min<int>(doc.real, f.image_spans->length.min + static_cast<int>(rng.below(
-                                                                                   f.image_spans->length.max - f.image_spans->length.min + 1)));
-          const std::int64_t first = at + static_cast<std::int64_t>(rng.below(doc.real - len + 1));
-          for (std::int64_t s = first; s < first + len; ++s) ids.set(static_cast<std::int64_t>(r) * S + s, f.image_spans->token_id);
-        }
-        at += doc.real + doc.extra;
-      }
-    }
-  }
-  if (f.mrope) mrope_positions(c, f, spec);
-  return c;
+  if (f.image_spans)
+    spec.image_spans = ImageSpans{f.image_spans->token_id, {f.image_spans->per_document.min, f.image_spans->per_document.max},
+                                  {f.image_spans->length.min, f.image_spans->length.max}};
+  spec.mrope = f.mrope;
+  return build_case(spec);
 }
 
 }  // namespace

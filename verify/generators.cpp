@@ -44,8 +44,8 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
   std::vector<int> allowed;
   for (LayoutForm f : limits.forms) allowed.push_back(static_cast<int>(f));
   const Gen<int> form_index = allowed.empty() ? gen::inRange(0, kLayoutForms) : uniform_element(allowed);
-  const int long_every = limits.long_every;
-  return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard, long_every](std::pair<int, int> cp_form) {
+  const int long_every = limits.long_every, mrope_every = limits.mrope_every;
+  return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard, long_every, mrope_every](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
@@ -56,7 +56,7 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
     const Gen<int> length = long_every > 0 ? gen::weightedOneOf<int>({{long_every - 1, short_length},
                                                                       {1, gen::inRange(std::max(shortest, 512), 2049)}})
                                            : short_length;
-    return gen::mapcat(length, [cp, form, draw](int S) {
+    return gen::mapcat(length, [cp, form, draw, mrope_every](int S) {
       const int L = (S + cp - 1) / cp;
       // Lengths biased to the shard length (edges hit exactly), to 1, and to long spans.
       auto len = gen::weightedOneOf<int>({{5, gen::inRange(0, 2 * L + 2)},
@@ -88,6 +88,11 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
             gen::set(&LayoutSpec::token_type_ids, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::one_dimensional, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::eos_is_pad, gen::arbitrary<bool>()),
+            gen::set(&LayoutSpec::mrope, mrope_every > 0 ? gen::weightedOneOf<bool>({{static_cast<std::size_t>(mrope_every - 1), gen::just(false)},
+                                                                                     {1, gen::just(true)}})
+                                                         : gen::just(false)),
+            gen::set(&LayoutSpec::image_spans, mrope_every > 0 ? gen::just(std::optional<ImageSpans>(ImageSpans{}))
+                                                               : gen::just(std::optional<ImageSpans>())),
             gen::set(&LayoutSpec::seed, gen::arbitrary<std::uint64_t>()));
       });
     });
@@ -99,6 +104,7 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
 DrawLimits fuzz_draw_limits() {
   DrawLimits limits;
   limits.long_every = 8;
+  limits.mrope_every = 6;
   return limits;
 }
 

@@ -34,9 +34,14 @@ struct DrawLimits {
   // balanced plan's cuts part from the equal ones over its padding gaps (cpsim
   // fuzz draws them).
   int long_every = 0;
+  // 1 in `mrope_every` packed draws (0: none) gives mRoPE's [3, B, S]
+  // position_ids with image-token spans as grids (docs/layout.md): cpsim's own
+  // operators take them; a torch step opts in through an mRoPE family.
+  int mrope_every = 0;
 };
-// cpsim fuzz's draw: every form, and 1 in 8 layouts long (what one property row
-// leaves in the host memory cache is handed to the next, as in a long step).
+// cpsim fuzz's draw: every form, 1 in 8 layouts long (what one property row
+// leaves in the host memory cache is handed to the next, as in a long step), 1
+// in 6 with mRoPE position_ids.
 DrawLimits fuzz_draw_limits();
 rc::Gen<LayoutSpec> gen_layout_spec(int max_cp = 16, const PlanDraw& plan = std::nullopt, const DrawLimits& limits = {});
 rc::Gen<LayoutCase> gen_layout_case(int max_cp = 16, const PlanDraw& plan = std::nullopt, const DrawLimits& limits = {});
