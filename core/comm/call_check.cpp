@@ -65,7 +65,10 @@ std::string describe_ranks(const std::vector<RankActivity>& ranks, const RankNam
     const std::string elsewhere =
         a.phase == RankActivity::Phase::idle && names.elsewhere ? names.elsewhere(names.number(rank)) : "";
     const bool here = names.world() && elsewhere.empty();
-    const std::string last = (here ? "(last completed: " : "(last completed on this group: ") +
+    // A line that already names another group (elsewhere) says which group its
+    // last call was on: this report's.
+    const std::string on = !elsewhere.empty() ? (names.world() ? "the world group" : names.group) : "this group";
+    const std::string last = (here ? "(last completed: " : "(last completed on " + on + ": ") +
                              (a.call.seq > 0 ? describe_call(a.call, names) : "nothing") + ")";
     out += "\n  " + names.rank(rank) + ": ";
     switch (a.phase) {

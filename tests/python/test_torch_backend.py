@@ -633,8 +633,8 @@ def test_a_rank_in_another_group_s_collective_is_named_there():
         assert "  rank 3: in barrier at test_torch_backend.py:" in text, text
     else:  # the barrier's: rank 1 is in its dp group's all_reduce (or failed in it, an instant before)
         assert "for rank 1, which never arrived" in text, text
-        assert re.search(r"  rank 1: (failed )?in all_reduce at test_torch_backend.py:\d+ on the group of ranks 1, 3 \(last",
-                         text), text
+        assert re.search(r"  rank 1: (failed )?in all_reduce at test_torch_backend.py:\d+ on the group of ranks 1, 3 "
+                         r"\(last completed on the world group: ", text), text
     assert text.count("(last completed") == len([l for l in text.splitlines() if "(last completed" in l]), text
 
 
