@@ -94,8 +94,8 @@ int run_fuzz(FuzzArgs a) {
                      "fit; give equal, balanced or random");
   // 1 in 8 random layouts is long (512-2048 tokens): what one property row leaves
   // in the host memory cache is handed to the next, of other shapes, and
-  // balanced plans part from equal ones over padding gaps; 1 in 6 packed
-  // layouts gives mRoPE position_ids (image spans as grids).
+  // balanced plans part from equal ones over padding gaps; 1 in 6 layouts
+  // gives mRoPE position_ids (image spans as grids).
   const auto gen = family ? gen_family_case(*family, a.max_cp, plan)
                           : gen_layout_case(a.max_cp, plan, fuzz_draw_limits());
   const PropertyOutcome result = run_property(settings, [&] { property(*gen); }, &progress);

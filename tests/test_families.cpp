@@ -242,7 +242,7 @@ TEST(Families, MropeMembersCatchRopeByOnePlaneAndPlanesShardedByRows) {
   }
 }
 
-// cpsim fuzz draws mRoPE too (1 in 6 packed layouts, image spans as grids):
+// cpsim fuzz draws mRoPE too (1 in 6 layouts, image spans as grids):
 // RoPE by the temporal plane alone, found on the mRoPE family above, is found
 // by fuzz's random draw as well.
 TEST(Families, FuzzDrawsMropeLayoutsAndFindsRopeByOnePlane) {

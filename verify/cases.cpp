@@ -85,14 +85,16 @@ std::pair<std::int64_t, std::int64_t> image_grid(std::int64_t n) {
 }
 
 // Image-token spans inside each document's real tokens, placed by the seed.
-void place_image_spans(Tensor& ids, const std::vector<std::vector<DocSpec>>& docs, std::int64_t S,
-                       const ImageSpans& spans, std::uint64_t seed) {
+// Row r's documents start at row_start[r] (an unpacked row's left padding).
+void place_image_spans(Tensor& ids, const std::vector<std::vector<DocSpec>>& docs,
+                       const std::vector<std::int64_t>& row_start, std::int64_t S, const ImageSpans& spans,
+                       std::uint64_t seed) {
   SplitMix64 rng(mix_seed(seed, 7));
   const auto draw = [&](std::pair<int, int> range) {
     return range.first + static_cast<int>(rng.below(std::max(0, range.second - range.first) + 1));
   };
   for (std::size_t r = 0; r < docs.size(); ++r) {
-    std::int64_t at = 0;
+    std::int64_t at = row_start[r];
     for (const DocSpec& doc : docs[r]) {
       const int count = draw(spans.per_document);
       for (int k = 0; k < count && doc.real > 0; ++k) {
@@ -110,8 +112,10 @@ void place_image_spans(Tensor& ids, const std::vector<std::vector<DocSpec>>& doc
 // all three planes (0 at its start); a run of image tokens is a grid from
 // offset o (that same next position): temporal o, height o + i / gw, width
 // o + i % gw, and the token after it follows the grid's largest. Tokens that
-// are not real (a document's padding, the row's tail) go on as text.
-Tensor mrope_planes(const Tensor& ids, const std::vector<std::vector<DocSpec>>& docs, std::int64_t S, int image) {
+// are not real (a document's padding, the row's tail) go on as text; an
+// unpacked row's left padding is (0, 0, 0).
+Tensor mrope_planes(const Tensor& ids, const std::vector<std::vector<DocSpec>>& docs,
+                    const std::vector<std::int64_t>& row_start, std::int64_t S, int image) {
   const auto B = static_cast<std::int64_t>(docs.size());
   Tensor planes({3, B, S}, DType::i64);
   auto* p = planes.data<std::int64_t>();
@@ -120,6 +124,7 @@ Tensor mrope_planes(const Tensor& ids, const std::vector<std::vector<DocSpec>>& 
   };
   for (std::int64_t r = 0; r < B; ++r) {
     std::int64_t s = 0, top = -1;
+    for (; s < row_start[r]; ++s) put(r, s, 0, 0, 0);
     const auto text = [&](std::int64_t at) {
       ++top;
       put(r, at, top, top, top);
@@ -241,7 +246,19 @@ LayoutCase build_case(const LayoutSpec& spec) {
         if (last) run = 0;
       }
   }
-  if (spec.image_spans && !unpacked) place_image_spans(ids, docs, S, *spec.image_spans, spec.seed);
+  // Where each row's documents start: an unpacked row's one document after its left padding.
+  std::vector<std::int64_t> row_start(static_cast<std::size_t>(B), 0);
+  if (unpacked)
+    for (std::int64_t r = 0; r < B; ++r) {
+      std::int64_t l = S;
+      for (std::int64_t s = 0; s < S && l == S; ++s)
+        if (!pad[r * S + s]) l = s;
+      std::int64_t real = 0;
+      for (std::int64_t s = l; s < S && !pad[r * S + s]; ++s) ++real;
+      row_start[r] = l == S ? 0 : l;
+      docs[r] = {DocSpec{static_cast<int>(real), static_cast<int>(S - row_start[r] - real)}};
+    }
+  if (spec.image_spans) place_image_spans(ids, docs, row_start, S, *spec.image_spans, spec.seed);
   b["input_ids"] = ids;
   b["labels"] = labels;
   if (thd) {
@@ -279,8 +296,9 @@ LayoutCase build_case(const LayoutSpec& spec) {
     for (std::int64_t i = 0; i < B * S; ++i) am.data<std::int64_t>()[i] = pad[i] ? 0 : 1;
     b["attention_mask"] = am;
   }
-  const bool planes = spec.mrope && !unpacked && !resets;  // mRoPE: packed forms
-  if (planes) truth.positions = mrope_planes(ids, docs, S, spec.image_spans ? spec.image_spans->token_id : -1);
+  const bool planes = spec.mrope && !resets;  // mRoPE: packed forms and unpacked rows
+  if (planes)
+    truth.positions = mrope_planes(ids, docs, row_start, S, spec.image_spans ? spec.image_spans->token_id : -1);
   if (spec.give_positions || resets || planes) b["position_ids"] = truth.positions.clone();
   if (spec.give_loss_mask) {
     Tensor lm({B, S}, DType::i64);

@@ -94,9 +94,9 @@ struct LayoutSpec {
   bool token_type_ids = false;  // an extra [B, S] key, sharded like labels (fill 0)
   bool one_dimensional = false; // one row given as [S] tensors, as THD collators emit
   bool eos_is_pad = false;      // each document's last real token, and one inside it, is the pad id
-  std::optional<ImageSpans> image_spans;  // packed forms and position resets
+  std::optional<ImageSpans> image_spans;
   // position_ids given as mRoPE's [3, B, S] planes ([3, S] one-dimensional),
-  // each run of image tokens a grid (packed forms; docs/layout.md).
+  // each run of image tokens a grid (every form but position resets; docs/layout.md).
   bool mrope = false;
   std::uint64_t seed = 0;     // token ids and activations
 };

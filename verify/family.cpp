@@ -134,7 +134,8 @@ LayoutFamily parse_family(const std::string& text, const std::string& source) {
   if (f.position_ids && !packed(f.form))
     in.fail("position_ids", "a packed form's option (form position_ids always gives them)");
   f.mrope = in.flag("mrope", false);
-  if (f.mrope && !packed(f.form)) in.fail("mrope", "a packed form's option (documents from the lengths)");
+  if (f.mrope && f.form == LayoutForm::position_resets)
+    in.fail("mrope", "documents from lengths or one a row: form position_ids gives [B, S] resets");
   if (f.mrope) f.position_ids = true;
   f.eos_is_pad = in.flag("eos_is_pad", false);
   f.pad_token_id = in.integer("pad_token_id", 0, 0, 1 << 30);

@@ -34,7 +34,7 @@ struct DrawLimits {
   // balanced plan's cuts part from the equal ones over its padding gaps (cpsim
   // fuzz draws them).
   int long_every = 0;
-  // 1 in `mrope_every` packed draws (0: none) gives mRoPE's [3, B, S]
+  // 1 in `mrope_every` draws (0: none; not position resets) gives mRoPE's [3, B, S]
   // position_ids with image-token spans as grids (docs/layout.md): cpsim's own
   // operators take them; a torch step opts in through an mRoPE family.
   int mrope_every = 0;

@@ -57,7 +57,7 @@ def test_thd_keeps_mrope_planes_and_kimis_sharder_cuts_their_rows():
 
 
 def test_the_contiguous_sharder_holds_on_hf_families():
-    for name in ("unpacked_left_padding", "flattening_collator"):
+    for name in ("unpacked_left_padding", "flattening_collator", "vision_language_mrope_unpacked"):
         automodel_step.check("contiguous", cases=25, seed=SEED, family=FAMILY[name])
 
 

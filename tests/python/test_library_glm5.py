@@ -40,7 +40,7 @@ def test_flas_context_built_by_the_cp_module_holds():
 # finding that puts them there (docs/libraries.md); every other family holds.
 OUTSIDE = {"interior_padding": "G2", "nemo_automodel_pack_dataset": "G2", "nemo_automodel_seq_lens": "G2, G3",
            "unpacked_left_padding": "G3", "te_thd_2cp": "G8", "vision_language_mrope": "G9",
-           "vision_language_mrope_rows": "G2, G9"}
+           "vision_language_mrope_rows": "G2, G9", "vision_language_mrope_unpacked": "G3, G9"}
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.rsplit("/", 1)[-1][:-5])

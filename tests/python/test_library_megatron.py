@@ -16,7 +16,7 @@ def test_random_layouts_hold_at_every_cp_size():
 
 # mRoPE's position_ids lie outside get_batch_on_this_cp_rank's contract (finding
 # M1, docs/libraries.md): handed over, they are cut along their rows.
-OUTSIDE = ("vision_language_mrope", "vision_language_mrope_rows")
+OUTSIDE = ("vision_language_mrope", "vision_language_mrope_rows", "vision_language_mrope_unpacked")
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.rsplit("/", 1)[-1][:-5])
