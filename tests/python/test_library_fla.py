@@ -4,11 +4,13 @@ references (examples/libraries/fla_step.py)."""
 import pytest
 
 import torch
+import torch.distributed as dist
 
 from libraries_common import FAMILIES, FAMILY, SEED, expect_reported
 
 import cpsim.torch
 import fla_step
+from fla.ops.cp import build_cp_context
 
 
 def test_random_layouts_hold_at_every_cp_size():
@@ -73,3 +75,23 @@ def test_fla_s_convolution_outside_its_contract_is_probed():
     assert len(outcomes) == 4 and all(o.startswith("refused") for o in outcomes), ran.probe_report()
     assert "refused on some ranks" in outcomes, ran.probe_report()
     assert all("raised RuntimeError" in p["why"] for p in ran.probes), ran.probe_report()
+
+
+def test_fla_refuses_a_total_not_divisible_by_the_cp_size_on_every_rank():
+    # The adapter only hands FLA padded rows (P a multiple of cp), so the
+    # divisibility contract is probed here, from outside: FLA's own context on
+    # every rank of a group, for totals that are not a multiple of its size.
+    # Each rank must raise (a tail silently dropped would be a wrong result;
+    # a raise on some ranks only, a hang).
+    def build(rank, world, total):
+        try:
+            build_cp_context(torch.tensor([0, total]), group=dist.group.WORLD, conv1d_kernel_size=4,
+                             cu_seqlens_cpu=torch.tensor([0, total]))
+        except ValueError as e:
+            return str(e)
+        return None
+
+    for cp, total in ((2, 7), (3, 8), (4, 10), (8, 12), (3, 2)):
+        said = cpsim.torch.spawn(build, cp, args=(total,))
+        assert all(s is not None for s in said), (cp, total, said)
+        assert all(("must be divisible by" in s) or ("must be at least" in s) for s in said), said

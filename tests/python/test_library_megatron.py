@@ -2,6 +2,7 @@
 ranks: the 2 * cp chunks every rank gets, put back in order, are cpsim's
 contiguous shards (examples/libraries/megatron_step.py)."""
 import pytest
+import torch
 
 from libraries_common import FAMILIES, SEED, expect_reported
 
@@ -50,3 +51,22 @@ def test_chunks_put_back_in_the_wrong_order_are_reported():
     expect_reported(lambda: cpsim.torch.check(megatron_step.VARIANTS["chunks_in_rank_order"], cases=200, seed=SEED,
                                               **megatron_step.SETTINGS),
                     "batch", "smallest failing layout (cp=2")
+
+
+def test_megatron_refuses_a_sequence_not_divisible_by_twice_the_cp_size_on_every_rank():
+    # The adapter pads to a multiple of 2 * cp (pad_multiple 2), so the contract
+    # is probed here, from outside: every rank must raise, none may cut chunks of
+    # unequal length or drop the tail.
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    def split(rank, world, S):
+        batch = {"tokens": torch.arange(S).reshape(1, S), "position_ids": torch.arange(S).reshape(1, S)}
+        try:
+            get_batch_on_this_cp_rank(batch, cp_group=torch.distributed.group.WORLD)
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    for cp, S in ((2, 6), (2, 7), (3, 9), (4, 12)):
+        said = cpsim.torch.spawn(split, cp, args=(S,))
+        assert all(s is not None and "is invalid for input of size" in s for s in said), (cp, S, said)
