@@ -1,8 +1,9 @@
 // The process wire (sim/gloo/process_wire.cpp) and the call exchange over
 // Gloo, between ranks on threads of one process, each with its own Gloo context
 // as the processes of a job have: notices that wait as a message does (a Gloo
-// wait that times out closes every connection of its context), notices to a peer
-// that threw dropped, and a link lost after a rank returned named as such.
+// wait that times out closes every connection of its context), a peer that
+// threw taking them until every end came, and a link lost after a rank returned
+// named as such.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -86,20 +87,24 @@ TEST(ProcessWire, ANoticeTakenLateLeavesTheGroupsConnectionsWhole) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(20000));
 }
 
-TEST(ProcessWire, NoticesToAPeerThatThrewAreDroppedNotWaitedFor) {
-  // Rank 1 throws: it tells its end and its wire stops taking, its process
-  // (connections) still up. Rank 0's state and end then go nowhere: its end
-  // returns at once instead of waiting the group's timeout (60 s) for rank 1 to
-  // take them, and the group's connections stay whole.
+TEST(ProcessWire, APeerThatThrewTakesNoticesUntilEveryPeersEndCame) {
+  // Rank 1 throws: it tells its end, then waits for every peer's end before its
+  // wire goes (as JobSession::fail does), its process (connections) still up.
+  // Rank 0's state and end, sent after, are taken: its end returns at once
+  // instead of waiting the group's timeout (60 s) for a taker that is gone, and
+  // the group's connections stay whole. (A wire that stopped at once left them
+  // waiting; aborting such a send half way left Gloo's receive on the other
+  // side matched to bytes that never came.)
   const auto errors = wired_pair(milliseconds(60000), [](int r, sim::GlooRank& rank, std::shared_ptr<Mailbox> box) {
     auto wire = std::make_unique<sim::ProcessWire>(rank, std::vector<int>{0, 1}, box, milliseconds(60000));
     float x = 1.0f;
     rank.communicator()->all_reduce(&x, 1, DType::f32);  // both wires are up
     if (r == 1) {
       wire->ended("threw: ValueError", true);
+      wire->wait_for_ends();
       wire.reset();
     } else {
-      std::this_thread::sleep_for(milliseconds(200));  // rank 1's wire is gone, or about to be
+      std::this_thread::sleep_for(milliseconds(200));  // rank 1 waits for this rank's end
       const auto start = std::chrono::steady_clock::now();
       wire->state(Mailbox::State{});
       wire->ended("returned", false);

@@ -155,6 +155,10 @@ class JobSession {
       session_->finish();
     } catch (const CollectiveError&) {
       collective_failed_ = true;
+      wire_->wait_for_ends();  // the wire takes its peers' last notices before it goes
+      throw;
+    } catch (...) {
+      wire_->wait_for_ends();
       throw;
     }
   }
@@ -164,6 +168,9 @@ class JobSession {
     ended_ = failed_ = true;
     wire_->ended("threw: " + what, true);
     session_->fail(what);
+    // A peer's notices to this rank come before its end: once every end came
+    // (bounded by the timeout), none waits for a taker that is gone.
+    wire_->wait_for_ends();
   }
   bool collective_failed() const { return collective_failed_ || backend_->collective_failed(); }
 

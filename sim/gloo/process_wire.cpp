@@ -28,7 +28,6 @@ ProcessWire::ProcessWire(const GlooRank& rank, std::vector<int> ranks, std::shar
                          std::chrono::milliseconds timeout)
     : context_(rank.context_ptr()), ranks_(std::move(ranks)), me_(rank.rank()), mailbox_(std::move(mailbox)),
       timeout_(timeout) {
-  gone_.assign(ranks_.size(), false);
   if (context_ && ranks_.size() > 1) {
     notifier_ = std::thread([this] { send_notices(); });
     thread_ = std::thread([this] { take(); });
@@ -39,7 +38,6 @@ ProcessWire::~ProcessWire() {
   {
     std::lock_guard<std::mutex> lock(notices_mutex_);
     notices_stop_ = true;
-    abort_notice_locked(-1);
     notices_cv_.notify_all();
   }
   if (notifier_.joinable()) notifier_.join();
@@ -52,40 +50,16 @@ ProcessWire::~ProcessWire() {
 }
 
 void ProcessWire::put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes,
-                      std::chrono::milliseconds limit, bool notice) {
+                      std::chrono::milliseconds limit) {
   auto h = context_->createUnboundBuffer(const_cast<void*>(header), size);
   std::unique_ptr<gloo::transport::UnboundBuffer> payload;
-  if (nbytes) payload = context_->createUnboundBuffer(const_cast<std::uint8_t*>(bytes), nbytes);
-  if (notice) {
-    std::lock_guard<std::mutex> lock(notices_mutex_);
-    if (notices_stop_ || gone_[peer]) return;
-    in_flight_ = {peer, h.get(), payload.get()};
-  }
-  struct Landed {  // the buffers are not aborted once this returns
-    ProcessWire& wire;
-    bool notice;
-    ~Landed() {
-      if (!notice) return;
-      std::lock_guard<std::mutex> lock(wire.notices_mutex_);
-      wire.in_flight_ = {};
-    }
-  } landed{*this, notice};
   h->send(peer, kWireHeaderSlot);
-  if (payload) payload->send(peer, kWirePayloadSlot);
-  if (h->waitSend(limit) && payload) payload->waitSend(limit);
-}
-
-void ProcessWire::abort_notice_locked(int peer) {
-  if (in_flight_.header == nullptr || (peer >= 0 && in_flight_.peer != peer)) return;
-  in_flight_.header->abortWaitSend();
-  if (in_flight_.payload) in_flight_.payload->abortWaitSend();
-}
-
-void ProcessWire::abandon(int peer) {
-  std::lock_guard<std::mutex> lock(notices_mutex_);
-  gone_[peer] = true;
-  abort_notice_locked(peer);
-  notices_cv_.notify_all();
+  if (nbytes) {
+    payload = context_->createUnboundBuffer(const_cast<std::uint8_t*>(bytes), nbytes);
+    payload->send(peer, kWirePayloadSlot);
+  }
+  h->waitSend(limit);
+  if (payload) payload->waitSend(limit);
 }
 
 int ProcessWire::peer_of(int rank) const {
@@ -140,7 +114,11 @@ void ProcessWire::send_notices() {
       // As long as a message may take: Gloo closes every connection of the
       // group when a wait of its times out, so a shorter limit would end the
       // group's collectives too (on a slow, lossy link a notice can take seconds).
-      put(n.peer, n.header.data(), n.header.size(), n.bytes.data(), n.bytes.size(), timeout_, /*notice=*/true);
+      // Every peer takes them: its wire takes until every peer's end came
+      // (wait_for_ends before it goes), and a peer that is gone closed its
+      // connections. A send is never aborted half way: Gloo would leave the
+      // peer's receive matched to bytes that never come.
+      put(n.peer, n.header.data(), n.header.size(), n.bytes.data(), n.bytes.size(), timeout_);
     } catch (const std::exception&) {
       // That peer's connection is gone: what waited on it has been told, or its session's end says so.
     }
@@ -259,8 +237,6 @@ void ProcessWire::take() {
           break;
         case Kind::end: {
           mailbox_->stopped(ranks_[src], std::string(bytes.begin(), bytes.end()), h.numel != 0);
-          // A peer that threw takes nothing more (a peer that returned takes until it has every end).
-          if (h.numel != 0) abandon(src);
           std::lock_guard<std::mutex> lock(ends_mutex_);
           ++ends_;
           ends_cv_.notify_all();

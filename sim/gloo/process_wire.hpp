@@ -52,20 +52,16 @@ class ProcessWire {
   // Tells every peer what this rank does in point to point (Mailbox::Publish).
   void state(const Mailbox::State& s);
   // Waits until every peer's end came (or the timeout, or the connections
-  // closed): every message sent here is then in the mailbox.
+  // closed): every message and notice sent here has then been taken. A rank
+  // calls it before its wire goes (the wire takes until then), so that no
+  // peer's notice waits for a taker that is gone.
   void wait_for_ends();
 
  private:
   void take();  // every message from any peer, into the mailbox, until the group ends
-  // One header, and `bytes` when there are any, to group rank `peer`. A
-  // notice is dropped, or its wait aborted, once that peer is gone (abandon).
+  // One header, and `bytes` when there are any, to group rank `peer`.
   void put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes,
-           std::chrono::milliseconds limit, bool notice = false);
-  // Group rank `peer` threw: its wire takes nothing more, so notices to it are
-  // dropped (waiting for one would end in a timeout that closes every
-  // connection of the group).
-  void abandon(int peer);
-  void abort_notice_locked(int peer);  // the notice in flight (to `peer`, or any: -1)
+           std::chrono::milliseconds limit);
   // Receipts and ends leave from a thread of their own: take() never waits on a
   // send (three processes whose take threads each sent a receipt round a ring,
   // each waiting for the next to take it, would wait in a circle).
@@ -95,11 +91,6 @@ class ProcessWire {
   std::deque<Notice> notices_;
   std::int64_t notices_queued_ = 0, notices_sent_ = 0;
   bool notices_stop_ = false;
-  std::vector<bool> gone_;  // by group rank: peers that threw
-  struct InFlight {
-    int peer = -1;
-    gloo::transport::UnboundBuffer *header = nullptr, *payload = nullptr;
-  } in_flight_;  // the notice whose send is being waited for
   std::thread notifier_;
   std::thread thread_;
 };
