@@ -155,10 +155,10 @@ class JobSession {
       session_->finish();
     } catch (const CollectiveError&) {
       collective_failed_ = true;
-      wire_->wait_for_ends();  // the wire takes its peers' last notices before it goes
+      settle();
       throw;
     } catch (...) {
-      wire_->wait_for_ends();
+      settle();
       throw;
     }
   }
@@ -168,13 +168,19 @@ class JobSession {
     ended_ = failed_ = true;
     wire_->ended("threw: " + what, true);
     session_->fail(what);
-    // A peer's notices to this rank come before its end: once every end came
-    // (bounded by the timeout), none waits for a taker that is gone.
-    wire_->wait_for_ends();
+    settle();
   }
   bool collective_failed() const { return collective_failed_ || backend_->collective_failed(); }
 
  private:
+  // A group that failed in its calls: the wire takes the peers' last notices
+  // before it goes (a peer's notices come before its end; once every end came,
+  // bounded by the timeout, none waits for a taker that is gone). A broken
+  // group (a timeout, a lost connection) closed its connections: nothing more
+  // comes, and a frozen or cut-off peer would hold this rank its whole timeout.
+  void settle() {
+    if (!session_->gloo()->broken()) wire_->wait_for_ends();
+  }
   std::unique_ptr<sim::ProcessJob::Session> session_;
   std::shared_ptr<Mailbox> mailbox_;
   std::unique_ptr<sim::ProcessWire> wire_;  // after session_: its thread ends before the connections close
