@@ -123,8 +123,9 @@ LayoutTruth reference_layout(const Batch& raw) {
   const auto has = [&](const char* key) { return raw.count(key) != 0; };
   // position_ids: K planes of B x S positions (K = 3: mRoPE's temporal, height, width).
   const std::int64_t K = has("position_ids") ? raw.at("position_ids").numel() / (B * S) : 1;
+  const std::int64_t rows = B, columns = S;  // a lambda may not capture structured bindings (clang, C++17)
   const auto given = [&](std::int64_t k, std::int64_t r, std::int64_t s) {
-    return raw.at("position_ids").get_int((k * B + r) * S + s);
+    return raw.at("position_ids").get_int((k * rows + r) * columns + s);
   };
   if (K == 3) t.positions = Tensor({3, B, S}, DType::i64);
   for (std::int64_t r = 0; r < B; ++r) {
