@@ -152,8 +152,10 @@ Mailbox::State state_of(const std::vector<std::uint8_t>& bytes, bool waiting) {
   if (n < 0 || bytes.size() < head) return s;
   s.sent.resize(static_cast<std::size_t>(n));
   s.got.resize(static_cast<std::size_t>(n));
-  std::memcpy(s.sent.data(), bytes.data() + sizeof n, static_cast<std::size_t>(n) * sizeof n);
-  std::memcpy(s.got.data(), bytes.data() + (1 + n) * sizeof n, static_cast<std::size_t>(n) * sizeof n);
+  if (n > 0) {  // an empty vector's data() may be null, and memcpy takes none
+    std::memcpy(s.sent.data(), bytes.data() + sizeof n, static_cast<std::size_t>(n) * sizeof n);
+    std::memcpy(s.got.data(), bytes.data() + (1 + n) * sizeof n, static_cast<std::size_t>(n) * sizeof n);
+  }
   s.doing.assign(bytes.begin() + static_cast<std::ptrdiff_t>(head), bytes.end());
   return s;
 }
