@@ -73,15 +73,10 @@ def _raw(case):
     """The batch as a collator hands it over: [B, S] tensors (a THD collator's
     [S] row made [1, S], as every one of these libraries expects; mRoPE's [3, S]
     position_ids [3, 1, S])."""
-    tokens = case.batch["input_ids"].numel()
+    planes = library_cli.has_mrope_positions(case.batch)
     return {k: (v if k in ("cu_seqlens", "cu_seqlens_padded")
-                else v.reshape(3, -1, v.shape[-1]) if _mrope(k, v, tokens) else _rows(v))
+                else v.reshape(3, -1, v.shape[-1]) if planes and k == "position_ids" else _rows(v))
             for k, v in case.batch.items()}
-
-
-def _mrope(key, value, tokens):
-    """Whether `value` is mRoPE's position_ids: three planes of the batch's tokens."""
-    return key == "position_ids" and value.numel() == 3 * tokens
 
 
 def _mask_back(local, given):
@@ -128,8 +123,7 @@ def make_kimi_step(rank_from_world=False, guarded=True, gradient_in_place=False)
         if guarded and "seq_lens" not in keys and int(cp_step.layout_of(batch)[0].max()) > 1:
             raise OutsideContract("finding K3 (docs/libraries.md): documents given by position resets (a flattening "
                                   "collator's) are read as one document a row")
-        if guarded and "position_ids" in batch and _mrope("position_ids", batch["position_ids"],
-                                                          batch["input_ids"].numel()):
+        if guarded and library_cli.has_mrope_positions(batch):
             raise OutsideContract("finding K5 (docs/libraries.md): mRoPE's [3, B, S] position_ids are padded and cut "
                                   "along their axis 1, the rows")
         mesh = _cp_mesh(case)

@@ -122,8 +122,7 @@ def _contract(batch, findings=True):
                               "padding_mask, loss_mask); token_type_ids stay global")
     if not findings:
         return
-    positions = batch.get("position_ids")
-    if positions is not None and positions.numel() == 3 * batch["input_ids"].numel():
+    if library_cli.has_mrope_positions(batch):
         raise OutsideContract("finding G9 (docs/libraries.md): mRoPE's [3, B, S] position_ids are not cut along the "
                               "sequence (read by their axis 1, the rows)")
     if _padded_slots(batch):

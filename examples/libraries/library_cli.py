@@ -1,8 +1,16 @@
-"""What the adapters of examples/libraries/ share: the command line, and the
-shield that keeps finding K4 from the tensors around a gather."""
+"""What the adapters of examples/libraries/ share: the command line, the
+shield that keeps finding K4 from the tensors around a gather, and how a batch's
+position_ids are told to be mRoPE's."""
 import argparse
 
 import torch
+
+
+def has_mrope_positions(batch):
+    """Whether the batch's position_ids are mRoPE's planes ([3, B, S], or [3, S]
+    beside a THD row's [S] keys): three positions for each token."""
+    positions = batch.get("position_ids")
+    return positions is not None and positions.numel() == 3 * batch["input_ids"].numel()
 
 
 class FreshGradient(torch.autograd.Function):

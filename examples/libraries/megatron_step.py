@@ -60,8 +60,7 @@ def make_step(chunks_in_rank_order=False, guarded=True):
     def step(case):
         if "attention_mask" in case.batch:
             raise OutsideContract("Megatron's attention_mask is [B, 1, S, S] (cut along dim 2), not HF's [B, S]")
-        positions = case.batch.get("position_ids")
-        if guarded and positions is not None and positions.numel() == 3 * case.batch["input_ids"].numel():
+        if guarded and library_cli.has_mrope_positions(case.batch):
             raise OutsideContract("finding M1 (docs/libraries.md): get_batch_on_this_cp_rank cuts every key but "
                                   "attention_mask along dim 1, mRoPE's [3, B, S] position_ids along their rows")
         group = dist.group.WORLD
