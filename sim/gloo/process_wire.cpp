@@ -49,8 +49,7 @@ ProcessWire::~ProcessWire() {
   if (thread_.joinable()) thread_.join();
 }
 
-void ProcessWire::put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes,
-                      std::chrono::milliseconds limit) {
+void ProcessWire::put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes) {
   auto h = context_->createUnboundBuffer(const_cast<void*>(header), size);
   std::unique_ptr<gloo::transport::UnboundBuffer> payload;
   h->send(peer, kWireHeaderSlot);
@@ -58,8 +57,8 @@ void ProcessWire::put(int peer, const void* header, std::size_t size, const std:
     payload = context_->createUnboundBuffer(const_cast<std::uint8_t*>(bytes), nbytes);
     payload->send(peer, kWirePayloadSlot);
   }
-  h->waitSend(limit);
-  if (payload) payload->waitSend(limit);
+  h->waitSend(timeout_);
+  if (payload) payload->waitSend(timeout_);
 }
 
 int ProcessWire::peer_of(int rank) const {
@@ -75,7 +74,7 @@ void ProcessWire::send(int dst, int tag, const Mailbox::Message& m) {
   std::strncpy(h.dtype, m.payload.dtype.c_str(), sizeof h.dtype - 1);
   std::strncpy(h.site, m.site.c_str(), sizeof h.site - 1);
   try {
-    put(peer, &h, sizeof h, m.payload.bytes.data(), m.payload.bytes.size(), timeout_);
+    put(peer, &h, sizeof h, m.payload.bytes.data(), m.payload.bytes.size());
   } catch (const std::exception& e) {
     throw CollectiveError("rank " + std::to_string(ranks_[me_]) + "'s send to rank " + std::to_string(dst) + " (tag " +
                           std::to_string(tag) + ", " + m.payload.shape() + ") did not leave within " +
@@ -118,7 +117,7 @@ void ProcessWire::send_notices() {
       // (wait_for_ends before it goes), and a peer that is gone closed its
       // connections. A send is never aborted half way: Gloo would leave the
       // peer's receive matched to bytes that never come.
-      put(n.peer, n.header.data(), n.header.size(), n.bytes.data(), n.bytes.size(), timeout_);
+      put(n.peer, n.header.data(), n.header.size(), n.bytes.data(), n.bytes.size());
     } catch (const std::exception&) {
       // That peer's connection is gone: what waited on it has been told, or its session's end says so.
     }

@@ -59,9 +59,9 @@ class ProcessWire {
 
  private:
   void take();  // every message from any peer, into the mailbox, until the group ends
-  // One header, and `bytes` when there are any, to group rank `peer`.
-  void put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes,
-           std::chrono::milliseconds limit);
+  // One header, and `bytes` when there are any, to group rank `peer`, each
+  // send waited for at most the timeout (a message and a notice alike).
+  void put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes);
   // Receipts and ends leave from a thread of their own: take() never waits on a
   // send (three processes whose take threads each sent a receipt round a ring,
   // each waiting for the next to take it, would wait in a circle).
