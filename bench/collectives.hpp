@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "core/comm/job.hpp"
+#include "core/comm/side_channel.hpp"
 
 namespace cpsim::bench {
 

@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "core/comm/job.hpp"
+#include "core/comm/side_channel.hpp"
 
 namespace cpsim::bench {
 

@@ -3,7 +3,7 @@
 //                    calls are checked in the backend-neutral rendezvous first;
 //   in a job         (cpsim launch, RANK/WORLD_SIZE, Slurm) each process is one
 //                    rank on cuda:LOCAL_RANK; the job's side channel
-//                    (core/comm/job.hpp) shares the unique id and checks every
+//                    (core/comm/side_channel.hpp) shares the unique id and checks every
 //                    call first.
 // Every call is checked before NCCL sees it (a mismatch is a CollectiveError naming
 // each rank's call, and NCCL never runs it). A watchdog then waits for the call:

@@ -4,7 +4,8 @@
 #   verify/ includes core/ and verify/ only (backends only through core/comm/registry);
 #   sim/ and gpu/ (the backends, and sim/job/) are siblings: neither includes the
 #   other, nor verify/, cli/ or bench/ (a job hands a backend its side channel
-#   through core/comm/job.hpp);
+#   through core/comm/side_channel.hpp); inside sim/, threads/ and gloo/ are
+#   siblings too, and job/ builds on gloo/ (its side channel), never the reverse;
 #   python/ (the torch backend) is an adapter on core/ and the CPU backends'
 #   public headers: no verify/, cli/, bench/ or gpu/, and no Gloo (the process
 #   wire of torch's point to point is sim/gloo/process_wire.hpp).
@@ -23,6 +24,9 @@ check() {  # folder, pattern of forbidden includes, why
 check core "sim|gpu|verify|cli|bench|tests" "operators never know which backend runs them"
 check verify "sim|gpu|cli|bench|tests" "verify/ reaches backends only through the registry"
 check sim "verify|cli|bench|tests|gpu" "backends know nothing of properties, nor of each other"
+check sim/threads "sim/gloo|sim/job" "the threads backend is a sibling of gloo and of the jobs"
+check sim/gloo "sim/threads|sim/job" "gloo is a sibling of threads; jobs build on gloo, not gloo on jobs"
+check sim/job "sim/threads" "a job runs over gloo's side channel, whatever backend its runs use"
 if [ -d gpu ]; then
   check gpu "verify|cli|bench|tests|sim" "backends know nothing of properties, nor of each other"
 fi

@@ -264,7 +264,7 @@ TEST_P(BackendCalls, PerCallTimeoutOverridesTheDefault) {
 
 // Gloo's threads run under SCHED_BATCH so that a wakeup never preempts a rank
 // that holds a connection's lock while Gloo's loop thread spins for it (the cause
-// of milliseconds per call when ranks outnumber cores, sim/gloo/gloo.hpp); the
+// of milliseconds per call when ranks outnumber cores, sim/gloo/connect.hpp); the
 // in-process rank threads, shared with the other backends, go back to
 // SCHED_OTHER when the run ends.
 TEST(Gloo, RanksWaitUnderBatchSchedulingAndGoBackAfterTheRun) {

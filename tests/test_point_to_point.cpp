@@ -18,7 +18,7 @@
 
 #include "core/comm/point_to_point.hpp"
 #include "core/error.hpp"
-#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/rank.hpp"
 #include "tests/tensor_helpers.hpp"
 
 namespace cpsim {

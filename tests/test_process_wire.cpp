@@ -17,7 +17,7 @@
 
 #include "core/comm/point_to_point.hpp"
 #include "core/error.hpp"
-#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/rank.hpp"
 #include "sim/gloo/process_wire.hpp"
 #include "tests/tensor_helpers.hpp"
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "core/conv.hpp"
-#include "core/comm/job.hpp"
+#include "core/comm/side_channel.hpp"
 #include "core/attention.hpp"
 #include "core/autograd.hpp"
 #include "core/halo.hpp"

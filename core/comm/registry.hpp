@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/comm/job.hpp"
+#include "core/comm/side_channel.hpp"
 
 namespace cpsim {
 
@@ -36,7 +36,7 @@ struct Backend {
   std::function<std::shared_ptr<Group>(int n, std::chrono::milliseconds timeout, const RankNames& names)> make_group;
   // Why this backend cannot run here (no device, say), or nothing.
   std::function<std::optional<std::string>()> unavailable = [] { return std::nullopt; };
-  // This backend's rank in a multi-process job (core/comm/job.hpp); empty: its
+  // This backend's rank in a multi-process job (core/comm/side_channel.hpp); empty: its
   // ranks run only as threads of one process.
   JobTransport job_transport = nullptr;
   // The most ranks one group may have in this process (outside a multi-process job) (nccl: one per visible GPU),

@@ -14,7 +14,7 @@
 #include <mutex>
 #include <optional>
 
-#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/rank.hpp"
 #include "sim/gloo/protocol.hpp"
 
 namespace cpsim::sim {

@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "core/reduce.hpp"
-#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/rank.hpp"
 #include "sim/gloo/protocol.hpp"
 
 namespace cpsim::sim {

@@ -11,7 +11,10 @@
 #include <mutex>
 #include <thread>
 
-#include "sim/gloo/gloo.hpp"
+#include "core/comm/call_check.hpp"
+#include "core/error.hpp"
+#include "sim/gloo/connect.hpp"
+#include "sim/gloo/store.hpp"
 
 namespace cpsim::sim {
 

@@ -9,7 +9,7 @@
 #include <mutex>
 
 #include "core/comm/registry.hpp"
-#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/pool.hpp"
 #include "sim/gloo/protocol.hpp"
 
 namespace cpsim::sim {

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "core/comm/point_to_point.hpp"
-#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/rank.hpp"
 
 namespace gloo::transport {
 class UnboundBuffer;

@@ -16,7 +16,9 @@
 #include <optional>
 #include <thread>
 
-#include "sim/gloo/gloo.hpp"
+#include "core/error.hpp"
+#include "sim/gloo/connect.hpp"
+#include "sim/gloo/store.hpp"
 
 namespace cpsim::sim {
 

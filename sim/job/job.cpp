@@ -10,7 +10,7 @@
 #include <random>
 
 #include "core/tensor_wire.hpp"
-#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/rank.hpp"
 
 namespace cpsim::sim {
 

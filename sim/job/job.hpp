@@ -2,7 +2,7 @@
 // processes, on one host or many. The rank and size come from the environment
 // (cpsim launch, torchrun-style RANK/WORLD_SIZE, Slurm, Open MPI); the processes
 // meet through a store (file:DIR or redis://HOST:PORT) and talk over Gloo, which
-// is the job's side channel (core/comm/job.hpp) whatever backend the run uses.
+// is the job's side channel (core/comm/side_channel.hpp) whatever backend the run uses.
 //
 // Once joined, run_ranks(n, fn) with RunOptions::job runs fn only on this
 // process's rank (ranks 0..n-1 of the job form the group; the others sit the run
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "core/comm/job.hpp"
+#include "core/comm/side_channel.hpp"
 
 namespace gloo::rendezvous {
 class Store;

@@ -13,7 +13,8 @@
 #include <thread>
 
 #include "core/error.hpp"
-#include "sim/gloo/gloo.hpp"
+#include "sim/gloo/connect.hpp"
+#include "sim/gloo/store.hpp"
 
 namespace cpsim::sim {
 
