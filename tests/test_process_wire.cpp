@@ -120,6 +120,94 @@ TEST(ProcessWire, APeerThatThrewTakesNoticesUntilEveryPeersEndCame) {
   EXPECT_EQ(errors[1], "");
 }
 
+TEST(ProcessWire, AMessageAndANoticeSentAtOnceEachArriveWhole) {
+  // Rank 0's program sends messages of many sizes while its notifier thread
+  // sends states of other sizes to the same peer: two threads post headers and
+  // bytes to one connection at once. Each message must arrive with its own
+  // bytes (a payload meeting another header's receive aborted the process in
+  // Gloo, or delivered another message's bytes).
+  constexpr int kMessages = 300;
+  const auto errors = wired_pair(milliseconds(30000), [](int r, sim::GlooRank& rank, std::shared_ptr<Mailbox> box) {
+    sim::ProcessWire wire(rank, {0, 1}, box, milliseconds(30000));
+    box->set_remote(
+        r, [&wire](int, int dst, int tag, const Mailbox::Message& m) { wire.send(dst, tag, m); },
+        [&wire](int src, int seq) { wire.receipt(src, seq); }, [&wire](const Mailbox::State& s) { wire.state(s); },
+        {0, 1});
+    if (r == 0) {
+      std::thread states([&] {
+        for (int i = 0; i < kMessages; ++i) {
+          Mailbox::State s;
+          s.waiting = i % 2 == 0;
+          s.sent = {i, 0}, s.got = {0, i};
+          s.doing = std::string(static_cast<std::size_t>(i % 97), 'x');
+          wire.state(s);
+        }
+      });
+      for (int i = 0; i < kMessages; ++i) {
+        std::vector<float> values(static_cast<std::size_t>(1 + i % 61), static_cast<float>(i));
+        auto sent = box->send("", 0, 1, i % 5, floats(values), "both.py:" + std::to_string(i));
+        box->wait(*sent);
+      }
+      states.join();
+    } else {
+      for (int i = 0; i < kMessages; ++i) {
+        std::vector<float> got(static_cast<std::size_t>(1 + i % 61), -1.0f);
+        auto recv = box->post("", 1, 0, i % 5, "float32", static_cast<std::int64_t>(got.size()),
+                              [&](const std::vector<std::uint8_t>& b) { std::memcpy(got.data(), b.data(), b.size()); },
+                              "take.py:1");
+        box->wait(*recv);
+        for (float v : got)
+          if (v != static_cast<float>(i))
+            throw std::runtime_error("message " + std::to_string(i) + " came with " + std::to_string(v));
+      }
+    }
+    float x = 1.0f;
+    rank.communicator()->all_reduce(&x, 1, DType::f32);  // the connections are whole
+    wire.ended("returned", false);
+    wire.wait_for_ends();
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+TEST(ProcessWire, AReceiptAlwaysComesBeforeTheEndOfTheRankThatTookTheMessage) {
+  // Rank 0's receive is posted first, so the message is taken on its wire's
+  // thread, which queues the receipt; rank 0's program wakes and ends at once.
+  // Rank 1's blocking send must see the receipt before rank 0's end (else:
+  // "rank 0 returned without receiving it", a false failure of correct code).
+  // The thread that takes the message is held up 30 ms as it queues the receipt
+  // (a preempted thread on a loaded machine): the end may not overtake it.
+  for (int round = 0; round < 8; ++round) {
+    const auto errors = wired_pair(milliseconds(30000), [round](int r, sim::GlooRank& rank, std::shared_ptr<Mailbox> box) {
+      sim::ProcessWire wire(rank, {0, 1}, box, milliseconds(30000));
+      box->set_remote(
+          r, [&wire](int, int dst, int tag, const Mailbox::Message& m) { wire.send(dst, tag, m); },
+          [&wire](int src, int seq) {
+            std::this_thread::sleep_for(milliseconds(30));
+            wire.receipt(src, seq);
+          },
+          [&wire](const Mailbox::State& s) { wire.state(s); }, {0, 1});
+      float x = 1.0f;
+      rank.communicator()->all_reduce(&x, 1, DType::f32);  // both wires are up
+      if (r == 0) {
+        float got = 0;
+        auto recv = box->post("", 0, 1, 0, "float32", 1,
+                              [&](const std::vector<std::uint8_t>& b) { std::memcpy(&got, b.data(), sizeof got); },
+                              "take.py:1");
+        box->wait(*recv);
+      } else {
+        std::this_thread::sleep_for(milliseconds(round % 2 ? 0 : 20));  // the receive waits first
+        auto sent = box->send("", 1, 0, 0, floats({2.0f}), "give.py:1");
+        box->wait(*sent);
+      }
+      wire.ended("returned", false);
+      wire.wait_for_ends();
+    });
+    ASSERT_EQ(errors[0], "") << "round " << round;
+    ASSERT_EQ(errors[1], "") << "round " << round;
+  }
+}
+
 TEST(Gloo, ALinkLostAfterARankReturnedIsNamedAfterItsEndNotInItsLastCall) {
   // Rank 1's process goes away once both completed an all-reduce; rank 0 then
   // returns, and the exchange that tells its peers so loses the connection.

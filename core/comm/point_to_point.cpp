@@ -125,13 +125,10 @@ std::shared_ptr<PostedSend> Mailbox::send(const std::string& group, int src, int
 }
 
 void Mailbox::arrive(const std::string& group, int src, int dst, int tag, Message m) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (m.remote) ++wire_got_[src];
-    arrive_locked(group, src, dst, tag, std::move(m));
-    publish_locked();  // its counts changed (and maybe whether it waits)
-  }
-  send_receipts();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (m.remote) ++wire_got_[src];
+  arrive_locked(group, src, dst, tag, std::move(m));
+  publish_locked();  // its counts changed (and maybe whether it waits)
 }
 
 void Mailbox::taken(int dst, int seq) {
@@ -143,15 +140,6 @@ void Mailbox::taken(int dst, int seq) {
     cv_.notify_all();
   }
   publish_locked();  // its counts changed, and the wait this ends is over
-}
-
-void Mailbox::send_receipts() {
-  std::vector<std::pair<int, int>> out;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    out.swap(receipts_);
-  }
-  for (const auto& [sender, seq] : out) receipt_(sender, seq);
 }
 
 std::shared_ptr<PostedRecv> Mailbox::post(const std::string& group, int dst, int src, int tag, std::string dtype,
@@ -176,8 +164,6 @@ std::shared_ptr<PostedRecv> Mailbox::post(const std::string& group, int dst, int
     earliest->pop_front();
     deliver(*p, from, m);
     cv_.notify_all();  // its sender may wait for it to be taken
-    lock.unlock();
-    send_receipts();
     return p;
   }
   posted_.push_back(p);
@@ -313,7 +299,9 @@ void Mailbox::deliver(PostedRecv& p, int src, const Message& m) {
   p.source = src;
   if (m.receipt) m.receipt->taken = true;
   if (m.remote) {
-    receipts_.emplace_back(src, m.seq);
+    // Queued before the lock is let go, so before this rank can go on and end:
+    // its peer learns the message was taken before it learns this rank ended.
+    receipt_(src, m.seq);
     ++wire_sent_[src];
   }
   if (m.payload.numel != p.numel || m.payload.dtype != p.dtype) {

@@ -114,7 +114,9 @@ class Mailbox {
   // How a message leaves this process for rank dst of another (a job's
   // processes: the process wire); it returns once the message is on its way.
   using Remote = std::function<void(int src, int dst, int tag, const Message& m)>;
-  // How a receipt leaves: this process's rank took rank src's send #seq.
+  // How a receipt leaves: this process's rank took rank src's send #seq (called
+  // under the mailbox's lock, before the receive returns: it must only queue it,
+  // and a later end of this rank queued after it cannot overtake it).
   using Receipt = std::function<void(int src, int seq)>;
   // What this process's rank does in point to point, as its peers see it:
   // whether it waits (and for what), and its counts of messages and receipts
@@ -167,8 +169,6 @@ class Mailbox {
 
  private:
   void arrive_locked(const std::string& group, int src, int dst, int tag, Message m);
-  // Sends the receipts deliver() left (outside the lock: a receipt may wait for its wire).
-  void send_receipts();
   void deliver(PostedRecv& p, int src, const Message& m);
   void forget(PostedRecv& p);
   void check_peer(int me, int peer, const char* op) const;
@@ -209,7 +209,6 @@ class Mailbox {
   int local_ = -1;
   Remote remote_;
   Receipt receipt_;
-  std::vector<std::pair<int, int>> receipts_;  // (sender, seq) to send receipts for
   std::map<std::pair<int, int>, std::shared_ptr<PostedSend>> remote_sends_;  // (dst, seq), until taken
   Publish publish_;
   std::vector<std::int64_t> wire_sent_, wire_got_;  // messages and receipts, to and from each rank

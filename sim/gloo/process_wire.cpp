@@ -11,18 +11,6 @@
 
 namespace cpsim::sim {
 
-namespace {
-
-enum class Kind : std::int64_t { send = 0, receipt = 1, end = 2, state = 3 };
-
-struct WireHeader {
-  Kind kind = Kind::send;
-  std::int64_t tag = 0, numel = 0, nbytes = 0, seq = 0;
-  char dtype[24] = {};
-  char site[96] = {};
-};
-
-}  // namespace
 
 ProcessWire::ProcessWire(const GlooRank& rank, std::vector<int> ranks, std::shared_ptr<Mailbox> mailbox,
                          std::chrono::milliseconds timeout)
@@ -49,13 +37,21 @@ ProcessWire::~ProcessWire() {
   if (thread_.joinable()) thread_.join();
 }
 
-void ProcessWire::put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes) {
-  auto h = context_->createUnboundBuffer(const_cast<void*>(header), size);
-  std::unique_ptr<gloo::transport::UnboundBuffer> payload;
-  h->send(peer, kWireHeaderSlot);
-  if (nbytes) {
-    payload = context_->createUnboundBuffer(const_cast<std::uint8_t*>(bytes), nbytes);
-    payload->send(peer, kWirePayloadSlot);
+void ProcessWire::put(int peer, Header header, const std::uint8_t* bytes, std::size_t nbytes) {
+  std::unique_ptr<gloo::transport::UnboundBuffer> h, payload;
+  {
+    // A message of the program's thread and a notice of the notifier's may go
+    // to one peer at once: each posts its header and bytes under one lock, and
+    // its bytes on a slot of their own, so the peer's receive for the bytes a
+    // header announced takes those bytes and no others.
+    std::lock_guard<std::mutex> lock(post_mutex_);
+    if (nbytes) header.payload = static_cast<std::int64_t>(payloads_++);
+    h = context_->createUnboundBuffer(&header, sizeof header);
+    h->send(peer, kWireHeaderSlot);
+    if (nbytes) {
+      payload = context_->createUnboundBuffer(const_cast<std::uint8_t*>(bytes), nbytes);
+      payload->send(peer, wire_payload_slot(static_cast<std::uint64_t>(header.payload)));
+    }
   }
   h->waitSend(timeout_);
   if (payload) payload->waitSend(timeout_);
@@ -69,25 +65,18 @@ int ProcessWire::peer_of(int rank) const {
 void ProcessWire::send(int dst, int tag, const Mailbox::Message& m) {
   const int peer = peer_of(dst);
   if (peer < 0 || !context_) throw InvalidInput("send to rank " + std::to_string(dst) + ": not in this group");
-  WireHeader h;
+  Header h;
   h.tag = tag, h.numel = m.payload.numel, h.nbytes = static_cast<std::int64_t>(m.payload.bytes.size()), h.seq = m.seq;
   std::strncpy(h.dtype, m.payload.dtype.c_str(), sizeof h.dtype - 1);
   std::strncpy(h.site, m.site.c_str(), sizeof h.site - 1);
   try {
-    put(peer, &h, sizeof h, m.payload.bytes.data(), m.payload.bytes.size());
+    put(peer, h, m.payload.bytes.data(), m.payload.bytes.size());
   } catch (const std::exception& e) {
     throw CollectiveError("rank " + std::to_string(ranks_[me_]) + "'s send to rank " + std::to_string(dst) + " (tag " +
                           std::to_string(tag) + ", " + m.payload.shape() + ") did not leave within " +
                           std::to_string(timeout_.count()) + " ms: " + e.what());
   }
 }
-
-namespace {
-std::vector<std::uint8_t> bytes_of(const WireHeader& h) {
-  const auto* p = reinterpret_cast<const std::uint8_t*>(&h);
-  return {p, p + sizeof h};
-}
-}  // namespace
 
 void ProcessWire::notify(Notice n) {
   std::lock_guard<std::mutex> lock(notices_mutex_);
@@ -96,7 +85,7 @@ void ProcessWire::notify(Notice n) {
   notices_cv_.notify_all();
 }
 
-void ProcessWire::notify_peers(const std::vector<std::uint8_t>& header, const std::vector<std::uint8_t>& bytes) {
+void ProcessWire::notify_peers(const Header& header, const std::vector<std::uint8_t>& bytes) {
   for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
     if (q != me_) notify(Notice{q, header, bytes});
 }
@@ -117,7 +106,7 @@ void ProcessWire::send_notices() {
       // (wait_for_ends before it goes), and a peer that is gone closed its
       // connections. A send is never aborted half way: Gloo would leave the
       // peer's receive matched to bytes that never come.
-      put(n.peer, n.header.data(), n.header.size(), n.bytes.data(), n.bytes.size());
+      put(n.peer, n.header, n.bytes.data(), n.bytes.size());
     } catch (const std::exception&) {
       // That peer's connection is gone: what waited on it has been told, or its session's end says so.
     }
@@ -163,25 +152,25 @@ Mailbox::State state_of(const std::vector<std::uint8_t>& bytes, bool waiting) {
 
 void ProcessWire::state(const Mailbox::State& s) {
   if (!notifier_.joinable()) return;
-  WireHeader h;
+  Header h;
   std::vector<std::uint8_t> bytes = state_bytes(s);
   h.kind = Kind::state, h.numel = s.waiting ? 1 : 0, h.nbytes = static_cast<std::int64_t>(bytes.size());
-  notify_peers(bytes_of(h), bytes);
+  notify_peers(h, bytes);
 }
 
 void ProcessWire::receipt(int dst, int seq) {
   const int peer = peer_of(dst);
   if (peer < 0 || !notifier_.joinable()) return;
-  WireHeader h;
+  Header h;
   h.kind = Kind::receipt, h.seq = seq;
-  notify(Notice{peer, bytes_of(h), {}});
+  notify(Notice{peer, h, {}});
 }
 
 void ProcessWire::ended(const std::string& how, bool failed) {
   if (!notifier_.joinable()) return;
-  WireHeader h;
+  Header h;
   h.kind = Kind::end, h.numel = failed ? 1 : 0, h.nbytes = static_cast<std::int64_t>(how.size());
-  notify_peers(bytes_of(h), std::vector<std::uint8_t>(how.begin(), how.end()));
+  notify_peers(h, std::vector<std::uint8_t>(how.begin(), how.end()));
   // Gone before the session's end: the peers learn it first.
   std::unique_lock<std::mutex> lock(notices_mutex_);
   const std::int64_t mine = notices_queued_;
@@ -207,7 +196,7 @@ void ProcessWire::take() {
   for (int q = 0; q < static_cast<int>(ranks_.size()); ++q)
     if (q != me_) peers.push_back(q);
   while (!stopping_) {
-    WireHeader h;
+    Header h;
     int src = -1;
     try {
       {
@@ -220,7 +209,7 @@ void ProcessWire::take() {
       std::vector<std::uint8_t> bytes(static_cast<std::size_t>(h.nbytes));
       if (h.nbytes) {
         auto payload = context_->createUnboundBuffer(bytes.data(), static_cast<std::size_t>(h.nbytes));
-        payload->recv(src, kWirePayloadSlot);
+        payload->recv(src, wire_payload_slot(static_cast<std::uint64_t>(h.payload)));
         payload->waitRecv(timeout_);
       }
       switch (h.kind) {

@@ -59,18 +59,30 @@ class ProcessWire {
 
  private:
   void take();  // every message from any peer, into the mailbox, until the group ends
+  // What comes first of every message: its kind, its numbers, and the slot its
+  // bytes come on (wire_payload_slot(payload), when nbytes > 0).
+  enum class Kind : std::int64_t { send = 0, receipt = 1, end = 2, state = 3 };
+  struct Header {
+    Kind kind = Kind::send;
+    std::int64_t tag = 0, numel = 0, nbytes = 0, seq = 0, payload = 0;
+    char dtype[24] = {};
+    char site[96] = {};
+  };
   // One header, and `bytes` when there are any, to group rank `peer`, each
-  // send waited for at most the timeout (a message and a notice alike).
-  void put(int peer, const void* header, std::size_t size, const std::uint8_t* bytes, std::size_t nbytes);
+  // send waited for at most the timeout (a message and a notice alike). The
+  // header and its bytes are posted together (one lock), the bytes on a slot of
+  // their own.
+  void put(int peer, Header header, const std::uint8_t* bytes, std::size_t nbytes);
   // Receipts and ends leave from a thread of their own: take() never waits on a
   // send (three processes whose take threads each sent a receipt round a ring,
   // each waiting for the next to take it, would wait in a circle).
   struct Notice {
     int peer;
-    std::vector<std::uint8_t> header, bytes;
+    Header header;
+    std::vector<std::uint8_t> bytes;
   };
   void notify(Notice n);  // queues it
-  void notify_peers(const std::vector<std::uint8_t>& header, const std::vector<std::uint8_t>& bytes);
+  void notify_peers(const Header& header, const std::vector<std::uint8_t>& bytes);
   int peer_of(int rank) const;  // the group rank of job rank `rank`, or -1
   void send_notices();
 
@@ -81,6 +93,8 @@ class ProcessWire {
   std::chrono::milliseconds timeout_;
   std::mutex mutex_;
   std::unique_ptr<gloo::transport::UnboundBuffer> header_;
+  std::mutex post_mutex_;          // one message's header and bytes posted together
+  std::uint64_t payloads_ = 0;     // payloads this rank posted (under post_mutex_)
   std::atomic<bool> stopping_{false};
   std::mutex ends_mutex_;
   std::condition_variable ends_cv_;
