@@ -29,11 +29,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from cpsim import _C
 from cpsim import where
+from cpsim.waits import UseBeforeWait as _UseBeforeWait, UsedBeforeWait, unwaited as _unwaited  # noqa: F401
 
 # Modules whose functions take `group=group.WORLD` as a default argument read the
 # default group when they are imported: imported here, on no rank's thread, so
@@ -138,54 +137,6 @@ if isinstance(getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None), set):
     c10d._FR_SELF_RECORDING_BACKENDS.add("cpsim")
 
 
-class UsedBeforeWait(RuntimeError):
-    """A rank used the output of a request before waiting on it."""
-
-
-# What reads nothing of a tensor's values: its shape, type and place.
-_METADATA = frozenset((
-    "size", "dim", "numel", "nelement", "shape", "dtype", "device", "ndim", "is_contiguous", "stride",
-    "storage_offset", "data_ptr", "untyped_storage", "element_size", "requires_grad", "is_floating_point",
-    "layout", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "grad_fn", "_version", "__len__",
-    "names", "is_leaf", "output_nr", "_base", "itemsize", "nbytes", "wait_tensor", "__repr__", "__format__"))
-
-
-def _op_name(func):
-    name = getattr(func, "__name__", "")
-    if name == "__get__":  # a property: its own name
-        name = getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
-
-
-class _UseBeforeWait(TorchFunctionMode):
-    """Inside a rank: any torch operation on a tensor that an open request (one
-    not waited on) will write is the race real code has (on NCCL it reads what
-    is there before the data comes): a named error."""
-
-    def __init__(self, ledger, rank):
-        super().__init__()
-        self.ledger, self.rank = ledger, rank
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.ledger.size() and _op_name(func) not in _METADATA:
-            self._check(func, args, kwargs)
-        return func(*args, **kwargs)
-
-    def _check(self, func, args, kwargs):
-        pending = [(out.untyped_storage().data_ptr(), what) for out, what in self.ledger.outstanding()
-                   if out.numel() > 0]
-        if not pending:
-            return
-        for a in tree_flatten((args, kwargs))[0]:
-            if isinstance(a, torch.Tensor) and a.numel() > 0:
-                where = a.untyped_storage().data_ptr()
-                for ptr, what in pending:
-                    if ptr == where:
-                        raise UsedBeforeWait("rank %d used the output of its %s (in %s) before wait() on its request"
-                                             % (self.rank, what, _op_name(func) or func))
-
-
 class RankFailed(RuntimeError):
     """A rank of a spawn raised: `rank` says which, `ranks` every one that did,
     `error` what `rank` raised (not chained: the report says it once)."""
@@ -214,12 +165,6 @@ class _Abandoned(BaseException):
 def _stop_thread(thread):
     import ctypes
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Abandoned))
-
-
-def _unwaited(ledger, rank):
-    text = ledger.unwaited(rank)
-    if text:
-        raise CollectiveError("a request never waited on:\n  " + text)
 
 
 def spawn(fn, world_size, backend="threads", timeout=20.0, args=(), sends="rendezvous"):

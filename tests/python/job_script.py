@@ -123,3 +123,31 @@ elif mode == "subgroup_skip":  # 4 processes: rank 2 skips its group's collectiv
     pair = dist.new_group([0, 2])
     if rank == 0:
         dist.all_reduce(x, group=pair)
+elif mode == "dtensor":  # a Partial DTensor's full_tensor, functional collectives, an FSDP2 step
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    mesh = init_device_mesh("cpu", (world,))
+    load = torch.tensor([float(rank), 1.0, 2.0, 3.0])
+    full = DTensor.from_local(load, device_mesh=mesh, placements=[Partial()]).full_tensor()
+    assert full.tolist() == [float(sum(range(world))), 1.0 * world, 2.0 * world, 3.0 * world], full
+    stacked = DTensor.from_local(torch.tensor([[float(rank)]]), mesh, [Shard(0)]).full_tensor()
+    assert stacked.flatten().tolist() == [float(r) for r in range(world)], stacked
+    summed = funcol.all_reduce(x, "sum", dist.group.WORLD)
+    assert summed.tolist() == (torch.arange(3, dtype=torch.float64) * world + 10 * sum(range(world))).tolist()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).double()
+    fully_shard(model, mesh=mesh)
+    rows = torch.arange(world * 8, dtype=torch.float64).reshape(world * 2, 4) / 10
+    model(rows[2 * rank:2 * rank + 2]).pow(2).mean().backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).double()
+    ref(rows).pow(2).mean().backward()
+    for g, p in zip(grads, ref.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-12, atol=1e-14), (g, p.grad)
+    print("rank %d: dtensor agrees" % rank)
+elif mode == "funcol_unwaited":  # a functional all_reduce whose output is neither waited nor read
+    import torch.distributed._functional_collectives as funcol
+    funcol.all_reduce(x, "sum", dist.group.WORLD)
