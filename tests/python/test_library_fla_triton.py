@@ -49,6 +49,66 @@ def test_finding_f1_with_flas_own_kernel_ranks_shorter_than_the_window_break_the
                     "raised RuntimeError")
 
 
+def _conv_by_definition(x, weight, bias, cu_seqlens):
+    """The packed causal depthwise convolution of every row, document by
+    document (weight[:, W - 1] on the token itself), as cpsim's conv defines it."""
+    import torch
+    out = torch.zeros_like(x)
+    W = weight.shape[1]
+    bounds = cu_seqlens.tolist()
+    for r in range(x.shape[0]):
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            for t in range(start, end):
+                acc = bias.clone()
+                for j in range(W):
+                    if t - j >= start:
+                        acc = acc + weight[:, W - 1 - j] * x[r, t - j]
+                out[r, t] = acc
+    return out
+
+
+def test_finding_f3_causal_conv1d_with_cu_seqlens_and_two_rows_computes_row_zero_only():
+    # Live in fla-core 0.6.0: with cu_seqlens its kernels address row 0 only
+    # (p_x = x + bos * stride_x_t, no batch offset; the backward's dw slot
+    # i_tg = i_t), so for B = 2 row 1's output is never written and the weight
+    # and bias gradients sum B * NT slots of which NT were written. Every CP
+    # caller passes B = 1; a varlen batch of two rows is silently wrong. When a
+    # pin fixes it, this test fails: revisit docs/libraries.md (F3).
+    import torch
+    import fla_step
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+    saved, fla_step.STAND_IN[0] = fla_step.STAND_IN[0], False  # FLA's own Triton kernel, interpreted
+    try:
+        _f3(torch, causal_conv1d)
+    finally:
+        fla_step.STAND_IN[0] = saved
+
+
+def _f3(torch, causal_conv1d):
+    torch.manual_seed(0)
+    B, T, D, W = 2, 6, 16, 4
+    cu_seqlens = torch.tensor([0, 2, 6], dtype=torch.int32)
+    x = torch.randn(B, T, D, requires_grad=True)
+    weight = torch.randn(D, W, requires_grad=True)
+    bias = torch.randn(D, requires_grad=True)
+    y, _ = causal_conv1d(x, weight, bias, cu_seqlens=cu_seqlens)
+    upstream = torch.randn_like(y)
+    dw, db = torch.autograd.grad(y, [weight, bias], upstream)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    want = _conv_by_definition(*leaves, cu_seqlens)
+    want_dw, want_db = torch.autograd.grad(want, leaves[1:], upstream)
+    # Row 0 is right; row 1 is not computed; the weight's gradient is wrong.
+    torch.testing.assert_close(y[0], want[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(y[1], want[1], rtol=1e-3, atol=1e-3), "row 1 is right: F3 fixed?"
+    assert not torch.allclose(dw, want_dw, rtol=1e-3, atol=1e-3), "dweight is right: F3 fixed?"
+    # With one row the same documents are right: the finding is the batch axis.
+    y1, _ = causal_conv1d(x[:1], weight, bias, cu_seqlens=cu_seqlens)
+    dw1 = torch.autograd.grad(y1, weight, upstream[:1])[0]
+    want1 = _conv_by_definition(*[t[:1] if i == 0 else t for i, t in enumerate(leaves)], cu_seqlens)
+    torch.testing.assert_close(y1, want1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw1, torch.autograd.grad(want1, leaves[1], upstream[:1])[0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("distribution", ["fla_core", "triton"])
 def test_the_adjustments_change_no_installed_file(distribution):
     # Every file pip installed for the library hashes as its RECORD says, after the

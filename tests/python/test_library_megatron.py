@@ -70,3 +70,38 @@ def test_megatron_refuses_a_sequence_not_divisible_by_twice_the_cp_size_on_every
     for cp, S in ((2, 6), (2, 7), (3, 9), (4, 12)):
         said = cpsim.torch.spawn(split, cp, args=(S,))
         assert all(s is not None and "is invalid for input of size" in s for s in said), (cp, S, said)
+
+
+def _expert_bias_counts(tokens, experts, padding):
+    """megatron-core's expert-bias token count (TopKRouter._apply_expert_bias,
+    unmodified, eager) for `tokens` tokens all routed to expert 0, `padding` the
+    router's padding mask (True: a padding token)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    count = TopKRouter._apply_expert_bias
+    count = getattr(count, "_torchdynamo_orig_callable", count)  # under torch.compile: its eager function
+
+    class Router:
+        enable_expert_bias = True
+        local_tokens_per_expert = torch.zeros(experts)
+
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
+    routing_map[:, 0] = True
+    router = Router()
+    count(router, routing_map, padding_mask=None if padding is None else torch.tensor(padding))
+    return router.local_tokens_per_expert.tolist()
+
+
+def test_finding_m2_the_expert_bias_count_broadcasts_the_padding_mask_along_experts():
+    # Live in megatron-core 0.16.1 (Megatron-LM #6114, fixed upstream since): the
+    # [tokens] mask meets the [tokens, experts] routing map along the experts
+    # axis. Four tokens, four experts, the last token padding: the mask drops
+    # expert 3's column instead of token 3's row, and the count is [4, 0, 0, 0]
+    # where 3 real tokens went to expert 0. When the pin brings the fix, this
+    # test fails: revisit docs/libraries.md (M2).
+    assert _expert_bias_counts(4, 4, [False, False, False, True]) == [4.0, 0.0, 0.0, 0.0]
+    # With tokens != experts the broadcast raises instead, whatever the mask holds.
+    for padding in ([False] * 5 + [True], [False] * 6):
+        with pytest.raises(RuntimeError, match="must match the size"):
+            _expert_bias_counts(6, 4, padding)
+    # Without a mask the count is right.
+    assert _expert_bias_counts(6, 4, None) == [6.0, 0.0, 0.0, 0.0]
