@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/layout.hpp"
 #include "tests/subprocess.hpp"
 #include "verify/memory.hpp"
 #include "verify/properties.hpp"
@@ -117,6 +118,45 @@ TEST(Cli, EveryHostileBatchIsExitTwoNamingWhatIsWrong) {
                        {"positions_beyond_float64.json", "position_ids row 0 index 0: position 9007199254740992 is beyond 2^52"},
                        {"positions_reset_inside_a_document.json", "position_ids row 0 index 3: position 0"},
                        {"second_value.json", "more after the JSON value, at byte 28"}});
+}
+
+// Every key cpsim reads, at every rank from 0-D to 5-D and in every JSON type:
+// cpsim check takes it (exit 0) or names the key (exit 2); no input reaches an
+// internal check (exit 3). (A 4-D seq_lens once did: element 1 of [1, 1, 1].)
+TEST(Cli, EveryKnownKeyOfAnyRankAndTypeIsTakenOrNamedNeverInternal) {
+  const auto dir = std::filesystem::temp_directory_path() / ("cpsim-key-ranks-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::map<std::string, std::string> rows = {
+      {"input_ids", "[5, 6, 7, 2, 8, 9, 2, 4]"},     {"labels", "[6, 7, -100, -100, 9, -100, -100, -100]"},
+      {"position_ids", "[0, 1, 2, 3, 0, 1, 2, 3]"},  {"seq_lens", "[4, 4, -1000]"},
+      {"seq_lens_padded", "[4, 4, -1000]"},          {"cu_seqlens", "[0, 4, 8]"},
+      {"cu_seqlens_padded", "[0, 4, 8]"},            {"padding_mask", "[0, 0, 0, 0, 0, 0, 0, 1]"},
+      {"attention_mask", "[1, 1, 1, 1, 1, 1, 1, 0]"}, {"loss_mask", "[1, 1, 1, 1, 1, 1, 1, 0]"},
+      {"token_type_ids", "[0, 0, 0, 0, 1, 1, 1, 1]"}};
+  ASSERT_EQ(rows.size(), cpsim::known_batch_keys().size());
+  const std::vector<std::string> types = {"", "1.5", "true", "\"a\"", "null", "{}"};
+  int n = 0;
+  for (const std::string& key : cpsim::known_batch_keys()) {
+    ASSERT_TRUE(rows.count(key)) << key;
+    for (int depth = 0; depth <= 5; ++depth)
+      for (const std::string& type : types) {
+        std::string value = depth == 0 ? (type.empty() ? "3" : type) : rows.at(key);
+        if (depth > 0 && !type.empty()) value = "[" + type + ", " + value.substr(1);
+        for (int d = 1; d < depth; ++d) value = "[" + value + "]";
+        std::string batch = "{\"" + key + "\": " + value;
+        if (key != "input_ids") batch += ", \"input_ids\": [[5, 6, 7, 2, 8, 9, 2, 4]]";
+        batch += ", \"pad_token_id\": 2}";
+        const auto path = dir / ("b" + std::to_string(n++) + ".json");
+        std::ofstream(path) << batch;
+        const auto r = run_process({kCpsim, "check", path.string(), "--cp", "2"}, 60s);
+        EXPECT_TRUE(r.status == 0 || r.status == 2) << batch << ": exit " << r.status << "\n" << r.err;
+        EXPECT_THAT(r.err, Not(HasSubstr("internal error"))) << batch;
+        if (r.status == 2) {
+          EXPECT_THAT(r.err, HasSubstr(key)) << batch;
+        }
+      }
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // Batches that look odd but are valid: no input_ids (stand-ins, said in the report),

@@ -26,8 +26,22 @@ bool is_bool_key(const std::string& key) { return key == "padding_mask"; }
 
 Tensor tensor_from_json(const json& value, const std::string& key);
 
+// The shape a nested array shows along its first elements ([1, 1, 1, 3] for
+// [[[[3, 3, -1000]]]]), for messages.
+std::string nested_shape(const json& value) {
+  std::vector<std::int64_t> shape;
+  for (const json* v = &value; v->is_array(); v = &(*v)[0]) {
+    shape.push_back(static_cast<std::int64_t>(v->size()));
+    if (v->empty()) break;
+  }
+  return shape_str(shape);
+}
+
 // Three levels of nesting (mRoPE's position_ids [3, B, S]): planes of equal shape.
 Tensor planes_from_json(const json& value, const std::string& key) {
+  if (!value[0][0].empty() && value[0][0][0].is_array())
+    CPSIM_INVALID(key, ": shape ", nested_shape(value), "; a batch key is [sequence], [batch, sequence] or "
+                  "(mRoPE's position_ids) [3, batch, sequence]");
   std::vector<Tensor> planes;
   for (std::size_t k = 0; k < value.size(); ++k) {
     if (!value[k].is_array() || value[k].empty() || !value[k][0].is_array())
