@@ -25,6 +25,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "cli/commands.hpp"
 #include "cli/common.hpp"
@@ -178,6 +179,24 @@ int replay_batch(const HarnessArgs& a, const CheckOptions& o, const GoldenOption
   return !verdict ? kExitAborted : failed ? kExitFailed : kExitOk;
 }
 
+// The check could not run the cases asked: the step set aside so many drawn
+// layouts (OutsideContract) that drawing stopped (more than 10 set aside per
+// case asked). How many were drawn, refused and why, in cpsim's words.
+std::string gave_up_report(int cases, int ran, int outside, const std::map<std::string, int>& why, int too_short) {
+  std::ostringstream s;
+  s << "the step set aside " << outside << " of " << (ran + outside + too_short)
+    << " drawn layouts as outside its contract and ran " << ran << " of the " << cases
+    << " cases asked: cpsim stops drawing once more than 10 layouts for each case asked were set aside";
+  if (too_short) s << " (" << too_short << " more drawn were shorter than min_shard)";
+  s << ". Its reasons:";
+  std::vector<std::pair<int, std::string>> order;
+  for (const auto& [text, n] : why) order.emplace_back(-n, text);
+  std::sort(order.begin(), order.end());
+  for (const auto& [n, text] : order) s << "\n  " << -n << " x " << text;
+  s << "\nDraw within the contract instead: forms=[...], a family=, min_shard= or pad_multiple= (docs/harness.md)";
+  return s.str();
+}
+
 }  // namespace
 
 int run_harness(const HarnessArgs& a) {
@@ -208,6 +227,10 @@ int run_harness(const HarnessArgs& a) {
   // (a family none of whose sizes is asked for: InvalidInput, exit 2)
   DrawLimits limits;
   limits.min_shard = a.min_shard;
+  limits.long_every = a.long_every;
+  if (a.long_lengths.size() != 2 || a.long_lengths[0] > a.long_lengths[1])
+    throw UsageError("cpsim harness --long-lengths: MIN,MAX with MIN <= MAX");
+  limits.long_min = a.long_lengths[0], limits.long_max = a.long_lengths[1];
   for (const std::string& name : a.forms) {
     const auto form = layout_forms().find(name);
     if (form == layout_forms().end()) throw UsageError("cpsim harness --forms: no form " + name);
@@ -225,7 +248,7 @@ int run_harness(const HarnessArgs& a) {
   std::optional<LayoutCase> smallest;
   std::string failure;
   bool stopped = false;  // the Python side went away or asked to stop: no verdict
-  int ran = 0, outside = 0;
+  int ran = 0, outside = 0, too_short_drawn = 0;
   std::map<std::string, int> outside_why;  // each reason given, how often
   const auto set_aside = [&](const std::string& why) {
     ++outside;
@@ -233,7 +256,10 @@ int run_harness(const HarnessArgs& a) {
   };
   auto property = [&](const LayoutCase& c) {
     if (stopped) RC_FAIL("stopped");
-    if (too_short(c)) RC_DISCARD("shards shorter than --min-shard");
+    if (too_short(c)) {
+      ++too_short_drawn;
+      RC_DISCARD("shards shorter than --min-shard");
+    }
     const std::optional<Verdict> verdict = ask_verdict(c, o, g, folder);
     if (!verdict) {
       stopped = true;
@@ -304,9 +330,11 @@ int run_harness(const HarnessArgs& a) {
         break;
       }
     }
+  std::string report = outcome.ok ? std::string("a layout outside the contract") : outcome.report;
+  if (outcome.gave_up && !stopped) report = gave_up_report(a.cases, ran, outside, outside_why, too_short_drawn);
   nlohmann::json result{{"ok", outcome.ok && probes_ok && !stopped}, {"stopped", stopped}, {"ran", ran},
                         {"outside", outside}, {"outside_why", nlohmann::json(outside_why)}, {"failure", failure},
-                        {"report", outcome.ok ? std::string("a layout outside the contract") : outcome.report},
+                        {"report", report},
                         {"probes", probes}};
   if (smallest && !stopped) result.update(case_json(*smallest));
   finish(a, result);

@@ -158,6 +158,10 @@ Parsed parse_options(int argc, char** argv) {
                 "draw random layouts only in these forms (seq_lens_padded, seq_lens, cu_seqlens, cu_seqlens_only, "
                 "cu_seqlens_padded_only, unpacked, position_ids)")
       ->delimiter(',');
+  h->add_option("--long-every", harness.long_every, "1 in N random layouts is long (--long-lengths; 0: none)")
+      ->check(CLI::Range(0, 1 << 20));
+  h->add_option("--long-lengths", harness.long_lengths, "the long layouts' lengths: MIN,MAX tokens")
+      ->delimiter(',')->expected(2)->check(CLI::Range(1, 1 << 20));
   h->add_option("--probes", harness.probes,
                 "once the property held, this many layouts just outside each contract (--min-shard, --forms): the "
                 "step must refuse them or handle them right")

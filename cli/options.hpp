@@ -90,6 +90,8 @@ struct HarnessArgs {
   int min_shard = 1;  // drawn layouts give every rank (equal plan) at least this many positions
   std::vector<std::string> forms;  // random layouts only in these forms (family form names); empty: all
   int probes = 2;  // layouts just outside each contract (--min-shard, --forms) handed to the step after
+  int long_every = 0;                    // 1 in N random layouts long (0: none)
+  std::vector<int> long_lengths{64, 512};  // the long ones' lengths, at least and at most
   std::string workdir;
 };
 

@@ -45,7 +45,12 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
   for (LayoutForm f : limits.forms) allowed.push_back(static_cast<int>(f));
   const Gen<int> form_index = allowed.empty() ? gen::inRange(0, kLayoutForms) : uniform_element(allowed);
   const int long_every = limits.long_every, mrope_every = limits.mrope_every;
-  return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard, long_every, mrope_every](std::pair<int, int> cp_form) {
+  const int long_min = limits.long_min, long_max = limits.long_max;
+  // A forms filter is obeyed to the letter: its row forms come as [B, S] rows;
+  // only THD forms (a collator's [S] stream) draw 1-D rows then.
+  const bool filtered = !limits.forms.empty();
+  return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard, long_every, long_min, long_max, mrope_every,
+                                                                 filtered](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
@@ -54,9 +59,10 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
     const Gen<int> short_length = gen::inRange(shortest, shortest + cp * 6 + 9);
     // A failure in a long draw shrinks towards the short ones (the first choice).
     const Gen<int> length = long_every > 0 ? gen::weightedOneOf<int>({{long_every - 1, short_length},
-                                                                      {1, gen::inRange(std::max(shortest, 512), 2049)}})
+                                                                      {1, gen::inRange(std::max(shortest, long_min),
+                                                                                      std::max(shortest, long_max) + 1)}})
                                            : short_length;
-    return gen::mapcat(length, [cp, form, draw, mrope_every](int S) {
+    return gen::mapcat(length, [cp, form, draw, mrope_every, filtered](int S) {
       const int L = (S + cp - 1) / cp;
       // Lengths biased to the shard length (edges hit exactly), to 1, and to long spans.
       auto len = gen::weightedOneOf<int>({{5, gen::inRange(0, 2 * L + 2)},
@@ -86,7 +92,7 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
             gen::set(&LayoutSpec::give_loss_mask, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::pad_token_id, gen::inRange(0, 6)), gen::set(&LayoutSpec::cu_sentinels, gen::inRange(0, 3)),
             gen::set(&LayoutSpec::token_type_ids, gen::arbitrary<bool>()),
-            gen::set(&LayoutSpec::one_dimensional, gen::arbitrary<bool>()),
+            gen::set(&LayoutSpec::one_dimensional, filtered && !thd ? gen::just(false) : gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::eos_is_pad, gen::arbitrary<bool>()),
             gen::set(&LayoutSpec::mrope, mrope_every > 0 ? gen::weightedOneOf<bool>({{static_cast<std::size_t>(mrope_every - 1), gen::just(false)},
                                                                                      {1, gen::just(true)}})

@@ -22,18 +22,21 @@ rc::Gen<PlanSpec> gen_plan_spec(int cp);
 // A fixed equal or balanced choice as the spec that gives it.
 PlanSpec plan_spec_of(const PlanChoice& choice);
 // What a library's contract limits a random draw to: the forms its batches come
-// in (empty: every form), and the shortest shard (every row at least
+// in (empty: every form; given, their row forms come as [B, S] rows only, THD
+// forms as [S] or [1, S]), and the shortest shard (every row at least
 // cp * (min_shard - 1) + 1 tokens long, so every rank of the equal plan holds at
 // least min_shard positions: FLA's CP convolution takes ranks of W - 1 tokens).
 struct DrawLimits {
   std::vector<LayoutForm> forms;
   int min_shard = 1;
-  // 1 in `long_every` draws (0: none) is a long sequence, 512 to 2048 tokens:
-  // its tensors pass 64 KiB, so the host memory cache keeps the blocks one
-  // property row frees and hands them to the next rows, of other shapes, and a
-  // balanced plan's cuts part from the equal ones over its padding gaps (cpsim
-  // fuzz draws them).
+  // 1 in `long_every` draws (0: none) is a long sequence, long_min to long_max
+  // tokens (fuzz: 512 to 2048; its tensors pass 64 KiB, so the host memory cache
+  // keeps the blocks one property row frees and hands them to the next rows, of
+  // other shapes, and a balanced plan's cuts part from the equal ones over its
+  // padding gaps). The harness draws them for torch steps too: long documents,
+  // shards that span several kernel chunks.
   int long_every = 0;
+  int long_min = 512, long_max = 2048;
   // 1 in `mrope_every` draws (0: none; not position resets) gives mRoPE's [3, B, S]
   // position_ids with image-token spans as grids (docs/layout.md): cpsim's own
   // operators take them; a torch step opts in through an mRoPE family.

@@ -59,7 +59,13 @@ PropertyOutcome run_property(const PropertySettings& settings, const std::functi
   if (result.is<rc::detail::SuccessResult>()) return {true, ""};
   std::ostringstream ss;
   rc::detail::printResultMessage(result, ss);
-  return {false, ss.str()};
+  PropertyOutcome outcome{false, ss.str()};
+  rc::detail::GaveUpResult gave_up;
+  if (result.match(gave_up)) {
+    outcome.gave_up = true;
+    outcome.ran = gave_up.numSuccess;
+  }
+  return outcome;
 }
 
 }  // namespace cpsim::verify

@@ -33,6 +33,9 @@ struct PropertyListener {
 struct PropertyOutcome {
   bool ok = false;
   std::string report;  // empty when ok
+  // RapidCheck gave up: too many draws discarded (RC_DISCARD) for the cases asked.
+  bool gave_up = false;
+  int ran = 0;  // the cases that ran before it gave up
 };
 
 // `property` draws its inputs with *gen and asserts with RC_ASSERT / RC_FAIL.

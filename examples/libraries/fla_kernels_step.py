@@ -83,8 +83,10 @@ VARIANTS = {
 }
 # The shapes the interpreter affords (a few seconds a case): documents of tens of
 # tokens, CP 1-4; FLA's contract: equal shards, every rank W - 1 tokens for the conv.
-SETTINGS = {"kda": {"dtype": "f32", "max_cp": 4},
-            "conv": {"dtype": "f32", "max_cp": 4, "min_shard": fla_step.MIN_SHARD}}
+# (No long layouts by default: one of 512 tokens is minutes in the interpreter;
+# --long-every N draws them.)
+SETTINGS = {"kda": {"dtype": "f32", "max_cp": 4, "long_every": 0},
+            "conv": {"dtype": "f32", "max_cp": 4, "min_shard": fla_step.MIN_SHARD, "long_every": 0}}
 
 
 def check(name, step=None, **kwargs):

@@ -325,15 +325,17 @@ STEPS = {
     "decoder_kda": lambda: make_layer_step("decoder_kda"),
 }
 # The layers: fp32 (the layouts' activations drawn in the harness's f32), equal
-# shards (glm5_next.cp cuts padded / cp); the interpreter's KDA at CP 1-4.
+# shards (glm5_next.cp cuts padded / cp); the interpreter's KDA at CP 1-4. The
+# layers draw no long layouts by default (a 512-token KDA case is minutes in the
+# interpreter; --long-every N draws them).
 SETTINGS = {
     "cp": {"shard_primary": True},
     "fla_context": {"shard_primary": True},
-    "kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3},  # FLA's CP convolution: W - 1 a rank (finding F1)
-    "kda_torch": {"dtype": "f32", "max_cp": 4},
-    "dsa": {"dtype": "f32"},
-    "decoder": {"dtype": "f32"},
-    "decoder_kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3},
+    "kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0},  # FLA's CP conv: W - 1 a rank (F1)
+    "kda_torch": {"dtype": "f32", "max_cp": 4, "long_every": 0},
+    "dsa": {"dtype": "f32", "long_every": 0},
+    "decoder": {"dtype": "f32", "long_every": 0},
+    "decoder_kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0},
 }
 VARIANTS = {
     "cp": {"rank_from_world": make_cp_step(rank_from_world=True),

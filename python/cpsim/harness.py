@@ -101,7 +101,8 @@ def _generator(workdir, cases, layouts, inputs, sizes, seed, in_job):
     command = [program.binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--plan", layouts.plan,
                "--conv-width", str(int(inputs.conv_width)), "--dtype", inputs.dtype,
                "--pad-multiple", str(int(layouts.pad_multiple)), "--min-shard", str(int(layouts.min_shard)),
-               "--probes", str(int(layouts.probes))]
+               "--probes", str(int(layouts.probes)), "--long-every", str(int(layouts.long_every)),
+               "--long-lengths", ",".join(str(int(n)) for n in layouts.long_lengths)]
     if layouts.batch is not None:
         command += ["--batch", os.fspath(layouts.batch), "--cp", str(int(layouts.cp))]
     else:

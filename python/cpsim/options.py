@@ -38,6 +38,9 @@ class Layouts:
                              "contract, as FLA's CP convolution's W - 1)")
     pad_multiple: int = _option(1, "every sequence padded to a multiple of cp * M (case.P), as a library that pads "
                                 "to 2 * cp does (equal or balanced plan)")
+    long_every: int = _option(10, "1 in N random layouts is long, its length drawn from long_lengths (0: none): "
+                              "long documents, shards that span several kernel chunks")
+    long_lengths: tuple = _option((64, 512), "the long layouts' lengths in tokens, (at least, at most)")
     probes: int = _option(2, "once every drawn layout held, this many layouts just outside each contract "
                           "(min_shard, forms) go to the step: it must refuse each (OutsideContract or an exception) "
                           "or handle it right; a wrong result fails the check (Checked.probes says what it did)")

@@ -243,6 +243,37 @@ def test_the_draws_keep_to_the_forms_the_shortest_shard_and_the_pad_multiple():
     assert seen == {"unpacked", "position_ids"}
 
 
+def test_a_forms_filter_of_row_forms_draws_rows_of_two_axes_only():
+    # A forms filter is the batch's form to the letter: seq_lens forms as [B, S]
+    # rows, never as a 1-D [S] row (only THD forms come as [S]).
+    shapes = []
+
+    def step(case):
+        shapes.append(case.batch["input_ids"].dim())
+        return {}
+
+    assert ct.check(step, cases=60, max_cp=2, seed=3, forms=["seq_lens_padded", "seq_lens"], probes=0) == 60
+    assert set(shapes) == {2}, sorted(set(shapes))
+    shapes.clear()
+    assert ct.check(step, cases=60, max_cp=2, seed=3, forms=["cu_seqlens"], probes=0) == 60
+    assert set(shapes) == {1, 2}, sorted(set(shapes))  # a THD stream as [S] or [1, S]
+
+
+def test_a_contract_the_draw_does_not_fit_ends_in_cpsims_own_words():
+    # The step refuses every layout: drawing stops, and the report says how
+    # many were drawn, how many set aside, and why.
+    def step(case):
+        raise ct.OutsideContract("an odd length" if case.S % 2 else "an even length")
+
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(step, cases=5, max_cp=2, seed=1)
+    text = str(e.value)
+    assert "Gave up" not in text and "RapidCheck" not in text, text
+    assert "the step set aside " in text and "ran 0 of the 5 cases asked" in text, text
+    assert " x an odd length" in text and " x an even length" in text, text
+    assert "forms=" in text, text
+
+
 def test_a_backward_that_writes_into_its_upstream_gradient_is_reported():
     # Right values, but the all-reduce runs on the gradient autograd handed in,
     # which the output's other consumers are given too.
