@@ -28,6 +28,16 @@ def test_cpsim_torch_imports_without_the_harness_and_offers_its_check():
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
 
 
+def test_every_documented_output_has_its_comparison_and_no_other():
+    # One row of OUTPUT_TABLE (the text) and one entry of COMPARED (how it is
+    # compared) per output: an output without a comparison, or a comparison of
+    # an output nobody documented, fails here.
+    from cpsim.compared import COMPARED
+    from cpsim.outputs import OUTPUTS
+    assert sorted(COMPARED) == sorted(OUTPUTS), (sorted(set(OUTPUTS) - set(COMPARED)),
+                                                 sorted(set(COMPARED) - set(OUTPUTS)))
+
+
 def test_the_docs_page_is_written_from_the_codes_tables():
     # docs/harness.md's tables of outputs and options are the code's (one table
     # each: cpsim.outputs, cpsim.options); the harness's help shows the same.
