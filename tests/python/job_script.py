@@ -151,3 +151,24 @@ elif mode == "dtensor":  # a Partial DTensor's full_tensor, functional collectiv
 elif mode == "funcol_unwaited":  # a functional all_reduce whose output is neither waited nor read
     import torch.distributed._functional_collectives as funcol
     funcol.all_reduce(x, "sum", dist.group.WORLD)
+elif mode == "tags_posted_first":  # receives of two tags posted before the sends, sent the other way round
+    if rank == 0:
+        a, b = torch.zeros(1), torch.zeros(1)
+        ra, rb = dist.irecv(a, src=1, tag=1), dist.irecv(b, src=1, tag=2)
+        dist.barrier()
+        ra.wait()
+        rb.wait()
+        assert (a.item(), b.item()) == (11.0, 20.0), (a, b)
+    elif rank == 1:
+        dist.barrier()
+        for r in [dist.isend(torch.tensor([20.0]), dst=0, tag=2), dist.isend(torch.tensor([11.0]), dst=0, tag=1)]:
+            r.wait()
+    else:
+        dist.barrier()
+    print("rank %d: tags agree" % rank)
+elif mode == "subgroup_raise":  # 4 processes: in the group of ranks 1 and 3, rank 3 raises; rank 1 waits in it
+    pair = dist.new_group([1, 3])
+    if rank == 3:
+        raise ValueError("the step of rank 3 broke")
+    if rank == 1:
+        dist.all_reduce(x, group=pair)

@@ -284,6 +284,42 @@ def test_a_contract_the_draw_does_not_fit_ends_in_cpsims_own_words():
     assert "forms=" in text, text
 
 
+@pytest.mark.parametrize("where", ["last_token", "padding", "everywhere"])
+def test_a_real_target_where_cpsim_expects_none_is_reported(where):
+    # targets are compared at every position, -100 included: a step that writes
+    # a real target at a document's last token, on the padding, or at every
+    # position that has none is caught (a comparison of the real ones only is not).
+    def step(case):
+        out = cp_step.step(case)
+        targets = out["targets"].clone()
+        L = targets.shape[1]
+        start = case.rank * L
+        tokens = torch.zeros((targets.shape[0], case.P), dtype=torch.int64)
+        tokens[:, :case.tokens.shape[1]] = case.tokens
+        none = targets == -100
+        if where == "padding":
+            none &= out["batch"]["padding_mask"]
+        elif where == "last_token":
+            none &= ~out["batch"]["padding_mask"]
+        nxt = torch.cat([tokens, tokens[:, -1:]], 1)[:, start + 1:start + L + 1]
+        return {"targets": torch.where(none, nxt.clamp(min=0), targets)}
+
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(step, cases=CASES, max_cp=4, seed=5)
+    assert "targets" in str(e.value), str(e.value)
+
+
+def test_an_input_its_output_does_not_reach_is_a_missing_gradient():
+    # The halo returned detached: no gradient reaches case.x through it. A
+    # missing gradient is compared as zero, and the expected one is not.
+    def step(case):
+        return {"halo": cp_step.convolution_history(case.x, case.conv_width).detach().requires_grad_()}
+
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(step, cases=CASES, max_cp=4, seed=5)
+    assert "halo gradient (conv_dx)" in str(e.value), str(e.value)
+
+
 def test_a_backward_that_writes_into_its_upstream_gradient_is_reported():
     # Right values, but the all-reduce runs on the gradient autograd handed in,
     # which the output's other consumers are given too.

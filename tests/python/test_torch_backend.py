@@ -693,3 +693,56 @@ def test_a_process_that_never_arrives_is_named_within_the_timeout():
     assert rc != 0, out
     assert took < 60, (took, out)
     assert "rank 1, which never arrived" in out and "all_reduce" in out, out
+
+
+# torch's tag semantics: a receive takes only a message of its own tag, and of one
+# tag in the order sent. Receives posted before their sends, in every order of
+# posting and sending, with every mix of tags.
+_TAG_ORDERS = [((1, 2), (2, 1)), ((2, 1), (1, 2)), ((1, 1, 2), (2, 1, 1)), ((3, 1, 3), (1, 3, 3)),
+               ((0, 5, 0, 5), (5, 5, 0, 0))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("posted,sent", _TAG_ORDERS)
+def test_receives_posted_first_take_their_own_tag_in_send_order(backend, posted, sent):
+    def step(rank, world):
+        if rank == 0:
+            bufs = [torch.zeros(1) for _ in posted]
+            reqs = [dist.irecv(b, src=1, tag=t) for b, t in zip(bufs, posted)]
+            dist.barrier()  # every receive is posted before any message leaves
+            for r in reqs:
+                r.wait()
+            return [b.item() for b in bufs]
+        dist.barrier()
+        reqs = [dist.isend(torch.tensor([10.0 * t + i]), dst=0, tag=t) for i, t in enumerate(sent)]
+        for r in reqs:
+            r.wait()
+        return None
+
+    got = ct.spawn(step, 2, backend=backend, sends="eager")[0]
+    # The k-th receive of tag t takes the k-th message of tag t.
+    want, seen = [], {}
+    for t in posted:
+        k = seen.get(t, 0)
+        seen[t] = k + 1
+        i = [j for j, s in enumerate(sent) if s == t][k]
+        want.append(10.0 * t + i)
+    assert got == want, (posted, sent, got)
+
+
+def test_processes_match_receives_posted_first_by_their_tags():
+    rc, out, _ = _launch("tags_posted_first", n=3)
+    assert rc == 0, out
+    assert all("rank %d: tags agree" % r in out for r in range(3)), out
+
+
+def test_a_subgroup_failure_is_named_by_its_global_rank_not_its_group_rank():
+    # Ranks 1 and 3 form a group: group rank 1 is job rank 3, group rank 0 is job
+    # rank 1. Rank 3's failure is recorded and reported under 3; a record kept
+    # under its group rank would name rank 1 (or overwrite rank 1's own).
+    rc, out, took = _launch("subgroup_raise", n=4, timeout=5)
+    assert rc != 0, out
+    assert took < 60, (took, out)
+    assert "the step of rank 3 broke" in out, out
+    assert re.search(r"rank 3\b[^\n]*threw|rank 3 raised|rank 3: .*ValueError", out), out
+    assert "rank 1 threw" not in out and "rank 1 raised" not in out, out
