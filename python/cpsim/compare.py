@@ -30,11 +30,19 @@ def _nonfinite_mismatch(got, want):
     return [int(i) for i in off[0]] if len(off) else None
 
 
-def difference(name, got, want, tolerance, scale=None, floor=0.0):
+# How a report names the two sides: cpsim's expected value, or two runs of the
+# user's own code (layer, user_loss: the sharded run against the unsharded one).
+EXPECTED = ("", "expected ")
+RUNS = ("sharded ", "unsharded ")
+
+
+def difference(name, got, want, tolerance, scale=None, floor=0.0, sides=EXPECTED):
     """'' when got matches want (bitwise, or within the relative RMSE: rms(want - got)
     over rms(want), or over rms(scale) for a sum held to its terms; over `floor`
-    where that is larger and finite), else why not. A NaN or an inf on one side only is
-    always a difference."""
+    where that is larger and finite), else why not, each side named by `sides`
+    (EXPECTED: "0.3, expected 0.4"; RUNS: "sharded 0.3, unsharded 0.4"). A NaN
+    or an inf on one side only is always a difference."""
+    mine, other = sides
     if not isinstance(got, torch.Tensor):
         try:
             got = torch.as_tensor(got)
@@ -42,11 +50,11 @@ def difference(name, got, want, tolerance, scale=None, floor=0.0):
             return "%s: not a tensor (%s)" % (name, e)
     got = got.detach()
     if tuple(got.shape) != tuple(want.shape):
-        return "%s: shape %s, expected %s" % (name, list(got.shape), list(want.shape))
+        return "%s: shape %s%s, %s%s" % (name, mine, list(got.shape), other, list(want.shape))
     bad = _nonfinite_mismatch(got, want) if got.dtype != torch.bool else None
     if bad is not None:
-        return "%s: %r at %s, expected %r (a NaN or an inf on one side only)" % (
-            name, got[tuple(bad)].item(), bad, want[tuple(bad)].item())
+        return "%s: %s%r at %s, %s%r (a NaN or an inf on one side only)" % (
+            name, mine, got[tuple(bad)].item(), bad, other, want[tuple(bad)].item())
     if want.is_floating_point() and tolerance > 0:
         w, g = want.double(), got.double()
         s = w if scale is None else scale.double()
@@ -60,9 +68,9 @@ def difference(name, got, want, tolerance, scale=None, floor=0.0):
         if not err <= tolerance:
             off = (~((w - g).abs() <= tolerance * max(den, 1e-300))).nonzero()
             at = [int(i) for i in off[0]] if len(off) else []
-            return "%s: %s %.3g > %.3g; first differs at %s: %r, expected %r" % (
+            return "%s: %s %.3g > %.3g; first differs at %s: %s%r, %s%r" % (
                 name, "relative RMSE" if scale is None else "RMSE relative to the summed terms", err, tolerance,
-                at, g[tuple(at)].item() if at else None, w[tuple(at)].item() if at else None)
+                at, mine, g[tuple(at)].item() if at else None, other, w[tuple(at)].item() if at else None)
         return ""
     g, w = got, want
     if got.dtype != want.dtype and not want.is_floating_point():
@@ -76,9 +84,9 @@ def difference(name, got, want, tolerance, scale=None, floor=0.0):
     else:
         wrong = (g != w).nonzero()
     if wrong is None:
-        return "%s: dtype %s, expected %s" % (name, got.dtype, want.dtype)
+        return "%s: dtype %s%s, %s%s" % (name, mine, got.dtype, other, want.dtype)
     if len(wrong):
         at = tuple(int(i) for i in wrong[0])
-        return "%s: %d wrong elements, first at %s: %r, expected %r" % (
-            name, len(wrong), list(at), g[at].item(), want[at].item())
+        return "%s: %d wrong elements, first at %s: %s%r, %s%r" % (
+            name, len(wrong), list(at), mine, g[at].item(), other, want[at].item())
     return ""

@@ -3,7 +3,7 @@ CP ranks, against the same step run unsharded on a group of one."""
 import torch
 
 from cpsim.mesh import who as _who, world_rank
-from cpsim.compare import difference, rms
+from cpsim.compare import RUNS, difference, rms
 from cpsim.upstream import laid_out, layout_for
 
 
@@ -82,7 +82,7 @@ def layer_differences(layers, cp, dp, S, mesh="dp,cp"):
             lo, hi = run["lo"], min(run["hi"], S)
             n = max(hi - lo, 0)
             why = difference("%s layer output (positions %d..%d)" % (who, lo, lo + n), run["output"][:, :n],
-                             whole["output"][:, lo:lo + n], tolerance, floor=rms(whole["output"]))
+                             whole["output"][:, lo:lo + n], tolerance, floor=rms(whole["output"]), sides=RUNS)
             if why:
                 found.setdefault(at, (0, why))
             for name, grad in run["grads"].items():
@@ -91,13 +91,13 @@ def layer_differences(layers, cp, dp, S, mesh="dp,cp"):
                     continue
                 want = whole["grads"][name]
                 why = difference("%s layer gradient of %s (positions %d..%d)" % (who, name, lo, lo + n),
-                                 grad[:, :n], want[:, lo:lo + n], tolerance, floor=rms(want))
+                                 grad[:, :n], want[:, lo:lo + n], tolerance, floor=rms(want), sides=RUNS)
                 if why:
                     found.setdefault(at, (1, why))
         for name, total in sums.items():
             why = difference("layer gradient of %s summed over the CP ranks%s" % (
                 name[len("parameter "):], "" if dp == 1 else " of replica %d" % dp_rank), total,
-                whole["grads"][name], tolerance, floor=parameter_scale)
+                whole["grads"][name], tolerance, floor=parameter_scale, sides=RUNS)
             if why:
                 found.setdefault(world_rank(0, dp_rank, cp, dp, mesh), (1, why))
     return found

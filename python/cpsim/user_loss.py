@@ -6,7 +6,7 @@ run must give the unsharded run's labels at each rank's positions, its value
 (every rank, or summed over the CP ranks) and its gradient to the logits."""
 import torch
 
-from cpsim.compare import close, difference, rms
+from cpsim.compare import RUNS, close, difference, rms
 from cpsim.mesh import who as _who, world_rank
 
 VALUES = ("global", "share")
@@ -176,7 +176,7 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
             want = whole["grad"][:, lo:lo + n] * scale
             got = run["grad"][:, :n]
             why = difference("%s user_loss gradient to the logits (positions %d..%d)" % (who, lo, lo + n), got,
-                             want, tolerance, floor=rms(whole["grad"]) * scale)
+                             want, tolerance, floor=rms(whole["grad"]) * scale, sides=RUNS)
             if why:
                 ratio = _ratio(got, want)
                 if ratio is not None and cp > 1 and abs(ratio - cp) <= 1e-3 * cp:

@@ -125,3 +125,20 @@ def test_a_loss_is_taken_as_declared_or_refused():
     with pytest.raises(ct.CheckFailed) as e:
         ct.check(not_a_loss, cases=3, max_cp=2, seed=1)
     assert "must be a cpsim.torch.Loss" in e.value.failure, e.value.failure
+
+
+def test_two_runs_of_the_steps_code_are_named_sharded_and_unsharded():
+    # A layer whose sharded run is off: the report names both sides as runs of
+    # the step, never "expected".
+    def step(case):
+        w = torch.nn.Parameter(torch.ones(()))
+        out = case.activation("x", 4) * w
+        if case.cp > 1:
+            out = out * 1.5  # only the sharded run is off
+        return {"layer": ct.Layer(out, {}, {"w": w}, tolerance=1e-9)}
+
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(step, cases=10, max_cp=2, seed=3)
+    text = str(e.value)
+    assert "layer output" in text and "sharded " in text and ", unsharded " in text, text
+    assert "expected" not in text.split("smallest failing layout")[0], text
