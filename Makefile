@@ -44,7 +44,7 @@ SANITIZER_CASES ?= max_success=30
 # Sanitizer and fuzz builds: light optimisation and line tables, to build fast.
 CHECK_FLAGS = -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" -DCPSIM_GPU=OFF
 # The suites that run ranks as threads (every backend), and the multi-process jobs.
-TSAN_TESTS ?= threads|gloo|delayed|BackendCalls|Collectives|CheckedCommunicator|PropertyTable|Launch|PointToPoint
+TSAN_TESTS ?= threads|gloo|delayed|BackendCalls|Collectives|CheckedCommunicator|PropertyTable|Launch|PointToPoint|ProcessWire|Gloo
 
 test-asan: deps
 	cmake -S . -B build-asan $(CHECK_FLAGS) -DCPSIM_SANITIZE=address,undefined

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <tuple>
 #include <cstring>
@@ -213,8 +214,9 @@ TEST(PointToPoint, ASendToAnotherProcessLeavesThroughTheRemote) {
 
 // N processes of a job, one rank each, their mailboxes wired as the process
 // wire wires them (sim/gloo/process_wire.cpp): a send arrives at the other
-// mailbox, a receive's receipt comes back, and a waiting rank's state is
-// carried from a thread of its own (a publish must only queue). A rank's end
+// mailbox, and a receive's receipt and a waiting rank's state are carried, in
+// the order they were queued, from a thread of their own (a receipt and a
+// publish come under the mailbox's lock: they must only queue). A rank's end
 // is told by the test (Mailbox::stopped), as the wire's end message tells it.
 struct Processes {
   explicit Processes(int n, Sends sends = Sends::rendezvous, milliseconds timeout = milliseconds(60000)) {
@@ -230,23 +232,25 @@ struct Processes {
           },
           [this, me](int src, int seq) {
             ++receipts;
-            boxes[src]->taken(me, seq);
+            std::lock_guard<std::mutex> lock(mutex);
+            notices.push_back([this, me, src, seq] { boxes[src]->taken(me, seq); });
+            cv.notify_all();
           },
           [this, me, n](const Mailbox::State& s) {
             std::lock_guard<std::mutex> lock(mutex);
             for (int q = 0; q < n; ++q)
-              if (q != me) states.push_back({me, q, s});
+              if (q != me) notices.push_back([this, me, q, s] { boxes[q]->remote_state(me, s); });
             cv.notify_all();
           });
     carrier = std::thread([this] {
       std::unique_lock<std::mutex> lock(mutex);
       while (true) {
-        cv.wait(lock, [&] { return stop || !states.empty(); });
+        cv.wait(lock, [&] { return stop || !notices.empty(); });
         if (stop) return;
-        auto [from, to, state] = states.front();
-        states.pop_front();
+        auto notice = std::move(notices.front());
+        notices.pop_front();
         lock.unlock();
-        boxes[to]->remote_state(from, state);
+        notice();
         lock.lock();
       }
     });
@@ -263,7 +267,7 @@ struct Processes {
   std::atomic<int> receipts{0};
   std::mutex mutex;
   std::condition_variable cv;
-  std::deque<std::tuple<int, int, Mailbox::State>> states;
+  std::deque<std::function<void()>> notices;
   bool stop = false;
   std::thread carrier;
 };
