@@ -204,13 +204,19 @@ def _rows(world):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fsdp2_step_equals_the_one_rank_step(backend):
+@pytest.mark.parametrize("shape", [(2,), (2, 2)])
+def test_fsdp2_step_equals_the_one_rank_step(backend, shape):
+    # A 1-D mesh shards over every rank; a dp x cp mesh is HSDP: replicated over
+    # dp, sharded over cp. Every rank holds rows of its own, and the gradients
+    # are averaged over all of them.
     from torch.distributed.fsdp import fully_shard
 
-    world = 2
+    world = 1
+    for n in shape:
+        world *= n
 
     def rank(r, world):
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "cp")[:len(shape)] if len(shape) > 1 else None)
         model = _Tiny().double()
         fully_shard(model.fc1, mesh=mesh)
         fully_shard(model, mesh=mesh)
