@@ -32,7 +32,7 @@ def _op_name(func):
 # FSDP2): their output is wrapped in an AsyncCollectiveTensor, whose first read
 # waits (wait_tensor) before the value is used. Wrapping it and waiting on it are
 # not uses; an op on the wrapper waits first. An output never waited on and never
-# read is still an open request at the rank's end (_unwaited names it).
+# read is still an open request at the rank's end (unwaited names it).
 _WAITS = frozenset(("_wrap_tensor_autograd", "wait_tensor", "wait_tensors"))
 
 

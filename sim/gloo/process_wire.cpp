@@ -11,7 +11,6 @@
 
 namespace cpsim::sim {
 
-
 ProcessWire::ProcessWire(const GlooRank& rank, std::vector<int> ranks, std::shared_ptr<Mailbox> mailbox,
                          std::chrono::milliseconds timeout)
     : context_(rank.context_ptr()), ranks_(std::move(ranks)), me_(rank.rank()), mailbox_(std::move(mailbox)),

@@ -556,28 +556,37 @@ def _launch(mode, n=3, timeout=10, grace=30, sends="rendezvous"):
     return p.returncode, p.stdout.decode(), time.monotonic() - start
 
 
-def test_processes_of_a_launch_run_torch_collectives_on_cpsim():
-    rc, out, _ = _launch("collectives")
+def _launch_that_fails(mode, **launch):
+    """A launch of job_script.py MODE that must fail, and within a minute (an
+    error named, not a hang); its output."""
+    rc, out, took = _launch(mode, **launch)
+    assert rc != 0, out
+    assert took < 60, (took, out)
+    return out
+
+
+def _expect_every_rank_says(mode, n, what):
+    """A launch of job_script.py MODE as n processes that ends well, every rank
+    printing "rank R: WHAT"."""
+    rc, out, _ = _launch(mode, n=n)
     assert rc == 0, out
-    assert all("rank %d: collectives agree" % r in out for r in range(3)), out
+    assert all("rank %d: %s" % (r, what) in out for r in range(n)), out
+
+
+def test_processes_of_a_launch_run_torch_collectives_on_cpsim():
+    _expect_every_rank_says("collectives", 3, "collectives agree")
 
 
 def test_processes_send_and_receive_in_any_order():
-    rc, out, _ = _launch("ring", n=3)
-    assert rc == 0, out
-    assert all("rank %d: point to point agrees" % r in out for r in range(3)), out
+    _expect_every_rank_says("ring", 3, "point to point agrees")
 
 
 def test_processes_make_groups_of_some_of_them_and_a_device_mesh():
-    rc, out, _ = _launch("subgroups", n=4)
-    assert rc == 0, out
-    assert all("rank %d: subgroups agree" % r in out for r in range(4)), out
+    _expect_every_rank_says("subgroups", 4, "subgroups agree")
 
 
 def test_a_rank_that_skips_its_subgroup_s_collective_is_named():
-    rc, out, took = _launch("subgroup_skip", n=4, timeout=5)
-    assert rc != 0, out
-    assert took < 60, (took, out)
+    out = _launch_that_fails("subgroup_skip", n=4, timeout=5)
     # In the job's ranks, with the group: group rank 1 is job rank 2.
     assert "rank 2 returned without joining all_reduce #1 on the group of ranks 0, 2 that rank 0 waits in" in out, out
 
@@ -644,9 +653,7 @@ def test_a_rank_in_another_group_s_collective_is_named_there():
                                         ("send_size", ["recv from rank 1", "float32 x 3"]),
                                         ("unreceived", ["send no recv took", "rank 1's send #1 to rank 0"])])
 def test_processes_that_disagree_end_in_a_named_error_not_a_hang(mode, words):
-    rc, out, took = _launch(mode, timeout=10, sends="eager" if mode == "unreceived" else "rendezvous")
-    assert rc != 0, out
-    assert took < 60, (took, out)
+    out = _launch_that_fails(mode, timeout=10, sends="eager" if mode == "unreceived" else "rendezvous")
     assert all(w in out for w in words), (words, out)
 
 
@@ -689,9 +696,7 @@ def test_a_rank_lost_after_every_collective_returned_ends_the_others_with_exit_3
 
 
 def test_a_process_that_never_arrives_is_named_within_the_timeout():
-    rc, out, took = _launch("stall", timeout=5, grace=3)
-    assert rc != 0, out
-    assert took < 60, (took, out)
+    out = _launch_that_fails("stall", timeout=5, grace=3)
     assert "rank 1, which never arrived" in out and "all_reduce" in out, out
 
 
@@ -731,18 +736,14 @@ def test_receives_posted_first_take_their_own_tag_in_send_order(backend, posted,
 
 
 def test_processes_match_receives_posted_first_by_their_tags():
-    rc, out, _ = _launch("tags_posted_first", n=3)
-    assert rc == 0, out
-    assert all("rank %d: tags agree" % r in out for r in range(3)), out
+    _expect_every_rank_says("tags_posted_first", 3, "tags agree")
 
 
 def test_a_subgroup_failure_is_named_by_its_global_rank_not_its_group_rank():
     # Ranks 1 and 3 form a group: group rank 1 is job rank 3, group rank 0 is job
     # rank 1. Rank 3's failure is recorded and reported under 3; a record kept
     # under its group rank would name rank 1 (or overwrite rank 1's own).
-    rc, out, took = _launch("subgroup_raise", n=4, timeout=5)
-    assert rc != 0, out
-    assert took < 60, (took, out)
+    out = _launch_that_fails("subgroup_raise", n=4, timeout=5)
     assert "the step of rank 3 broke" in out, out
     assert re.search(r"rank 3\b[^\n]*threw|rank 3 raised|rank 3: .*ValueError", out), out
     assert "rank 1 threw" not in out and "rank 1 raised" not in out, out
