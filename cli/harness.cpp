@@ -78,6 +78,12 @@ std::int64_t equal_shard(const LayoutCase& c, std::int64_t pad_multiple) {
   return shard_geometry(sequence_length(rows), c.cp, pad_multiple).padded_len / c.cp;
 }
 
+// A batch's rows, a 1-D ([S]) batch's one included.
+std::int64_t rows_of(Batch batch) {
+  normalize_batch_axis(batch);
+  return batch_rows(batch);
+}
+
 // A layout just outside a contract, and which contract and how.
 struct Probe {
   LayoutCase c;
@@ -119,6 +125,14 @@ std::vector<Probe> draw_probes(const std::vector<int>& sizes, const PlanDraw& pl
       else
         allowed += (allowed.empty() ? "" : ", ") + name;
     }
+    if (limits.rows_multiple > 1)  // a THD form is one row: replicas cannot each take rows of it
+      left_out.erase(std::remove_if(left_out.begin(), left_out.end(),
+                                    [](const auto& f) {
+                                      return f.second == LayoutForm::cu_seqlens ||
+                                             f.second == LayoutForm::cu_seqlens_only ||
+                                             f.second == LayoutForm::cu_seqlens_padded_only;
+                                    }),
+                     left_out.end());
     for (int i = 0; i < per_contract && i < static_cast<int>(left_out.size()); ++i) {
       const auto& [name, form] = left_out[static_cast<std::size_t>(i)];
       DrawLimits other = limits;
@@ -159,6 +173,10 @@ int replay_batch(const HarnessArgs& a, const CheckOptions& o, const GoldenOption
   } catch (const InvalidInput& e) {
     throw InvalidInput(a.batch + ": " + e.what());
   }
+  if (rows_of(file.batch) % a.rows_multiple != 0)
+    throw InvalidInput(a.batch + ": " + std::to_string(rows_of(file.batch)) + " rows; " +
+                       std::to_string(a.rows_multiple) + " data-parallel replicas each take rows of it (a multiple of " +
+                       std::to_string(a.rows_multiple) + " rows)");
   LayoutCase c{file.batch, file.pad_token_id, a.cp, a.seed.value_or(0), std::nullopt, *plan};
   if (c.plan.kind == PlanChoice::Kind::cuts && static_cast<int>(c.plan.cuts.size()) - 1 != a.cp)
     throw UsageError("cpsim harness --batch: the plan file cuts for " + std::to_string(c.plan.cuts.size() - 1) +
@@ -187,7 +205,8 @@ std::string gave_up_report(int cases, int ran, int outside, const std::map<std::
   s << "the step set aside " << outside << " of " << (ran + outside + too_short)
     << " drawn layouts as outside its contract and ran " << ran << " of the " << cases
     << " cases asked: cpsim stops drawing once more than 10 layouts for each case asked were set aside";
-  if (too_short) s << " (" << too_short << " more drawn were shorter than min_shard)";
+  if (too_short)
+    s << " (" << too_short << " more drawn were shorter than min_shard, or had rows the dp replicas cannot share)";
   s << ". Its reasons:";
   std::vector<std::pair<int, std::string>> order;
   for (const auto& [text, n] : why) order.emplace_back(-n, text);
@@ -231,18 +250,27 @@ int run_harness(const HarnessArgs& a) {
   if (a.long_lengths.size() != 2 || a.long_lengths[0] > a.long_lengths[1])
     throw UsageError("cpsim harness --long-lengths: MIN,MAX with MIN <= MAX");
   limits.long_min = a.long_lengths[0], limits.long_max = a.long_lengths[1];
+  limits.rows_multiple = a.rows_multiple;
   for (const std::string& name : a.forms) {
     const auto form = layout_forms().find(name);
     if (form == layout_forms().end()) throw UsageError("cpsim harness --forms: no form " + name);
     limits.forms.push_back(form->second);
   }
+  if (a.rows_multiple > 1 && !limits.forms.empty() &&
+      std::all_of(limits.forms.begin(), limits.forms.end(), [](LayoutForm f) {
+        return f == LayoutForm::cu_seqlens || f == LayoutForm::cu_seqlens_only || f == LayoutForm::cu_seqlens_padded_only;
+      }))
+    throw UsageError("cpsim harness: --rows-multiple " + std::to_string(a.rows_multiple) +
+                     " gives each data-parallel replica rows of one [B, S] batch; --forms lists THD forms only (one "
+                     "row): add a row form");
   if (family && !limits.forms.empty())
     throw UsageError("cpsim harness: --forms draws random layouts; a family has its form");
   const auto gen = family ? gen_family_case(*family, sizes, plan) : gen_layout_case(sizes, plan, limits);
   // A family's members are drawn by its own lengths: one whose shards are shorter
   // than --min-shard is discarded here, never shown to the step.
   const auto too_short = [&](const LayoutCase& c) {
-    return a.min_shard > 1 && equal_shard(c, a.pad_multiple) < a.min_shard;
+    return (a.min_shard > 1 && equal_shard(c, a.pad_multiple) < a.min_shard) ||
+           (a.rows_multiple > 1 && rows_of(c.batch) % a.rows_multiple != 0);  // a family's member the replicas cannot share
   };
 
   std::optional<LayoutCase> smallest;
@@ -258,7 +286,7 @@ int run_harness(const HarnessArgs& a) {
     if (stopped) RC_FAIL("stopped");
     if (too_short(c)) {
       ++too_short_drawn;
-      RC_DISCARD("shards shorter than --min-shard");
+      RC_DISCARD("shards shorter than --min-shard, or rows not a multiple of --rows-multiple");
     }
     const std::optional<Verdict> verdict = ask_verdict(c, o, g, folder);
     if (!verdict) {

@@ -162,6 +162,10 @@ Parsed parse_options(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 20));
   h->add_option("--long-lengths", harness.long_lengths, "the long layouts' lengths: MIN,MAX tokens")
       ->delimiter(',')->expected(2)->check(CLI::Range(1, 1 << 20));
+  h->add_option("--rows-multiple", harness.rows_multiple,
+                "every layout a multiple of N rows, [B, S] row forms only (N data-parallel replicas, each its own "
+                "rows of one batch)")
+      ->check(CLI::Range(1, 64));
   h->add_option("--probes", harness.probes,
                 "once the property held, this many layouts just outside each contract (--min-shard, --forms): the "
                 "step must refuse them or handle them right")

@@ -92,6 +92,7 @@ struct HarnessArgs {
   int probes = 2;  // layouts just outside each contract (--min-shard, --forms) handed to the step after
   int long_every = 0;                    // 1 in N random layouts long (0: none)
   std::vector<int> long_lengths{64, 512};  // the long ones' lengths, at least and at most
+  int rows_multiple = 1;  // every layout a multiple of this many rows (check(dp=D): D replicas' rows)
   std::string workdir;
 };
 

@@ -126,6 +126,36 @@ TEST(Generators, DrawLimitsKeepToTheFormsAndTheShortestShard) {
 }
 
 // cpsim fuzz draws long layouts too (512-2048 tokens): their tensors pass the
+
+// check(dp=D) draws one global batch whose rows the D replicas share: a
+// multiple of D rows, in [B, S] row forms only (a THD stream is one row), each
+// multiple drawn; with a forms filter, its row forms only.
+TEST(Generators, RowsMultipleDrawsRowsEveryReplicaTakesItsShareOf) {
+  for (const int m : {2, 3}) {
+    DrawLimits limits;
+    limits.rows_multiple = m;
+    const auto gen = gen_layout_case(std::vector<int>{1, 2, 4}, std::nullopt, limits);
+    std::set<std::int64_t> rows;
+    for (int i = 0; i < 300; ++i) {
+      const LayoutCase c = gen(rc::Random(77 + i), i % 100).value();
+      EXPECT_FALSE(c.batch.count("cu_seqlens") || c.batch.count("cu_seqlens_padded")) << c;
+      EXPECT_EQ(c.batch.at("input_ids").ndim(), 2) << c;
+      EXPECT_EQ(batch_rows(c.batch) % m, 0) << c;
+      rows.insert(batch_rows(c.batch));
+    }
+    EXPECT_EQ(rows, (std::set<std::int64_t>{m, 2 * m, 3 * m})) << "rows multiple " << m;
+  }
+  DrawLimits limits;
+  limits.rows_multiple = 2;
+  limits.forms = {LayoutForm::cu_seqlens, LayoutForm::seq_lens};
+  const auto gen = gen_layout_case(std::vector<int>{2}, std::nullopt, limits);
+  for (int i = 0; i < 50; ++i) {
+    const LayoutCase c = gen(rc::Random(5 + i), 10).value();
+    EXPECT_TRUE(c.batch.count("seq_lens") && !c.batch.count("cu_seqlens")) << c;
+  }
+  limits.forms = {LayoutForm::cu_seqlens};
+  EXPECT_THROW(gen_layout_case(std::vector<int>{2}, std::nullopt, limits), Error);
+}
 // host memory cache's 64 KiB, so the blocks one property row frees are handed
 // to the next rows, of other shapes (a reused block not cleared was caught only
 // by tests/test_host_memory.cpp before: 1300 short fuzz cases passed it).

@@ -41,16 +41,28 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
   using namespace rc;
   const int min_shard = limits.min_shard;
   // A form index, or one of the allowed forms (each as often as any other).
+  // Replicas that each take rows of one batch want [B, S] rows: no THD form (one row).
+  const int rows_multiple = std::max(1, limits.rows_multiple);
+  const auto thd_form = [](LayoutForm f) {
+    return f == LayoutForm::cu_seqlens || f == LayoutForm::cu_seqlens_only || f == LayoutForm::cu_seqlens_padded_only;
+  };
   std::vector<int> allowed;
-  for (LayoutForm f : limits.forms) allowed.push_back(static_cast<int>(f));
+  for (LayoutForm f : limits.forms)
+    if (rows_multiple == 1 || !thd_form(f)) allowed.push_back(static_cast<int>(f));
+  if (rows_multiple > 1 && limits.forms.empty())
+    for (int f = 0; f < kLayoutForms; ++f)
+      if (!thd_form(static_cast<LayoutForm>(f))) allowed.push_back(f);
+  CPSIM_ENFORCE(!allowed.empty() || limits.forms.empty(),
+                "rows in multiples of " + std::to_string(rows_multiple) + " need a row form; the forms given are THD "
+                "forms (one row)");
   const Gen<int> form_index = allowed.empty() ? gen::inRange(0, kLayoutForms) : uniform_element(allowed);
   const int long_every = limits.long_every, mrope_every = limits.mrope_every;
   const int long_min = limits.long_min, long_max = limits.long_max;
   // A forms filter is obeyed to the letter: its row forms come as [B, S] rows;
   // only THD forms (a collator's [S] stream) draw 1-D rows then.
-  const bool filtered = !limits.forms.empty();
+  const bool filtered = !limits.forms.empty() || rows_multiple > 1;
   return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard, long_every, long_min, long_max, mrope_every,
-                                                                 filtered](std::pair<int, int> cp_form) {
+                                                       filtered, rows_multiple](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
@@ -62,7 +74,7 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
                                                                       {1, gen::inRange(std::max(shortest, long_min),
                                                                                       std::max(shortest, long_max) + 1)}})
                                            : short_length;
-    return gen::mapcat(length, [cp, form, draw, mrope_every, filtered](int S) {
+    return gen::mapcat(length, [cp, form, draw, mrope_every, filtered, rows_multiple](int S) {
       const int L = (S + cp - 1) / cp;
       // Lengths biased to the shard length (edges hit exactly), to 1, and to long spans.
       auto len = gen::weightedOneOf<int>({{5, gen::inRange(0, 2 * L + 2)},
@@ -73,7 +85,9 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
       auto doc = gen::build<DocSpec>(gen::set(&DocSpec::real, len), gen::set(&DocSpec::extra, extra));
       const bool thd = form == LayoutForm::cu_seqlens || form == LayoutForm::cu_seqlens_only ||
                        form == LayoutForm::cu_seqlens_padded_only;
-      auto rows = thd ? gen::just(1) : gen::inRange(1, 4);
+      auto rows = thd ? gen::just(1)
+                 : rows_multiple > 1 ? gen::map(gen::inRange(1, 4), [rows_multiple](int k) { return k * rows_multiple; })
+                                     : gen::inRange(1, 4);
       return gen::mapcat(rows, [=](int B) {
         return gen::build<LayoutSpec>(
             gen::set(&LayoutSpec::cp, gen::just(cp)), gen::set(&LayoutSpec::form, gen::just(form)),

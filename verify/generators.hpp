@@ -41,6 +41,10 @@ struct DrawLimits {
   // position_ids with image-token spans as grids (docs/layout.md): cpsim's own
   // operators take them; a torch step opts in through an mRoPE family.
   int mrope_every = 0;
+  // Every layout a multiple of this many rows (> 1: [B, S] row forms only, B =
+  // rows_multiple x 1..3): the global batch of check(dp=D), each replica its own
+  // B / D rows.
+  int rows_multiple = 1;
 };
 // cpsim fuzz's draw: every form, 1 in 8 layouts long (what one property row
 // leaves in the host memory cache is handed to the next, as in a long step), 1
