@@ -6,7 +6,8 @@ import struct
 
 import torch
 
-from cpsim.layer import drawn as _drawn
+from cpsim.layer import drawn as _drawn, generator as _generator
+from cpsim.leak import redrawn_activation, redrawn_batch
 from cpsim.mesh import world_rank
 from cpsim.outputs import RECURRENCE_INPUTS
 
@@ -39,7 +40,7 @@ class RankCase:
     [B, S] tensors, this rank's own copy), the CP geometry, and this rank's
     shards of the activations (leaves that require grad)."""
 
-    def __init__(self, golden, rank, dp=1, dp_rank=0, unsharded=False, mesh="dp,cp"):
+    def __init__(self, golden, rank, dp=1, dp_rank=0, unsharded=False, mesh="dp,cp", redraw=None):
         m = golden.manifest
         # unsharded: the whole case on a group of one (a Layer's reference run):
         # cp 1, the S positions of the rows (no CP padding).
@@ -48,11 +49,30 @@ class RankCase:
         self.rank, self.cp = rank, (1 if unsharded else golden.cp)
         self._seed, self._lo, self._hi, self._P = m["seed"], lo, hi, m["P"]
         self._dtype, self._B = golden.inputs["x"].dtype, golden.inputs["x"].shape[0]
-        # Data parallel replicas (check(dp=D)): D copies of the CP group, laid
-        # out as `mesh` says (world_rank); every replica holds the same case.
+        # Data parallel replicas (check(dp=D)): D CP groups, laid out as `mesh`
+        # says (world_rank). The case is one global batch of a multiple of D rows
+        # ([B, S] row forms: the draw gives them); replica d trains on its own
+        # B / D of them, `rows` (every row at dp 1 and in the unsharded run,
+        # which holds every replica's rows). cpsim's operator outputs are
+        # compared on every row (every replica the whole case); "layer",
+        # "user_loss" and "train" on the replica's rows.
         self.dp, self.dp_rank, self.mesh = dp, dp_rank, mesh
         self.world_rank = world_rank(rank, dp_rank, self.cp, dp, mesh)
+        k = 1 if unsharded else golden.microbatches
+        if self._B % (dp * k):
+            raise ValueError("the batch has %d rows; check(dp=%d, microbatches=%d) gives each replica's microbatch "
+                             "its own rows of it: a multiple of %d rows" % (self._B, dp, k, dp * k))
+        share = self._B // dp
+        self.rows = slice(dp_rank * share, (dp_rank + 1) * share)
+        # Gradient accumulation (check(microbatches=K)): the replica's rows in K
+        # microbatches, in order (one, every row, in the unsharded run).
+        self.microbatches = [slice(self.rows.start + i * (share // k), self.rows.start + (i + 1) * (share // k))
+                             for i in range(k)]
         self.batch = {k: v.clone() for k, v in golden.batch.items()}
+        # The leak property's run (cpsim.leak): some positions' inputs drawn again.
+        self._redraw = redraw
+        if redraw is not None:
+            self.batch = redrawn_batch(self.batch, redraw, self._seed, m["S"])
         self.pad_token_id = m["pad_token_id"]
         self.conv_width = m["conv_width"]
         self.cuts = list(cuts)  # rank r holds [cuts[r], cuts[r+1]) of the padded rows
@@ -78,13 +98,33 @@ class RankCase:
         self.logits = leaf("logits")
         self.vocab = self.logits.shape[-1]
 
+    @property
+    def replica_batch(self):
+        """The rows of case.batch this replica trains on (case.rows; the whole
+        batch at dp 1 and in the unsharded run), global [b, S] tensors (mRoPE's
+        position_ids [3, b, S])."""
+        if self.dp == 1:  # every row (a THD stream's [S] too)
+            return {k: v.clone() for k, v in self.batch.items()}
+        return {k: (v[:, self.rows] if k == "position_ids" and v.dim() == 3 else v[self.rows]).clone()
+                for k, v in self.batch.items()}
+
     def activation(self, name, *tail, dtype=None):
-        """This rank's slice [B, L, *tail] of an activation drawn for the case
+        """This rank's slice [b, L, *tail] of an activation drawn for the case
         from its seed and `name` (standard normal; the case's dtype unless
         given), a leaf that requires grad: the same global tensor on every
-        rank and in the unsharded run, for a "layer" output's inputs."""
+        rank and in the unsharded run, at this replica's rows (case.rows), for
+        the inputs of a "layer", "user_loss" or "train" output."""
         whole = _drawn(self._seed, "activation." + name, (self._B, self._P) + tuple(tail), dtype or self._dtype)
-        return whole[:, self._lo:self._hi].clone().requires_grad_(True)
+        if self._redraw is not None:
+            whole = redrawn_activation(whole, self._redraw, self._seed, name)
+        return whole[self.rows, self._lo:self._hi].clone().requires_grad_(True)
+
+    def generator(self, name):
+        """A torch.Generator seeded from the case's seed and `name`: the same
+        draws on every rank and in the unsharded run (a model's initial
+        weights), apart from the process's default generator, which the rank
+        threads share."""
+        return _generator(self._seed, name)
 
     def device_mesh(self):
         """The (dp, cp) DeviceMesh of the case's ranks, laid out as check(mesh=...)
@@ -95,18 +135,18 @@ class RankCase:
         return init_device_mesh("cpu", (self.cp, self.dp), mesh_dim_names=("cp", "dp"))
 
     def __repr__(self):
-        return "RankCase(rank=%d, cp=%d, dp_rank=%d, dp=%d, S=%d, P=%d)" % (self.rank, self.cp, self.dp_rank, self.dp,
-                                                                         self.S, self.P)
+        return "RankCase(rank=%d, cp=%d, dp_rank=%d, dp=%d, rows=%d:%d, S=%d, P=%d)" % (
+            self.rank, self.cp, self.dp_rank, self.dp, self.rows.start, self.rows.stop, self.S, self.P)
 
 
 class Golden:
     """A case's golden folder: its manifest, inputs, references and each rank's
     expected values (read when first asked for)."""
 
-    def __init__(self, folder, tolerance=None):
+    def __init__(self, folder, tolerance=None, microbatches=1):
         with open(os.path.join(folder, "manifest.json")) as f:
             self.manifest = json.load(f)
-        self.tolerance_given = tolerance
+        self.tolerance_given, self.microbatches = tolerance, int(microbatches)
         m = self.manifest
         self.cp = m["cp"]
         self.cuts = m.get("cuts") or [r * m["L"] for r in range(self.cp + 1)]

@@ -67,10 +67,11 @@ def difference(name, got, want, tolerance, scale=None, floor=0.0, sides=EXPECTED
         err = 0.0 if num == 0 else (float("inf") if not den > 0 else num / den)
         if not err <= tolerance:
             off = (~((w - g).abs() <= tolerance * max(den, 1e-300))).nonzero()
-            at = [int(i) for i in off[0]] if len(off) else []
+            found = len(off) > 0  # (a 0-d tensor's index is [])
+            at = [int(i) for i in off[0]] if found else []
             return "%s: %s %.3g > %.3g; first differs at %s: %s%r, %s%r" % (
                 name, "relative RMSE" if scale is None else "RMSE relative to the summed terms", err, tolerance,
-                at, mine, g[tuple(at)].item() if at else None, other, w[tuple(at)].item() if at else None)
+                at, mine, g[tuple(at)].item() if found else None, other, w[tuple(at)].item() if found else None)
         return ""
     g, w = got, want
     if got.dtype != want.dtype and not want.is_floating_point():

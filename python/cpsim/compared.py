@@ -16,6 +16,7 @@ from cpsim.compare import difference as _difference, rms as _rms
 from cpsim.layer import layer_differences, layer_run
 from cpsim.loss import hint as _loss_hint
 from cpsim.outputs import CP_CONTEXT_FIELDS, RECURRENCE_INPUTS
+from cpsim.train import train_differences, train_run
 from cpsim.upstream import laid_out, layout_for
 from cpsim.user_loss import loss_differences, loss_run
 
@@ -201,6 +202,7 @@ COMPARED = {
                                                   side.rms("dbeta", "dq", "dk"), side.rms("dg", "dq", "dk")]),
     "layer": Compared(unsharded=Unsharded(layer_run, layer_differences, "layer")),
     "user_loss": Compared(unsharded=Unsharded(loss_run, loss_differences, "loss")),
+    "train": Compared(unsharded=Unsharded(train_run, train_differences, "training step")),
     "targets": Compared("targets"),
     "loss": Compared(compare=_loss),
 }

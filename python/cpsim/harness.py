@@ -44,6 +44,7 @@ from cpsim import program
 from cpsim import verdict as _verdict
 from cpsim.case import RankCase
 from cpsim.layer import Layer
+from cpsim.train import TrainStep
 from cpsim.user_loss import Loss
 from cpsim.options import Inputs, Layouts, Ranks, grouped
 from cpsim.outputs import OUTPUTS
@@ -51,7 +52,7 @@ from cpsim.verdict import OutsideContract
 
 __doc__ = __doc__ % _outputs.text()
 __all__ = ("check", "CheckFailed", "Checked", "Inputs", "Layer", "Layouts", "Loss", "OUTPUTS", "OutsideContract",
-           "RankCase", "Ranks")
+           "RankCase", "Ranks", "TrainStep")
 
 
 class CheckFailed(AssertionError):
@@ -87,8 +88,13 @@ class Checked(int):
 
 
 
-def _precision_note(inputs):
-    """What a tolerance failure at CP size 1 is: the step's own arithmetic."""
+def _precision_note(inputs, dp=1):
+    """What a tolerance failure at CP size 1 is: the step's own arithmetic (or,
+    with replicas, the DP reduction: an exchange too)."""
+    if dp > 1:
+        return ("\nat cp 1 with dp %d nothing is sharded, but the replicas' reduction over DP is an exchange: the "
+                "difference may be the step's arithmetic in %s or its DP reduction (the shrink keeps dp)"
+                % (dp, inputs.dtype))
     return ("\nat cp 1 nothing is sharded or exchanged: the difference is the step's own (its arithmetic in %s "
             "against cpsim's reference, or what it computes), not CP's; %s" %
             (inputs.dtype, "the tolerance given is %g" % inputs.tolerance if inputs.tolerance is not None else
@@ -96,7 +102,7 @@ def _precision_note(inputs):
             " (check(..., tolerance=...) sets the relative RMSE every floating output is compared within)")
 
 
-def _generator(workdir, cases, layouts, inputs, sizes, seed, in_job):
+def _generator(workdir, cases, layouts, inputs, sizes, seed, in_job, rows_multiple=1):
     """The command line of `cpsim harness` that draws (or replays) the cases."""
     command = [program.binary(), "harness", "--workdir", workdir, "--cases", str(int(cases)), "--plan", layouts.plan,
                "--conv-width", str(int(inputs.conv_width)), "--dtype", inputs.dtype,
@@ -117,6 +123,8 @@ def _generator(workdir, cases, layouts, inputs, sizes, seed, in_job):
         command += ["--seed", str(int(seed))]
     if inputs.shard_primary:
         command += ["--shard-primary"]
+    if rows_multiple > 1:  # one global batch, each replica's microbatch its own rows of it (case.rows)
+        command += ["--rows-multiple", str(int(rows_multiple))]
     return command
 
 
@@ -164,7 +172,7 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
             raise ValueError("check(batch=..., cp=%d) in a job of %d processes at dp=%d: the CP size is %d"
                              % (int(cp), ct._job.size(), dp, sizes[0]))
     workdir = tempfile.mkdtemp(prefix="cpsim-check-")
-    command = _generator(workdir, cases, layouts, inputs, sizes, seed, in_job)
+    command = _generator(workdir, cases, layouts, inputs, sizes, seed, in_job, dp * int(ranks.microbatches))
     try:
         generator = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      universal_newlines=True, bufsize=1)
@@ -180,9 +188,10 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
                     raise RuntimeError("cpsim harness said %r" % line)
                 number += 1
                 folder = line.split(" ", 1)[1]
-                why = (_verdict.job_verdict(folder, step, number, dp, inputs.tolerance, ranks.mesh) if in_job
+                why = (_verdict.job_verdict(folder, step, number, dp, inputs.tolerance, ranks.mesh,
+                                            ranks.microbatches) if in_job
                        else _verdict.verdict(folder, step, ranks.backend, ranks.timeout, dp, inputs.tolerance,
-                                             ranks.mesh))
+                                             ranks.mesh, inputs.leaks, ranks.microbatches))
                 if probe and isinstance(why, _verdict.Raised) and 0 < len(why.ranks) < why.world:
                     # Outside its contract, refused by some ranks only: the others wait for them.
                     answer = "partial ranks %s of %d raised, the others waited in a collective (on NCCL, a hang): %s" % (
@@ -220,7 +229,7 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
             result["failure"] = last_failure
         first = result["failure"].split("\n", 1)[0]
         if result.get("cp") == 1 and "relative RMSE" in first and "the step's loss is " not in result["failure"]:
-            result["failure"] += _precision_note(inputs)
+            result["failure"] += _precision_note(inputs, dp)
         if "batch" not in result:
             raise CheckFailed("cpsim.torch.check: %s" % result["report"], result["failure"], None, None, None, plan)
         path = out or os.path.join(tempfile.gettempdir(), "cpsim-counterexample-%d.json" % os.getpid())
@@ -236,8 +245,11 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
         elif result["plan"] != "equal":
             plan_arg = result["plan"].split(":")[0]
             references += " --plan " + plan_arg
-        again = "cpsim.torch.check(step, batch=%r, cp=%d, plan=%r, seed=%d)" % (path, result["cp"], plan_arg,
-                                                                               result["seed"])
+        replicas = "" if dp == 1 else ", dp=%d, mesh=%r" % (dp, ranks.mesh)  # a DP failure replays with its replicas
+        if int(ranks.microbatches) > 1:
+            replicas += ", microbatches=%d" % int(ranks.microbatches)
+        again = "cpsim.torch.check(step, batch=%r, cp=%d, plan=%r, seed=%d%s)" % (path, result["cp"], plan_arg,
+                                                                                 result["seed"], replicas)
         message = ("cpsim.torch.check: %s\n%s failing layout (cp=%d, plan %s), saved to %s:\n%s"
                    "\nreplay the step with: %s\nreplay the references with: %s"
                    % (result["failure"], "the replayed" if replay else "the probed" if isinstance(last_failure, tuple)

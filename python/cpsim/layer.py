@@ -23,12 +23,16 @@ class Layer:
         self.parameters = dict(parameters)
 
 
+def generator(seed, name):
+    """A torch.Generator seeded from the case's seed and a name."""
+    return torch.Generator().manual_seed((int(seed) * 1000003 + sum(ord(c) * 131 ** i for i, c in
+                                                                     enumerate(name))) % (2 ** 63))
+
+
 def drawn(seed, name, shape, dtype):
     """A tensor drawn from the case's seed and a name: the same numbers on every
     rank and in the unsharded run (standard normal)."""
-    generator = torch.Generator().manual_seed((int(seed) * 1000003 + sum(ord(c) * 131 ** i for i, c in
-                                                                          enumerate(name))) % (2 ** 63))
-    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+    return torch.randn(shape, generator=generator(seed, name), dtype=torch.float64).to(dtype)
 
 
 def layer_run(case, layer, who):
@@ -41,7 +45,7 @@ def layer_run(case, layer, who):
     upstream = drawn(case._seed, "layer_grad", (case._B, case._P) + tuple(output.shape[2:]), output.dtype)
     upstream[:, case.S:] = 0  # no loss reaches the CP padding (the unsharded run has no such position)
     # This rank's slice, in the layout drawn for the case (cpsim.upstream).
-    upstream, _ = laid_out(upstream[:, case._lo:case._hi].contiguous(), layout_for(case._seed, "layer"))
+    upstream, _ = laid_out(upstream[case.rows, case._lo:case._hi].contiguous(), layout_for(case._seed, "layer"))
     names = list(layer.inputs) + ["parameter " + n for n in layer.parameters]
     wanted = list(layer.inputs.values()) + list(layer.parameters.values())
     # A tensor that does not require grad (a rank's frozen copy) has no gradient: 0.
@@ -52,15 +56,16 @@ def layer_run(case, layer, who):
                                     allow_unused=True)
         for i, g in zip(live, found):
             grads[i] = g
-    return {"output": output.detach(), "tolerance": layer.tolerance, "lo": case._lo, "hi": case._hi,
+    return {"output": output.detach(), "tolerance": layer.tolerance, "lo": case._lo, "hi": case._hi, "rows": case.rows,
             "grads": {n: (torch.zeros_like(t) if g is None else g.detach()) for n, g, t in zip(names, grads, wanted)}}
 
 
 def layer_differences(layers, cp, dp, S, mesh="dp,cp"):
     """Each rank's layer output and input gradients against the unsharded run's
-    positions (those before S: the CP padding has no counterpart), and each
-    replica's parameter gradients summed over its CP ranks against the
-    unsharded ones; per rank, its first difference (0 value, 1 gradient).
+    at its replica's rows and its positions (those before S: the CP padding
+    has no counterpart), and the parameter gradients summed over every rank
+    (each replica its own rows) against the unsharded ones; per rank, its
+    first difference (0 value, 1 gradient).
     Each is held to the relative RMSE over the unsharded tensor's RMS, a
     rank's positions to the whole tensor's, and a parameter's gradient to the
     RMS of all the layer's parameter gradients where its own is smaller: a
@@ -71,18 +76,19 @@ def layer_differences(layers, cp, dp, S, mesh="dp,cp"):
     parameters = [g for n, g in whole["grads"].items() if n.startswith("parameter ")]
     parameter_scale = rms(torch.cat([g.reshape(-1) for g in parameters])) if parameters else 0.0
     found = {}
+    sums = {}
     for dp_rank in range(dp):
-        sums = {}
         for rank in range(cp):
             run = layers.get((dp_rank, rank))
             who, at = _who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
             if run is None:
                 found.setdefault(at, (0, "%s returned no layer (the unsharded run did)" % who))
                 continue
-            lo, hi = run["lo"], min(run["hi"], S)
+            lo, hi, rows = run["lo"], min(run["hi"], S), run["rows"]
             n = max(hi - lo, 0)
-            why = difference("%s layer output (positions %d..%d)" % (who, lo, lo + n), run["output"][:, :n],
-                             whole["output"][:, lo:lo + n], tolerance, floor=rms(whole["output"]), sides=RUNS)
+            where = "positions %d..%d%s" % (lo, lo + n, "" if dp == 1 else ", rows %d..%d" % (rows.start, rows.stop))
+            why = difference("%s layer output (%s)" % (who, where), run["output"][:, :n],
+                             whole["output"][rows, lo:lo + n], tolerance, floor=rms(whole["output"]), sides=RUNS)
             if why:
                 found.setdefault(at, (0, why))
             for name, grad in run["grads"].items():
@@ -90,14 +96,14 @@ def layer_differences(layers, cp, dp, S, mesh="dp,cp"):
                     sums[name] = grad.clone() if name not in sums else sums[name] + grad
                     continue
                 want = whole["grads"][name]
-                why = difference("%s layer gradient of %s (positions %d..%d)" % (who, name, lo, lo + n),
-                                 grad[:, :n], want[:, lo:lo + n], tolerance, floor=rms(want), sides=RUNS)
+                why = difference("%s layer gradient of %s (%s)" % (who, name, where),
+                                 grad[:, :n], want[rows, lo:lo + n], tolerance, floor=rms(want), sides=RUNS)
                 if why:
                     found.setdefault(at, (1, why))
-        for name, total in sums.items():
-            why = difference("layer gradient of %s summed over the CP ranks%s" % (
-                name[len("parameter "):], "" if dp == 1 else " of replica %d" % dp_rank), total,
-                whole["grads"][name], tolerance, floor=parameter_scale, sides=RUNS)
-            if why:
-                found.setdefault(world_rank(0, dp_rank, cp, dp, mesh), (1, why))
+    for name, total in sums.items():
+        why = difference("layer gradient of %s summed over the %s" % (
+            name[len("parameter "):], "CP ranks" if dp == 1 else "%d ranks (dp x cp, each replica its rows)" % (
+                dp * cp)), total, whole["grads"][name], tolerance, floor=parameter_scale, sides=RUNS)
+        if why:
+            found.setdefault(world_rank(0, 0, cp, dp, mesh), (1, why))
     return found

@@ -74,6 +74,10 @@ class Inputs:
     shard_primary: bool = _option(False, "input_ids is sharded like the other keys (else kept global)")
     tolerance: float = _option(None, "the relative RMSE every floating output is compared within, instead of "
                                "the manifest's for the dtype (outputs compared bit for bit stay so)")
+    leaks: bool = _option(True, "the leak property: a case whose step returns layer, user_loss or train is run "
+                          "again with one document's inputs drawn again, then the padding's; every other "
+                          "document's per-position results (with the padding, every result) must stay as they "
+                          "were (no reference needed: a bug in the step and its unsharded run alike shows)")
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -88,7 +92,9 @@ class Ranks:
     backend: str = _option("threads", "the simulated group's backend: threads or gloo (a job's own in a job)")
     timeout: float = _option(20.0, "seconds a rank may wait for its peers, or run on after one ended")
     dp: int = _option(1, "data-parallel replicas: dp * cp ranks, laid out as `mesh` says (case.dp_rank, "
-                      "case.world_rank)")
+                      "case.world_rank); each replica trains on its own rows of the case (case.rows)")
+    microbatches: int = _option(1, "each replica's rows in this many microbatches (case.microbatches: gradient "
+                                "accumulation); the unsharded run holds every row in one")
 
     mesh: str = _option("dp,cp", "how the dp * cp ranks are laid out: \"dp,cp\" as init_device_mesh(\"cpu\", "
                         "(dp, cp)) (a CP group is consecutive ranks) or \"cp,dp\" (interleaved: every dp-th rank); "
@@ -97,6 +103,8 @@ class Ranks:
     def __post_init__(self):
         if int(self.dp) < 1:
             raise ValueError("dp: at least 1, not %r" % (self.dp,))
+        if int(self.microbatches) < 1:
+            raise ValueError("microbatches: at least 1, not %r" % (self.microbatches,))
         if self.mesh not in MESHES:
             raise ValueError("mesh: %s, not %r" % (" or ".join(MESHES), self.mesh))
 

@@ -49,16 +49,25 @@ OUTPUT_TABLE = (
            "the step's own module on this rank (its output [B, L, ...] from inputs drawn with case.activation, "
            "and its parameters), compared with the same step run unsharded on a group of one (case.cp == 1; the "
            "upstream gradient is drawn, 0 on the CP padding): each rank's output and input gradients against the "
-           "unsharded run's positions, every parameter's gradient summed over the CP ranks against the unsharded "
-           "one, within the Layer's tolerance"),
+           "unsharded run's at its positions (and its replica's rows, case.rows), every parameter's gradient "
+           "summed over every rank against the unsharded one, within the Layer's tolerance"),
     Output("user_loss", "a cpsim.torch.Loss",
            "the step's own loss on this rank: its value, the logits it came from (case.activation), and "
            "optionally its labels and loss mask [B, L], compared with the same step run unsharded on a group of "
            "one, whatever its convention (token mean, per-document mean, sum): labels and mask exactly at the "
            "rank's positions (CP padding left out), the value on every rank (value_is='global') or summed over "
-           "the CP ranks ('share'), and each rank's gradient to its logits as the unsharded one at its positions "
-           "(gradient='sum'; 'mean': cp times it), within the Loss's tolerance; a value or gradient off by a "
-           "known factor is named"),
+           "the ranks ('share'), and each rank's gradient to its logits as the unsharded one at its positions "
+           "(gradient='sum'; 'mean': dp x cp times it), within the Loss's tolerance; a value or gradient off by a "
+           "known factor is named; with replicas, each on its own rows (case.rows), the unsharded run on all"),
+    Output("train", "a cpsim.torch.TrainStep",
+           "the step's whole training step on this rank (forward, loss, backward, the gradients' reduction, "
+           "clipping, the optimizer step, buffer updates; each replica on its own rows, case.rows), compared with "
+           "the same step run unsharded on a group of one holding every replica's rows, from the same weights "
+           "(case.generator): the loss it reports, every parameter's gradient as its reduction left it, every "
+           "parameter, buffer and optimizer state after the step, its other tensors, within the TrainStep's "
+           "tolerance, every differing one listed worst first (a factor of dp, cp or dp x cp named); then every "
+           "rank's parameters, buffers and optimizer state bit for bit against world rank 0's (replicas "
+           "identical after a step)"),
     Output("targets", "[B, L]",
            "this rank's next-token targets, aligned on whole rows before sharding from case.tokens: tokens[t + 1] "
            "when t and t + 1 are real tokens of one document, else -100"),

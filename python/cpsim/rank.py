@@ -8,7 +8,7 @@ from cpsim.outputs import OUTPUT_TABLE, OUTPUTS
 __all__ = ("UNSHARDED_OUTPUTS", "first_differences", "run_rank")
 
 
-def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, mesh="dp,cp"):
+def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, mesh="dp,cp", redraw=None):
     """One rank: the step, then its outputs' comparisons and gradients, in the
     order of OUTPUT_TABLE on every rank (cpsim.compared says how each is
     compared). Returns this rank's first difference as (0, why) for a value,
@@ -16,16 +16,24 @@ def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, me
     consequence), or None when none. The run of an output compared with the
     unsharded step ("layer", "user_loss") goes to runs[name][(dp_rank, rank)]
     (runs[name][None]: the unsharded run's), compared once every rank and the
-    unsharded run are done."""
-    case = RankCase(golden, rank, dp, dp_rank, unsharded, mesh)
-    if unsharded:  # the reference run: nothing else is compared
+    unsharded run are done. With `redraw` (the leak property's run, cpsim.leak)
+    the case's inputs at its positions are drawn again and only those runs are
+    kept, in runs[name][(dp_rank, rank)]."""
+    case = RankCase(golden, rank, dp, dp_rank, unsharded, mesh, redraw)
+    who = _who(rank, dp_rank, case.cp, dp, mesh)
+    if unsharded or redraw is not None:  # a run of the step's own outputs only: nothing else is compared
         out = step(case)
+        from cpsim import _C
         for name, kind in UNSHARDED_OUTPUTS.items():
             if name in runs:
-                runs[name][None] = kind.run(case, out.get(name) if isinstance(out, dict) else None,
-                                            "the unsharded run")
+                _C.set_site_context("the backward of the step's %s" % kind.noun)
+                try:
+                    runs[name][None if unsharded else (dp_rank, rank)] = kind.run(
+                        case, out.get(name) if isinstance(out, dict) else None,
+                        "the unsharded run" if unsharded else who)
+                finally:
+                    _C.set_site_context("")
         return None
-    who = _who(rank, dp_rank, case.cp, dp, mesh)
     out = step(case)
     if not isinstance(out, dict):
         raise TypeError("the step returned %s, not a dict of outputs" % type(out).__name__)

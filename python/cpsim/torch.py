@@ -400,7 +400,7 @@ def _finish_job():
 # harness builds on this module, so it is imported when first asked for, and
 # this module never imports it.
 _HARNESS_NAMES = ("CheckFailed", "Checked", "Inputs", "Layer", "Layouts", "Loss", "OutsideContract", "RankCase",
-                  "Ranks", "check")
+                  "Ranks", "TrainStep", "check")
 
 
 def __getattr__(name):

@@ -26,12 +26,16 @@ class Loss:
         case.S, which the unsharded run does not have) a position must be left
         out: its label `ignore_index` or its mask 0.
     value_is: "global" (every rank's value is the whole loss: reduced across
-        the CP ranks) or "share" (the CP ranks' values sum to the whole loss).
+        the ranks, dp x cp with replicas) or "share" (the ranks' values sum to
+        the whole loss).
     gradient: the convention of the gradients the ranks' backwards give. "sum"
-        (the CP ranks' gradients add up to the unsharded loss's: each rank's
-        gradient to its logits is the unsharded one at its positions) or "mean"
-        (a reduction that averages over the CP ranks follows: each rank's is cp
-        times it).
+        (the ranks' gradients add up to the unsharded loss's: each rank's
+        gradient to its logits is the unsharded one at its rows and positions)
+        or "mean" (a reduction that averages over the dp x cp ranks follows:
+        each rank's is dp x cp times it).
+    With check(dp=D) each replica computes its loss on its own rows
+    (case.rows) and the unsharded run on every replica's rows at once: a loss
+    normalised by its replica's own count differs from the whole batch's.
     tolerance: the relative error every value and gradient is held to."""
 
     def __init__(self, value, logits, labels=None, loss_mask=None, ignore_index=-100, value_is="global",
@@ -65,17 +69,19 @@ def loss_run(case, loss, who):
             "grad": torch.zeros_like(logits) if grad is None else grad.detach(),
             "labels": kept(loss.labels), "loss_mask": kept(loss.loss_mask), "ignore_index": loss.ignore_index,
             "value_is": loss.value_is, "gradient": loss.gradient, "tolerance": loss.tolerance,
-            "lo": case._lo, "hi": case._hi}
+            "lo": case._lo, "hi": case._hi, "rows": case.rows}
 
 
 def _close(a, b, tolerance):
     return close(a, b, max(tolerance, 1e-12))
 
 
-def _positions(name, who, got, want, lo, S):
-    """'' when a rank's labels or mask equal the unsharded run's at its positions
-    before S, else the first that differs (row, position: the whole row's)."""
+def _positions(name, who, got, want, lo, S, rows):
+    """'' when a rank's labels or mask equal the unsharded run's at its rows and
+    positions before S, else the first that differs (row, position: the whole
+    batch's)."""
     n = min(got.shape[1], max(S - lo, 0))
+    want = want[rows]
     if tuple(got.shape[:1]) != tuple(want.shape[:1]) or got.dim() != want.dim():
         return "%s %s: shape %s, the unsharded run's %s" % (who, name, list(got.shape), list(want.shape))
     mine, theirs = got[:, :n].long(), want[:, lo:lo + n].long()
@@ -84,7 +90,7 @@ def _positions(name, who, got, want, lo, S):
         return ""
     b, t = (int(i) for i in wrong[0])
     why = "%s %s at row %d position %d: %d, the unsharded run's %d (positions that differ: %d)" % (
-        who, name, b, lo + t, int(mine[b, t]), int(theirs[b, t]), len(wrong))
+        who, name, rows.start + b, lo + t, int(mine[b, t]), int(theirs[b, t]), len(wrong))
     if all(int(p) == n - 1 for p in wrong[:, 1]) and lo + n < want.shape[1]:
         why += ("; only at the shard's last position: %s made after sharding lose the next rank's first token "
                 "(shift the whole row, then shard)" % name)
@@ -117,14 +123,15 @@ def _ratio(got, want):
     return float((got.double() * want.double()).sum()) / den if den > 0 else None
 
 
-def _value_hint(values, whole, tolerance):
-    """Why the CP ranks' values are not the whole loss, where it shows."""
+def _value_hint(values, whole, tolerance, dp=1):
+    """Why the ranks' values are not the whole loss, where it shows."""
     if len(values) < 2:
         return ""
     if all(_close(v, values[0], tolerance) for v in values):
         return ("; every rank has this value: the ranks' parts were reduced with the wrong weights (a mean of "
                 "per-rank means is the whole only when every rank counts as many tokens)")
-    why = "; the ranks' values differ: each rank's own loss, not reduced over the CP ranks"
+    why = "; the ranks' values differ: each rank's own loss%s, not reduced over the %s" % (
+        "" if dp == 1 else " (or its replica's)", "CP ranks" if dp == 1 else "dp x cp ranks")
     if _close(sum(values), whole, tolerance):
         why += ", or its share: they sum to it (Loss(..., value_is='share') says so, if meant)"
     return why
@@ -138,7 +145,7 @@ def _counted(run, whole, who, lo, S):
             return "%s gave %s %s, the unsharded run %s" % (
                 who, "no" if run[name] is None else "its", name, "none" if whole[name] is None else "its")
         if run[name] is not None:
-            why = _positions(name, who, run[name], whole[name], lo, S)
+            why = _positions(name, who, run[name], whole[name], lo, S, run["rows"])
             if why:
                 return why
     return _left_out(who, run, S)
@@ -146,11 +153,15 @@ def _counted(run, whole, who, lo, S):
 
 def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
     """Each rank's labels, mask, value and gradient to its logits against the
-    unsharded run's; per world rank its first difference (0 value, 1 gradient)."""
+    unsharded run's (at the replica's rows: each replica trains on its own);
+    per world rank its first difference (0 value, 1 gradient). The conventions
+    are over every rank the loss is reduced over, dp x cp: a "global" value is
+    the whole batch's loss on every rank, "share"s sum to it over the dp x cp
+    ranks, a "mean" gradient is dp x cp times the unsharded one."""
     whole = losses[None]
     found = {}
+    ranks = []  # (run, who, world rank, lo, positions before S) of each rank that gave a user_loss
     for dp_rank in range(dp):
-        ranks = []  # (run, who, world rank, lo, positions before S) of each rank that gave a user_loss
         for rank in range(cp):
             run = losses.get((dp_rank, rank))
             who, at = _who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
@@ -158,45 +169,60 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
                 found.setdefault(at, (0, "%s returned no user_loss (the unsharded run did)" % who))
             else:
                 ranks.append((run, who, at, run["lo"], max(min(run["hi"], S) - run["lo"], 0)))
-        values = [run["value"] for run, *_ in ranks]
-        for run, who, at, lo, _ in ranks:
-            why = _counted(run, whole, who, lo, S)
-            if why:
-                found.setdefault(at, (0, why))
-        # A value that differs where the labels or the mask do follows from them.
-        counted_wrong = any(found.get(world_rank(r, dp_rank, cp, dp, mesh)) for r in range(cp))
-        for run, who, at, lo, n in ranks:
-            tolerance = run["tolerance"]
-            if run["value_is"] == "global" and not _close(run["value"], whole["value"], tolerance):
-                hint = ("; it follows from the tokens counted (the labels or mask reported)" if counted_wrong else
-                        _value_hint(values, whole["value"], tolerance))
-                found.setdefault(at, (0, "%s user_loss value %.10g, the unsharded run's %.10g%s" % (
-                    who, run["value"], whole["value"], hint)))
-            scale = cp if run["gradient"] == "mean" else 1
-            want = whole["grad"][:, lo:lo + n] * scale
-            got = run["grad"][:, :n]
-            why = difference("%s user_loss gradient to the logits (positions %d..%d)" % (who, lo, lo + n), got,
-                             want, tolerance, floor=rms(whole["grad"]) * scale, sides=RUNS)
-            if why:
-                ratio = _ratio(got, want)
-                if ratio is not None and cp > 1 and abs(ratio - cp) <= 1e-3 * cp:
-                    why += ("\n  it is cp (%d) times the unsharded gradient at its positions: an all_reduce with "
-                            "autograd (torch.distributed.nn.all_reduce) sums the ranks' upstream gradients into "
-                            "each; all_reduce a detached count or sum instead (or Loss(..., gradient='mean') if "
-                            "a reduction that averages over the CP ranks follows)" % cp)
-                elif ratio is not None and cp > 1 and abs(ratio - 1.0 / cp) <= 1e-3 / cp:
-                    why += ("\n  it is 1/cp of the unsharded gradient at its positions: the loss was divided by "
-                            "the CP size once too often (a mean over the ranks of a loss already reduced)")
-                found.setdefault(at, (1, why))
-            if bool((run["grad"][:, n:] != 0).any()):
-                found.setdefault(at, (1, "%s user_loss gradient to the logits is not 0 at the CP padding "
-                                         "(positions from %d)" % (who, S)))
-        if len(values) == cp and ranks[0][0]["value_is"] == "share":
-            total, tolerance = sum(values), ranks[0][0]["tolerance"]
-            if not _close(total, whole["value"], tolerance):
-                why = "the CP ranks' user_loss values (%s) sum to %.10g; the unsharded run's loss is %.10g" % (
-                    ", ".join("%.6g" % v for v in values), total, whole["value"])
-                if all(_close(v, whole["value"], tolerance) for v in values):
-                    why += "; every rank's value is the whole loss (Loss(..., value_is='global') says so)"
-                found.setdefault(world_rank(0, dp_rank, cp, dp, mesh), (0, why))
+    world = dp * cp
+    values = [run["value"] for run, *_ in ranks]
+    for run, who, at, lo, _ in ranks:
+        why = _counted(run, whole, who, lo, S)
+        if why:
+            found.setdefault(at, (0, why))
+    # A value that differs where the labels or the mask do follows from them.
+    counted_wrong = bool(found)
+    for run, who, at, lo, n in ranks:
+        tolerance, rows = run["tolerance"], run["rows"]
+        if run["value_is"] == "global" and not _close(run["value"], whole["value"], tolerance):
+            hint = ("; it follows from the tokens counted (the labels or mask reported)" if counted_wrong else
+                    _value_hint(values, whole["value"], tolerance, dp))
+            found.setdefault(at, (0, "%s user_loss value %.10g, the unsharded run's %.10g%s" % (
+                who, run["value"], whole["value"], hint)))
+        scale = world if run["gradient"] == "mean" else 1
+        want = whole["grad"][rows, lo:lo + n] * scale
+        got = run["grad"][:, :n]
+        where = "positions %d..%d%s" % (lo, lo + n, "" if dp == 1 else ", rows %d..%d" % (rows.start, rows.stop))
+        why = difference("%s user_loss gradient to the logits (%s)" % (who, where), got,
+                         want, tolerance, floor=rms(whole["grad"]) * scale, sides=RUNS)
+        if why:
+            why += _gradient_hint(_ratio(got, want), cp, dp)
+            found.setdefault(at, (1, why))
+        if bool((run["grad"][:, n:] != 0).any()):
+            found.setdefault(at, (1, "%s user_loss gradient to the logits is not 0 at the CP padding "
+                                     "(positions from %d)" % (who, S)))
+    if len(values) == world and ranks[0][0]["value_is"] == "share":
+        total, tolerance = sum(values), ranks[0][0]["tolerance"]
+        if not _close(total, whole["value"], tolerance):
+            why = "the %s ranks' user_loss values (%s) sum to %.10g; the unsharded run's loss is %.10g" % (
+                "CP" if dp == 1 else "dp x cp", ", ".join("%.6g" % v for v in values), total, whole["value"])
+            if all(_close(v, whole["value"], tolerance) for v in values):
+                why += "; every rank's value is the whole loss (Loss(..., value_is='global') says so)"
+            found.setdefault(world_rank(0, 0, cp, dp, mesh), (0, why))
     return found
+
+
+def _gradient_hint(ratio, cp, dp):
+    """What a gradient off by a known factor of the unsharded one means."""
+    if ratio is None:
+        return ""
+    known = [(cp, "cp (%d)" % cp), (dp * cp, "dp x cp (%d)" % (dp * cp)), (dp, "dp (%d)" % dp)]
+    for factor, name in known:
+        if factor > 1 and abs(ratio - factor) <= 1e-3 * factor:
+            if factor == cp and dp == 1:
+                return ("\n  it is cp (%d) times the unsharded gradient at its positions: an all_reduce with "
+                        "autograd (torch.distributed.nn.all_reduce) sums the ranks' upstream gradients into "
+                        "each; all_reduce a detached count or sum instead (or Loss(..., gradient='mean') if "
+                        "a reduction that averages over the ranks follows)" % cp)
+            return ("\n  it is %s times the unsharded gradient at its positions: a loss divided by the count of "
+                    "fewer ranks than its reduction sums over, or summed over ranks with autograd "
+                    "(Loss(..., gradient='mean') if a reduction that averages over the dp x cp ranks follows)" % name)
+        if factor > 1 and abs(ratio - 1.0 / factor) <= 1e-3 / factor:
+            return ("\n  it is 1/%s of the unsharded gradient at its positions: the loss was divided by %s once too "
+                    "often (a mean over the ranks of a loss already reduced)" % (name, name.split(" ")[0]))
+    return ""

@@ -7,6 +7,7 @@ import torch
 from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.torch
 from cpsim import where
 from cpsim.case import Golden
+from cpsim.leak import leak_differences, redraws
 from cpsim.mesh import placed
 from cpsim.rank import UNSHARDED_OUTPUTS, first_differences, run_rank
 
@@ -33,8 +34,8 @@ class Raised(str):
         return value
 
 
-def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp"):
-    golden = Golden(folder, tolerance)
+def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp", leaks=True, microbatches=1):
+    golden = Golden(folder, tolerance, microbatches)
     cp = golden.cp
     runs = {}  # "layer", "user_loss": {(dp_rank, rank) or None (unsharded): run}
     try:
@@ -67,7 +68,37 @@ def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp"):
             for r, why in kind.differences(runs[name], cp, dp, golden.manifest["S"], mesh).items():
                 if not found[r] or why[0] < found[r][0]:
                     found[r] = why
+        if leaks and not any(found):
+            why = _leaks(golden, step, runs, backend, timeout, dp, mesh, found)
+            if why:
+                return why
     return first_differences(found)
+
+
+def _leaks(golden, step, runs, backend, timeout, dp, mesh, found):
+    """The leak property (cpsim.leak): the step run again on every rank with
+    one document's inputs drawn again, then the padding's; what moved goes to
+    found. Returns why the run itself failed, or ''."""
+    cp = golden.cp
+    for redraw in redraws(golden):
+        again = {name: {} for name in runs}
+
+        def one(rank, world):
+            cp_rank, dp_rank = placed(rank, cp, dp, mesh)
+            return run_rank(golden, step, cp_rank, dp, dp_rank, again, mesh=mesh, redraw=redraw)
+        try:
+            ct.spawn(one, dp * cp, backend=backend, timeout=timeout)
+        except ct.RankFailed as e:
+            return "the step run again with %s drawn again: rank %d raised %s" % (
+                redraw.what, e.rank, str(e).split(": ", 1)[1])
+        except (ct.RankStuck, ct.CollectiveError) as e:
+            return "the step run again with %s drawn again: %s" % (redraw.what, e)
+        for name in runs:
+            for r, why in leak_differences(name, runs[name], again[name], redraw, golden, cp, dp, mesh).items():
+                found[r] = found[r] or why
+        if any(found):
+            return ""
+    return ""
 
 
 def exchange(text, group):
@@ -88,7 +119,7 @@ def exchange(text, group):
 job_checks = [0, 0]  # check() calls and cases of this process of a job so far
 
 
-def job_verdict(folder, step, case_number, dp=1, tolerance=None, mesh="dp,cp"):
+def job_verdict(folder, step, case_number, dp=1, tolerance=None, mesh="dp,cp", microbatches=1):
     """One case in a job: this process runs its rank of the step on a fresh group
     of every process (the default group of a torch world of the case's own); the
     verdicts of all processes are agreed over the job's own group, so every
@@ -96,7 +127,7 @@ def job_verdict(folder, step, case_number, dp=1, tolerance=None, mesh="dp,cp"):
     import torch.distributed as dist
     job, main = ct._job, dist.group.WORLD
     rank = job.rank()
-    golden = Golden(folder, tolerance)
+    golden = Golden(folder, tolerance, microbatches)
     # Named apart from every earlier check() of this job (each counts its cases from 1).
     session = job.session("check%d-case%d" % (job_checks[0], case_number))
     hook = sys.excepthook  # init_process_group wraps it (a "[rank N]:" prefix): once per case, undone

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from cpsim.compare import difference, rms
+from cpsim.compare import RUNS, difference, rms
 
 
 def _want_float():
@@ -89,3 +89,10 @@ def test_a_shape_or_a_dtype_that_differs_is_rejected():
     assert difference("x", torch.zeros(2, 3, dtype=torch.bool), want, 0.0)
     assert "dtype" in difference("x", torch.zeros(2, 3, dtype=torch.int64), want.double(), 0.0)
     assert "not a tensor" in difference("x", object(), want, 0.0)
+
+
+def test_a_scalar_that_differs_names_both_values():
+    # A 0-d tensor's first index is [] (it was reported "sharded None, unsharded None").
+    why = difference("grad_norm", torch.tensor(2.5, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64),
+                     1e-6, sides=RUNS)
+    assert why.endswith("first differs at []: sharded 2.5, unsharded 1.0"), why

@@ -1,0 +1,247 @@
+"""The "train" output of cpsim.torch.check: a step's whole training step (its
+forward, loss, backward, gradient reduction, clipping, optimizer step, buffer
+updates) on this rank, against the same step run unsharded on a group of one
+(dp = cp = 1) holding the rows of every replica, from the same weights: the
+loss it reports, every parameter's gradient as its reduction left it, every
+parameter, buffer and optimizer state after the step, and every replica
+against every other (identical after a step)."""
+import torch
+
+from cpsim.compare import RUNS, close, difference, rms
+from cpsim.mesh import who as _who, world_rank
+
+# How many differing tensors one report lists before it counts the rest.
+LISTED = 8
+
+
+class TrainStep:
+    """What a step returns as "train": its training step, done on this rank.
+
+    module: the torch.nn.Module after the step (its parameters and buffers are
+        compared; a DTensor's whole value, full_tensor(), so FSDP2 fits).
+    loss: the loss the step reports (logs): a number or a one-element tensor,
+        the whole batch's loss (every replica's rows) on every rank.
+    optimizer: optionally the torch.optim.Optimizer the step stepped: every
+        tensor of its state after the step compared (Adam's moments, ...).
+    grads: compare every parameter's .grad as the step left it (after its
+        reduction over the ranks and its clipping); False when the step frees
+        them (zero_grad(set_to_none=True) after the update).
+    tensors: {name: tensor} anything else the step produces that every rank
+        holds whole (a gradient norm, a token count, a routing bias): compared
+        on every rank with the unsharded run's.
+    positions: {name: [b, L, ...] tensor} per-position results of this rank
+        (its replica's rows, its positions): compared at them.
+    tolerance: the relative RMSE every comparison is held to (rms(unsharded -
+        sharded) / rms(unsharded), a tensor's RMS at least that of its kind:
+        all gradients, all parameters); replicas are compared bit for bit.
+
+    The unsharded run calls the same step with case.cp == case.dp == 1 and
+    case.rows every row: a step builds its module from case.generator(...) (the
+    same weights on every rank and in that run), never from the process's
+    default generator, which the rank threads share."""
+
+    def __init__(self, module, loss, optimizer=None, grads=True, tensors=None, positions=None, tolerance=1e-9):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError("cpsim.torch.TrainStep: module is a torch.nn.Module, not %s" % type(module).__name__)
+        self.module, self.loss, self.optimizer, self.grads = module, loss, optimizer, bool(grads)
+        self.tensors, self.positions = dict(tensors or {}), dict(positions or {})
+        self.tolerance = float(tolerance)
+
+
+def _whole(t):
+    """A tensor's whole value on this rank (a DTensor's gathered: a collective
+    every rank makes in the same order), detached."""
+    full = getattr(t, "full_tensor", None)
+    if full is not None:
+        t = full()
+    return t.detach().clone()
+
+
+def train_run(case, step, who):
+    """A TrainStep's results on one rank (or the unsharded run)."""
+    if not isinstance(step, TrainStep):
+        raise TypeError("%s: \"train\" must be a cpsim.torch.TrainStep, not %s" % (who, type(step).__name__))
+    loss = step.loss
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise TypeError("%s: the TrainStep's loss has %d elements, not one" % (who, loss.numel()))
+        loss = _whole(loss).double().reshape(())
+    named = dict(step.module.named_parameters())
+    values = {"parameter " + n: _whole(p) for n, p in named.items()}
+    values.update({"buffer " + n: _whole(b) for n, b in step.module.named_buffers()})
+    grads = {}
+    if step.grads:
+        for n, p in named.items():
+            grads["gradient of " + n] = None if p.grad is None else _whole(p.grad)
+    if step.optimizer is not None:
+        name_of = {id(p): n for n, p in named.items()}
+        for p, state in step.optimizer.state.items():
+            for k, v in sorted(state.items()):
+                if isinstance(v, torch.Tensor) and k != "step":  # a step count is the same everywhere
+                    values["optimizer %s of %s" % (k, name_of.get(id(p), "?"))] = _whole(v)
+    return {"loss": float(loss), "values": values, "grads": grads,
+            "tensors": {n: _whole(torch.as_tensor(t)) for n, t in step.tensors.items()},
+            "positions": {n: t.detach().clone() for n, t in step.positions.items()},
+            "tolerance": step.tolerance, "lo": case._lo, "hi": case._hi, "rows": case.rows}
+
+
+def _ratio(got, want):
+    den = float((want.double() * want.double()).sum())
+    return float((got.double() * want.double()).sum()) / den if den > 0 else None
+
+
+def _factor(ratio, cp, dp):
+    """A known factor a gradient or a loss is off by, named; '' for none."""
+    if ratio is None:
+        return ""
+    known = [(f, n) for f, n, given in ((dp, "dp (%d)" % dp, dp > 1), (cp, "cp (%d)" % cp, cp > 1),
+                                        (dp * cp, "dp x cp (%d)" % (dp * cp), dp > 1 and cp > 1)) if given]
+    for factor in sorted(set(f for f, _ in known)):
+        names = " or ".join(n for f, n in known if f == factor)
+        if abs(ratio - factor) <= 1e-6 * factor:
+            return " (%s times the unsharded: off by %s)" % (_number(ratio), names)
+        if abs(ratio - 1.0 / factor) <= 1e-6 / factor:
+            return " (1/%s of the unsharded: off by %s)" % (_number(factor), names)
+    return ""
+
+
+def _number(x):
+    return ("%.6g" % x).rstrip("0").rstrip(".") if "." in "%.6g" % x else "%.6g" % x
+
+
+def _compared(kind, got, want, tolerance, floor, cp, dp):
+    """(error, why) of one tensor against the unsharded run's, or None (neither
+    has one: a parameter no path reaches has no gradient in either run)."""
+    if got is None and want is None:
+        return None
+    if got is None:
+        got = torch.zeros_like(want)
+    if want is None:
+        want = torch.zeros_like(got)
+    why = difference(kind, got, want, tolerance, floor=floor, sides=RUNS)
+    if not why:
+        return None
+    err = float((got.double() - want.double()).pow(2).mean().sqrt()) if got.shape == want.shape else float("inf")
+    scale = max(rms(want), floor)
+    if got.shape == want.shape and want.is_floating_point():
+        # A known factor, named where got is that multiple of want within the tolerance.
+        ratio = _ratio(got, want)
+        named = _factor(ratio, cp, dp)
+        if named and not difference(kind, got.double(), want.double() * ratio, tolerance, floor=floor * abs(ratio)):
+            why += named
+    return (err / scale if scale > 0 else float("inf"), why)
+
+
+def _listed(header, found):
+    """A header and every difference found, worst first (LISTED of them, then a count)."""
+    found = sorted(found, key=lambda f: -f[0] if f[0] == f[0] else float("-inf"))
+    lines = [why for _, why in found[:LISTED]]
+    if len(found) > LISTED:
+        lines.append("and %d more" % (len(found) - LISTED))
+    return header + "".join("\n  " + line for line in lines)
+
+
+def _first_index(a, b):
+    """The first index where two tensors of one shape differ, and their values."""
+    at = (a != b) & ~(torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a != b
+    where = at.nonzero()
+    index = tuple(int(i) for i in where[0]) if len(where) else ()
+    return index, a[index].item() if a.dim() else a.item(), b[index].item() if b.dim() else b.item()
+
+
+def train_differences(runs, cp, dp, S, mesh="dp,cp"):
+    """Each rank's step against the unsharded run's: the loss reported, every
+    gradient, every parameter, buffer and optimizer state after the step, the
+    tensors and per-position results; then every rank's values against world
+    rank 0's (replicas identical). Per world rank its first difference: 0 for
+    the loss or a value, 1 where only gradients differ."""
+    whole = runs[None]
+    tolerance = whole["tolerance"]
+    grad_floor = rms(torch.cat([g.reshape(-1).double() for g in whole["grads"].values() if g is not None] or
+                               [torch.zeros(1)]))
+    value_floor = {}
+    for name, v in whole["values"].items():
+        kind = name.split(" ", 1)[0]
+        value_floor.setdefault(kind, []).append(v.reshape(-1).double())
+    value_floor = {k: rms(torch.cat(v)) for k, v in value_floor.items()}
+    found, reported = {}, {}  # reported: each report's body, the first rank that gave it
+    first = None  # (world rank, its run): the replica every other is held to, bit for bit
+    for dp_rank in range(dp):
+        for rank in range(cp):
+            run, who = runs.get((dp_rank, rank)), _who(rank, dp_rank, cp, dp, mesh)
+            at = world_rank(rank, dp_rank, cp, dp, mesh)
+            if run is None:
+                found[at] = (0, "%s returned no train (the unsharded run did)" % who)
+                continue
+            lines, phase = [], 1
+            if not close(run["loss"], whole["loss"], max(tolerance, 1e-12)):
+                phase = 0
+                lines.append((float("inf"), "the loss reported %.10g, the unsharded run's %.10g%s" % (
+                    run["loss"], whole["loss"], _factor(run["loss"] / whole["loss"] if whole["loss"] else None,
+                                                        cp, dp))))
+            for name, want in whole["tensors"].items():
+                got = run["tensors"].get(name)
+                if got is None:
+                    phase, _ = 0, lines.append((float("inf"), "no tensor %s (the unsharded run gave one)" % name))
+                    continue
+                d = _compared(name, got, want, tolerance, 0.0, cp, dp)
+                if d:
+                    phase, _ = 0, lines.append(d)
+            rows, lo, n = run["rows"], run["lo"], max(min(run["hi"], S) - run["lo"], 0)
+            for name, want in whole["positions"].items():
+                got = run["positions"].get(name)
+                if got is None:
+                    phase, _ = 0, lines.append((float("inf"), "no %s (the unsharded run gave it)" % name))
+                    continue
+                d = _compared("%s (positions %d..%d, rows %d..%d)" % (name, lo, lo + n, rows.start, rows.stop),
+                              got[:, :n], want[rows, lo:lo + n], tolerance, rms(want), cp, dp)
+                if d:
+                    phase, _ = 0, lines.append(d)
+            grads = [d for d in (_compared(name, run["grads"].get(name), want, tolerance, grad_floor, cp, dp)
+                                 for name, want in whole["grads"].items()) if d]
+            values = [d for d in (_compared(name + " after the step", run["values"].get(name), want, tolerance,
+                                            value_floor[name.split(" ", 1)[0]], cp, dp)
+                                  for name, want in whole["values"].items()) if d]
+            missing = sorted(set(whole["values"]) - set(run["values"]))
+            hint = ""
+            if values and not grads:
+                phase = 0  # the update is wrong where every gradient is right
+                if whole["grads"] and any(why.startswith("parameter ") for _, why in values):
+                    hint = ("\n  every gradient, as the step's reduction left it, is the unsharded run's: the "
+                            "update did not use them (an optimizer step before the reduction, or on gradients "
+                            "changed after it)")
+            if lines or grads or values or missing:
+                parts = lines + grads + values + [(float("inf"), "no %s (the unsharded run has it)" % m)
+                                                   for m in missing]
+                body = _listed("", parts) + hint
+                if body in reported:  # the same differences as a rank before it: named once
+                    found[at] = (phase, "%s train: the same %d differences as %s" % (who, len(parts),
+                                                                                   reported[body]))
+                else:
+                    reported[body] = who
+                    found[at] = (phase, "%s train: %d of the step's results differ from the unsharded run's "
+                                        "(worst first)%s" % (who, len(parts), body))
+                continue
+            if first is None:
+                first = (at, who, run)
+                continue
+            why = _drift(first, who, run)
+            if why:
+                found[at] = (0, why)
+    return found
+
+
+def _drift(first, who, run):
+    """Where a replica's values after the step are not bit for bit world rank 0's."""
+    at0, who0, run0 = first
+    for name, v0 in run0["values"].items():
+        v = run["values"].get(name)
+        if v is None or v.shape != v0.shape or v.dtype != v0.dtype:
+            return "%s train: %s is %s, %s's is %s (replicas must hold the same after a step)" % (
+                who, name, None if v is None else list(v.shape), who0, list(v0.shape))
+        if not torch.equal(v, v0):
+            index, mine, theirs = _first_index(v, v0)
+            return ("%s train: %s after the step differs from %s's at %s: %r, %r (replicas must be identical after "
+                    "a step; both are within the tolerance of the unsharded run)" % (
+                        who, name, who0, list(index), mine, theirs))
+    return ""
