@@ -67,6 +67,11 @@ class UseBeforeWait(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # Under torch.compile dynamo traces this mode too, and cannot trace the
+        # ledger (a C++ object): a compiled region's ops go unchecked (its
+        # inputs were checked where they were made, eagerly).
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs)
         if self.ledger.size():
             name = _op_name(func).split(".")[0]
             if name not in _METADATA and name not in _WAITS:
