@@ -7,6 +7,7 @@ unmodified, on cpsim's ranks, property-tested by cpsim.torch.check:
     .venv/bin/python examples/libraries/glm5_step.py kda_torch    # KDA's CPU path as shipped (finding G1: fails)
     .venv/bin/python examples/libraries/glm5_step.py dsa          # KPool-DSA with its indexer
     .venv/bin/python examples/libraries/glm5_step.py decoder      # one decoder layer (DSA, mHC, dense MLP)
+    .venv/bin/python examples/libraries/glm5_step.py train --dp 2   # the whole model's step (glm5_train.py)
     .venv/bin/python examples/libraries/glm5_step.py cp --variant rank_from_world
 
 * `cp` and `fla_context`: `shard_batch_for_glm5_next_cp` on the raw batch as the
@@ -27,16 +28,12 @@ unmodified, on cpsim's ranks, property-tested by cpsim.torch.check:
   per rank, input gradients, every parameter's gradient summed over ranks).
 
 The layers choose their kernels by `tensor.is_cuda`: on CPU tensors KDA runs a
-torch convolution and a torch recurrence, on CUDA tensors FLA's
-`causal_conv1d(..., cp_context=...)`, `fused_kda_gate` and `chunk_kda(...,
-cp_context=..., use_qk_l2norm_in_kernel=True, transpose_state_layout=True,
-safe_gate=...)`. `kda_torch` runs the layer as shipped. `kda` runs the CUDA
-branch: `kernel_path(module)` binds, on this module's instances only, the
-three methods that test `is_cuda` (`_TorchShortConvolution.forward`,
-`Glm5NextKDAFp32Params.forward`, `Glm5NextLinearAttention._core`) compiled from
-the library's own source with each `X.is_cuda` read as True: the library's
-code, not a copy, calls what it calls on a GPU with the arguments it passes,
-and FLA's Triton kernels run under the interpreter (triton_cpu.py).
+torch convolution and recurrence, on CUDA tensors FLA's `causal_conv1d`,
+`fused_kda_gate` and `chunk_kda` with `cp_context`. `kda_torch` runs the layer
+as shipped; `kda` the CUDA branch: `kernel_path(module)` binds, on this
+module's instances only, the three methods that test `is_cuda` compiled from
+the library's own source with each `X.is_cuda` read as True, and FLA's Triton
+kernels run under the interpreter (triton_cpu.py). docs/libraries.md has more.
 """
 import ast
 import inspect
@@ -289,11 +286,14 @@ _NO_ANCHOR_FORWARD = _rewritten(glm5_layers.Glm5NextSparseAttention.forward, _Dr
 LAYER_TOLERANCE = 1e-5  # relative RMSE, fp32 (sharded against unsharded: 3e-8 to 5e-7 seen, docs/libraries.md)
 
 
-def make_layer_step(name, kernels=True, no_anchor=False):
+def make_layer_step(name, kernels=True, no_anchor=False, guarded=False):
+    """guarded: findings G2-G9's layouts set aside (else the leak property shows G2, G8)."""
     module_name = "kda" if name == "kda_torch" else name
 
     def step(case):
-        batch = _raw(case)
+        batch = case.replica_batch  # a layer's replica trains on its own rows (case.rows)
+        if guarded:
+            _contract(batch)
         mesh = _cp_mesh(case)
         _, local, _ = glm5_cp.shard_batch_for_glm5_next_cp(mesh, None, batch, padding_token_id=case.pad_token_id)
         context = local["glm5_next_packed_context"]
@@ -323,7 +323,9 @@ STEPS = {
     "dsa": lambda: make_layer_step("dsa"),
     "decoder": lambda: make_layer_step("decoder"),
     "decoder_kda": lambda: make_layer_step("decoder_kda"),
+    "train": lambda: _train_step(),
 }
+# Layers: every layout, G2-G9's too, so no leak runs (they show G2, G8); "guarded" variants have them.
 # The layers: fp32 (the layouts' activations drawn in the harness's f32), equal
 # shards (glm5_next.cp cuts padded / cp); the interpreter's KDA at CP 1-4. The
 # layers draw no long layouts by default (a 512-token KDA case is minutes in the
@@ -331,18 +333,28 @@ STEPS = {
 SETTINGS = {
     "cp": {"shard_primary": True},
     "fla_context": {"shard_primary": True},
-    "kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0},  # FLA's CP conv: W - 1 a rank (F1)
-    "kda_torch": {"dtype": "f32", "max_cp": 4, "long_every": 0},
-    "dsa": {"dtype": "f32", "long_every": 0},
-    "decoder": {"dtype": "f32", "long_every": 0},
-    "decoder_kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0},
+    "kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0, "leaks": False},  # F1: W - 1
+    "kda_torch": {"dtype": "f32", "max_cp": 4, "long_every": 0, "leaks": False},
+    "dsa": {"dtype": "f32", "long_every": 0, "leaks": False},
+    "decoder": {"dtype": "f32", "long_every": 0, "leaks": False},
+    "decoder_kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0, "leaks": False},
+    "train": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0,
+              "forms": ["seq_lens", "seq_lens_padded", "unpacked", "position_ids"]},
 }
+def _train_step(bug=None):
+    """glm5_train.py's step (imported when run: it imports this module)."""
+    return lambda case: __import__("glm5_train").make_train_step(bug)(case)
+
+
 VARIANTS = {
     "cp": {"rank_from_world": make_cp_step(rank_from_world=True),
            "unguarded": make_cp_step(guarded=False),  # findings G2-G5 drawn: fails
            "gradient_in_place": make_cp_step(gradient_in_place=True)},  # finding K4 unshielded: fails
     "fla_context": {"rank_from_world": make_cp_step(fla_context=True, rank_from_world=True)},
-    "dsa": {"no_anchor": make_layer_step("dsa", no_anchor=True)},
+    "kda": {"guarded": make_layer_step("kda", guarded=True)},
+    "dsa": {"no_anchor": make_layer_step("dsa", no_anchor=True), "guarded": make_layer_step("dsa", guarded=True)},
+    "decoder": {"guarded": make_layer_step("decoder", guarded=True)},
+    "train": {"local_label_count": _train_step("local_label_count"), "bias_local": _train_step("bias_local")},
 }
 
 

@@ -39,6 +39,7 @@ def arguments(doc, variants, steps=None, max_cp=8):
     parser.add_argument("--family", help="draw this layout family's members")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--long-every", type=int, help="1 in N layouts long (the step's default otherwise)")
+    parser.add_argument("--dp", type=int, help="data-parallel replicas, each on its own rows (check(dp=N))")
     return parser.parse_args()
 
 
@@ -66,5 +67,5 @@ def run_steps(doc, steps, variants, check, what, max_cp=8):
         raise SystemExit("%s has the variants %s" % (args.step, sorted(variants.get(args.step, {}))))
     step = variants[args.step][args.variant] if args.variant else None
     return run(lambda: check(args.step, step, cases=args.cases, max_cp=args.max_cp, family=args.family,
-                             seed=args.seed, long_every=args.long_every),
+                             seed=args.seed, long_every=args.long_every, dp=args.dp),
                lambda: what(args.step))

@@ -178,3 +178,64 @@ def test_inkling2_context_parallel_is_run_when_a_pin_ships_it():
         return
     import inkling2_step
     assert cpsim.torch.check(inkling2_step.step, cases=100, seed=SEED, forms=["seq_lens_padded"]) >= 100
+
+
+def test_finding_g8_shows_in_the_dsa_layer_as_padding_read_by_the_next_document(tmp_path):
+    # cu_seqlens [0, 1, 4] with cu_seqlens_padded [0, 2, 5]: document 1 is position 0
+    # and its padded slot 1; glm5_next.cp reads the real boundaries as positions (G8),
+    # so position 1 opens document 2 for the layer. Sharded and unsharded agree; the
+    # leak property (the padding drawn again) shows the layer reading it.
+    batch = tmp_path / "g8.json"
+    batch.write_text('{"cu_seqlens": [0, 1, 4], "cu_seqlens_padded": [0, 2, 5], "input_ids": [[1, 1, 4, 0, 2, 2]],'
+                     ' "labels": [[0, -100, 1, 5, 5, -100]], "position_ids": [[0, 1, 0, 1, 2, 3]],'
+                     ' "pad_token_id": 0}')
+    assert glm5_step.check("dsa", batch=str(batch), cp=1, seed=SEED) == 1  # no leak runs
+    expect_reported(lambda: glm5_step.check("dsa", batch=str(batch), cp=1, seed=SEED, leaks=True),
+                    "layer output changed at row 0 position 2 (document 2)", "padding must never count")
+    # the guarded step sets the layout aside as G8's
+    ran = glm5_step.check("dsa", glm5_step.VARIANTS["dsa"]["guarded"], batch=str(batch), cp=1, seed=SEED,
+                          leaks=True)
+    assert ran == 0 and any("G8" in why for why in ran.outside_why), ran.outside_why
+
+
+@pytest.mark.parametrize("name,cases", [("kda", 1), ("dsa", 8), ("decoder", 6)])
+def test_within_the_librarys_contract_the_layers_keep_documents_apart_and_padding_out(name, cases):
+    # The leak property on the layers, within glm5_next.cp's contract (G2-G9 set aside).
+    assert glm5_step.check(name, glm5_step.VARIANTS[name]["guarded"], cases=cases, seed=SEED, leaks=True) >= cases
+
+
+# --- the whole model's training step (glm5_train.py) ---
+
+# Few drawn cases in CI (each is the whole model on dp x cp ranks, its unsharded
+# run and the two leak runs: ~30 s at dp 2 x cp 2); `glm5_step.py train --dp 2
+# --cases N` for long runs. The planted bugs replay one batch of two rows (one
+# each replica) at dp 2 x cp 2: drawing shrinks through dozens of whole steps.
+TRAIN_CASES = int(os.environ.get("CPSIM_GLM5_TRAIN_CASES", "1"))
+TRAIN_BATCH = ('{"input_ids": [[3, 5, 7, 2, 9, 4, 6, 0], [8, 3, 3, 5, 1, 7, 0, 0]], '
+               '"labels": [[5, 7, -100, 9, 4, 6, -100, -100], [3, 3, 5, -100, 7, -100, -100, -100]], '
+               '"position_ids": [[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 0, 1, 2, 3]], '
+               '"seq_lens": [[3, 4], [4, 2]], "pad_token_id": 0}')
+
+
+def test_the_glm5_train_step_at_dp_2_cp_2_matches_the_step_on_one_rank(tmp_path):
+    batch = tmp_path / "train.json"
+    batch.write_text(TRAIN_BATCH)
+    assert glm5_step.check("train", batch=str(batch), cp=2, dp=2, seed=SEED) == 1
+    assert glm5_step.check("train", cases=TRAIN_CASES, cps=[2], dp=2, seed=SEED) >= TRAIN_CASES
+
+
+def test_the_glm5_train_step_at_cp_1_to_4_matches_the_step_on_one_rank():
+    assert glm5_step.check("train", cases=TRAIN_CASES, cps=[1, 3, 4], seed=SEED, leaks=False) >= TRAIN_CASES
+
+
+@pytest.mark.parametrize("variant,says", [
+    # the label count of the rank's own shard: every rank's loss over too few labels
+    ("local_label_count", ["train:", "the loss reported"]),
+    # the routing bias a plain tensor: each rank's own expert load moves it
+    ("bias_local", ["train:", "buffer model.language_model.layers.1.mlp.gate.e_score_correction_bias after the step"]),
+])
+def test_a_planted_bug_of_the_glm5_train_step_is_reported(variant, says, tmp_path):
+    batch = tmp_path / "train.json"
+    batch.write_text(TRAIN_BATCH)
+    expect_reported(lambda: glm5_step.check("train", glm5_step.VARIANTS["train"][variant], batch=str(batch), cp=2,
+                                            dp=2, seed=SEED, leaks=False), *says)
