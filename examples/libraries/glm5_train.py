@@ -16,8 +16,8 @@ idle), one step as `train_ft._run_train_optim_step` does it:
 * `calculate_loss(MaskedCrossEntropy(), ..., num_label_tokens=N)`, backward of
   `loss * dp_group_size(include_cp=True)`;
 * the gradients averaged over every DP x CP rank, as FSDP2's reduce-scatter
-  does (a plain all-reduce AVG: `fully_shard` over the tiny model's MoE on CPU
-  tensors is not run here; the arithmetic is the same);
+  does (a plain all-reduce AVG, the same arithmetic: the library's
+  parallelizer patches FSDP in a way torch 2.15.0 breaks, docs/libraries.md);
 * `scale_grads_and_clip_grad_norm` (the library's, torch's norm on CPU), an
   SGD step, then `update_moe_gate_bias()` with the routing bias replicated
   over the whole (dp, cp) mesh as the MoE parallelizer does (a DTensor:

@@ -132,9 +132,11 @@ def _compared(kind, got, want, tolerance, floor, cp, dp):
     return (err / scale if scale > 0 else float("inf"), why)
 
 
-def _listed(header, found):
-    """A header and every difference found, worst first (LISTED of them, then a count)."""
-    found = sorted(found, key=lambda f: -f[0] if f[0] == f[0] else float("-inf"))
+def _listed(header, groups):
+    """A header and every difference found, group by group (the step's values:
+    its loss, tensors and per-position results; the gradients; what the update
+    left), each worst first: LISTED of them, then a count."""
+    found = [f for g in groups for f in sorted(g, key=lambda f: -f[0] if f[0] == f[0] else float("-inf"))]
     lines = [why for _, why in found[:LISTED]]
     if len(found) > LISTED:
         lines.append("and %d more" % (len(found) - LISTED))
@@ -211,16 +213,17 @@ def train_differences(runs, cp, dp, S, mesh="dp,cp"):
                             "update did not use them (an optimizer step before the reduction, or on gradients "
                             "changed after it)")
             if lines or grads or values or missing:
-                parts = lines + grads + values + [(float("inf"), "no %s (the unsharded run has it)" % m)
-                                                   for m in missing]
-                body = _listed("", parts) + hint
+                groups = [lines, grads, values + [(float("inf"), "no %s (the unsharded run has it)" % m)
+                                                  for m in missing]]
+                parts = [f for g in groups for f in g]
+                body = _listed("", groups) + hint
                 if body in reported:  # the same differences as a rank before it: named once
                     found[at] = (phase, "%s train: the same %d differences as %s" % (who, len(parts),
                                                                                    reported[body]))
                 else:
                     reported[body] = who
                     found[at] = (phase, "%s train: %d of the step's results differ from the unsharded run's "
-                                        "(worst first)%s" % (who, len(parts), body))
+                                        "(values, gradients, then the update, each worst first)%s" % (who, len(parts), body))
                 continue
             if first is None:
                 first = (at, who, run)

@@ -76,9 +76,10 @@ def make_step(bug=""):
         CLIP[0] = bug == "clip_rank_order"
         logged, logits, _ = user_cp.train_step(model, cb, comm)
         update_bias(model, cb, comm, bug)
-        # The logits at this rank's positions: the leak property holds each
-        # document's to its own tokens.
-        return {"train": ct.TrainStep(model, logged, positions={"logits": logits}, tolerance=1e-9)}
+        # The logits and labels at this rank's positions: compared at them, and
+        # the leak property holds each document's to its own tokens.
+        return {"train": ct.TrainStep(model, logged, positions={"logits": logits, "labels": cb.labels},
+                                      tolerance=1e-9)}
     return step
 
 
@@ -111,7 +112,8 @@ PLANTED = [
     ("grad_dp_only", ["train:", "gradient of"]),
     ("sgd_before_allreduce", ["train:", "parameter", "after the step", "the update did not use them"]),
     ("clip_local_norm", ["train:", "gradient of"]),
-    ("label_shift_local", ["train:", "the loss reported"]),
+    # labels made on the shard: the last position of a shard loses its label
+    ("label_shift_local", ["train:", "labels (positions", "wrong elements", "-100, unsharded"]),
     ("bias_local_counts", ["train:", "buffer load_bias after the step"]),
     ("bias_replica_counts", ["train:", "buffer load_bias after the step"]),
     ("replica_weight", ["(dp 1, cp 0) train: 1 of the step's results", "parameter attn.wq after the step"]),
