@@ -44,6 +44,7 @@ class Side:
         self.file = "rank_%d.safetensors" % rank
         self.lo, self.hi = golden.cuts[rank], golden.cuts[rank + 1]
         self.found, self.found_backward = [], []
+        self.firsts = []  # (phase, why): each output's first difference, in the table's order
 
     def against(self, name, got, key, file=None, want=None, floor=0.0):
         file = file or self.file
@@ -104,11 +105,21 @@ class Side:
             self.backward(name, value, c.leaves(self.case), c.upstream(self), c.grads,
                           c.floors(self) if c.floors else None)
 
+    def output(self, name, value):
+        """One output of the step compared, by its entry; its first difference
+        (its value's, else its gradient's) kept for the report."""
+        values, grads = len(self.found), len(self.found_backward)
+        compare(self, name, value)
+        if len(self.found) > values:
+            self.firsts.append((0, self.found[values]))
+        elif len(self.found_backward) > grads:
+            self.firsts.append((1, self.found_backward[grads]))
+
     def first(self):
-        """(0, why) for the first value that differs, (1, why) for a gradient, or None."""
-        if self.found:
-            return (0, self.found[0])
-        return (1, self.found_backward[0]) if self.found_backward else None
+        """Each output's first difference, as (phase, why): phase 0 where a value
+        differs, 1 where only gradients do; why one line an output, the values'
+        first. None when every output agrees."""
+        return combined(*self.firsts) if self.firsts else None
 
 
 def _batch(side, local):
@@ -209,6 +220,17 @@ COMPARED = {
 
 
 UNSHARDED = {name: c.unsharded for name, c in COMPARED.items() if c.unsharded}
+
+
+def combined(*reports):
+    """Several outputs' differences of one rank, (phase, why) each (None: none),
+    as one: the lowest phase, the lines of the values' differences before the
+    gradients' (in the order given within each)."""
+    reports = [r for r in reports if r]
+    if not reports:
+        return None
+    ordered = sorted(reports, key=lambda r: r[0])  # stable: the order given within a phase
+    return (ordered[0][0], "\n".join(why for _, why in ordered))
 
 
 def compare(side, name, value):

@@ -59,8 +59,8 @@ class CheckFailed(AssertionError):
     """The step disagreed with cpsim's references. `batch` is the smallest failing
     layout as BATCH JSON text, `path` where it was saved, `cp` the CP size,
     `plan` and `seed` what replays it (check(step, batch=path, cp=cp, plan=plan,
-    seed=seed)), `failure` what went wrong: every rank's first difference, one
-    line each."""
+    seed=seed)), `failure` what went wrong: each output's first difference on every
+    rank, a line each."""
 
     def __init__(self, message, failure, batch, path, cp, plan, seed=None):
         super().__init__(message)
@@ -143,7 +143,7 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
     number of drawn cases the step set aside as outside its contract, and
     `outside_why`). Raises CheckFailed with the smallest failing layout, saved
     as a BATCH file to `out` (default: a file in the temporary folder), and
-    every rank's first difference (values before gradients).
+    each output's first difference on every rank (values before gradients).
 
     In a process of a job (after cpsim.torch.init_process_group(), under
     `cpsim launch -n N`), every case runs at CP size N / dp, this process being

@@ -1,7 +1,7 @@
 """One rank of one case: the step, then its outputs compared with the golden
 values and their gradients taken, in the same order on every rank."""
 from cpsim.case import RankCase
-from cpsim.compared import UNSHARDED as UNSHARDED_OUTPUTS, Side, compare
+from cpsim.compared import UNSHARDED as UNSHARDED_OUTPUTS, Side
 from cpsim.mesh import who as _who
 from cpsim.outputs import OUTPUT_TABLE, OUTPUTS
 
@@ -11,9 +11,10 @@ __all__ = ("UNSHARDED_OUTPUTS", "first_differences", "run_rank")
 def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, mesh="dp,cp", redraw=None):
     """One rank: the step, then its outputs' comparisons and gradients, in the
     order of OUTPUT_TABLE on every rank (cpsim.compared says how each is
-    compared). Returns this rank's first difference as (0, why) for a value,
-    (1, why) for a gradient (a gradient's difference may be a forward one's
-    consequence), or None when none. The run of an output compared with the
+    compared). Returns this rank's differences as (0, why) where a value
+    differs, (1, why) where only gradients do (a gradient's difference may be
+    a forward one's consequence): each output's first, a line each, the
+    values' first; None when none. The run of an output compared with the
     unsharded step ("layer", "user_loss") goes to runs[name][(dp_rank, rank)]
     (runs[name][None]: the unsharded run's), compared once every rank and the
     unsharded run are done. With `redraw` (the leak property's run, cpsim.leak)
@@ -43,13 +44,14 @@ def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, me
     side = Side(golden, case, rank, who, runs, dp_rank)
     for o in OUTPUT_TABLE:
         if o.name in out:
-            compare(side, o.name, out[o.name])
+            side.output(o.name, out[o.name])
     return side.first()
 
 
 def first_differences(per_rank):
-    """Every rank's first difference, the values' before the gradients' (a wrong
-    gradient often follows from a wrong value, maybe another rank's), one line
-    each; '' when every rank agrees."""
+    """Every rank's differences (each output's first), the ranks where a value
+    differs before those where only gradients do (a wrong gradient often
+    follows from a wrong value, maybe another rank's); '' when every rank
+    agrees."""
     found = sorted((f[0], r, f[1]) for r, f in enumerate(per_rank) if f)
     return "\n".join(why for _, _, why in found)

@@ -7,6 +7,7 @@ import torch
 from cpsim import torch as ct  # spawn and the job: the harness builds on cpsim.torch
 from cpsim import where
 from cpsim.case import Golden
+from cpsim.compared import combined
 from cpsim.leak import leak_differences, redraws
 from cpsim.mesh import placed
 from cpsim.rank import UNSHARDED_OUTPUTS, first_differences, run_rank
@@ -66,8 +67,7 @@ def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp", 
             if name not in runs:
                 continue
             for r, why in kind.differences(runs[name], cp, dp, golden.manifest["S"], mesh).items():
-                if not found[r] or why[0] < found[r][0]:
-                    found[r] = why
+                found[r] = combined(found[r], why)
         if leaks and not any(found):
             why = _leaks(golden, step, runs, backend, timeout, dp, mesh, found)
             if why:

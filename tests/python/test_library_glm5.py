@@ -220,8 +220,8 @@ TRAIN_BATCH = ('{"input_ids": [[3, 5, 7, 2, 9, 4, 6, 0], [8, 3, 3, 5, 1, 7, 0, 0
 def test_the_glm5_train_step_at_dp_2_cp_2_matches_the_step_on_one_rank(tmp_path):
     batch = tmp_path / "train.json"
     batch.write_text(TRAIN_BATCH)
-    assert glm5_step.check("train", batch=str(batch), cp=2, dp=2, seed=SEED) == 1
-    assert glm5_step.check("train", cases=TRAIN_CASES, cps=[2], dp=2, seed=SEED) >= TRAIN_CASES
+    assert glm5_step.check("train", batch=str(batch), cp=2, dp=2, seed=SEED) == 1  # with the leak runs
+    assert glm5_step.check("train", cases=TRAIN_CASES, cps=[2], dp=2, seed=SEED, leaks=False) >= TRAIN_CASES
 
 
 def test_the_glm5_train_step_at_cp_1_to_4_matches_the_step_on_one_rank():
