@@ -14,6 +14,12 @@ def rms(t):
     return t.square().mean().sqrt().item() if t.numel() else 0.0
 
 
+def ratio(got, want):
+    """got as a multiple of want (least squares), or None when want is 0."""
+    den = float((want.double() * want.double()).sum())
+    return float((got.double() * want.double()).sum()) / den if den > 0 else None
+
+
 def close(a, b, tolerance):
     """Whether the number a is b within `tolerance` relative to b (|b| at least
     1e-12); a NaN on either side is never close."""

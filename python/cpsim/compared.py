@@ -160,10 +160,16 @@ def _unsharded(side, name, kind, value):
     if side.runs is None:
         raise ValueError("a \"%s\" output is compared on thread ranks (check(backend='threads'), not in a job)"
                          % name)
+    side.runs.setdefault(name, {})[(side.dp_rank, side.rank)] = unsharded_run(kind, side.case, value, side.who)
+
+
+def unsharded_run(kind, case, value, who):
+    """kind.run(case, value, who), its collectives named as the backward of the
+    step's output (no frame of the step's own is on the stack)."""
     from cpsim import _C
     _C.set_site_context("the backward of the step's %s" % kind.noun)
     try:
-        side.runs.setdefault(name, {})[(side.dp_rank, side.rank)] = kind.run(side.case, value, side.who)
+        return kind.run(case, value, who)
     finally:
         _C.set_site_context("")
 

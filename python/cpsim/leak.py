@@ -21,16 +21,24 @@ from cpsim.mesh import who as _who, world_rank
 Redraw = collections.namedtuple("Redraw", "mask what name")
 
 
-def redraws(golden):
-    """A case's redraws: one document's real tokens (the first document of a
-    row that has another after it, whose tokens could see it; else the first
-    document), and the padding (the raw batch's and the CP padding), where the
-    case has them."""
+def _real(golden):
+    """[B, P] bool: the positions that are a document's real token."""
     doc, pad = golden.reference["doc_ids"], golden.reference["padding"]
     B, P = doc.shape
     S = pad.shape[-1]
     real = torch.zeros(B, P, dtype=torch.bool)
     real[:, :S] = ~pad.reshape(B, S).bool() & (doc[:, :S] > 0)
+    return real
+
+
+def redraws(golden):
+    """A case's redraws: one document's real tokens (the first document of a
+    row that has another after it, whose tokens could see it; else the first
+    document), and the padding (the raw batch's and the CP padding), where the
+    case has them."""
+    doc = golden.reference["doc_ids"]
+    B, P = doc.shape
+    real = _real(golden)
     chosen = None
     for b in range(B):
         for d in sorted(set(int(x) for x in doc[b][real[b]])):
@@ -124,20 +132,17 @@ def _moved(new, old, tolerance):
     if not old.is_floating_point():
         return new != old
     n, o = new.double(), old.double()
-    off = (n - o).abs() > tolerance * max(rms(o), 1e-300)
-    return off | (n.isfinite() != o.isfinite())
+    # `not |n - o| <= bound`: a NaN on either side moved, unless both are NaN or equal (inf)
+    return ~((n == o) | ((n - o).abs() <= tolerance * max(rms(o), 1e-300)) | (n.isnan() & o.isnan()))
 
 
 def leak_differences(name, before, after, redraw, golden, cp, dp, mesh):
     """Each rank's results after the redraw against its own before it: every
     position of a document not redrawn, and with the padding redrawn every
     result; {world rank: (0, why)}."""
-    doc, pad = golden.reference["doc_ids"], golden.reference["padding"]
-    B, P = doc.shape
-    S = pad.shape[-1]
-    real = torch.zeros(B, P, dtype=torch.bool)
-    real[:, :S] = ~pad.reshape(B, S).bool() & (doc[:, :S] > 0)
-    kept = real & ~redraw.mask
+    doc = golden.reference["doc_ids"]
+    S = golden.reference["padding"].shape[-1]
+    kept = _real(golden) & ~redraw.mask
     padding = redraw.name == "padding"
     found = {}
     for dp_rank in range(dp):

@@ -1,7 +1,7 @@
 """One rank of one case: the step, then its outputs compared with the golden
 values and their gradients taken, in the same order on every rank."""
 from cpsim.case import RankCase
-from cpsim.compared import UNSHARDED as UNSHARDED_OUTPUTS, Side
+from cpsim.compared import UNSHARDED as UNSHARDED_OUTPUTS, Side, unsharded_run
 from cpsim.mesh import who as _who
 from cpsim.outputs import OUTPUT_TABLE, OUTPUTS
 
@@ -24,16 +24,11 @@ def run_rank(golden, step, rank, dp=1, dp_rank=0, runs=None, unsharded=False, me
     who = _who(rank, dp_rank, case.cp, dp, mesh)
     if unsharded or redraw is not None:  # a run of the step's own outputs only: nothing else is compared
         out = step(case)
-        from cpsim import _C
         for name, kind in UNSHARDED_OUTPUTS.items():
             if name in runs:
-                _C.set_site_context("the backward of the step's %s" % kind.noun)
-                try:
-                    runs[name][None if unsharded else (dp_rank, rank)] = kind.run(
-                        case, out.get(name) if isinstance(out, dict) else None,
-                        "the unsharded run" if unsharded else who)
-                finally:
-                    _C.set_site_context("")
+                runs[name][None if unsharded else (dp_rank, rank)] = unsharded_run(
+                    kind, case, out.get(name) if isinstance(out, dict) else None,
+                    "the unsharded run" if unsharded else who)
         return None
     out = step(case)
     if not isinstance(out, dict):

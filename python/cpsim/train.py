@@ -7,7 +7,7 @@ parameter, buffer and optimizer state after the step, and every replica
 against every other (identical after a step)."""
 import torch
 
-from cpsim.compare import RUNS, close, difference, rms
+from cpsim.compare import RUNS, close, difference, ratio, rms
 from cpsim.mesh import who as _who, world_rank
 
 # How many differing tensors one report lists before it counts the rest.
@@ -85,11 +85,6 @@ def train_run(case, step, who):
             "tolerance": step.tolerance, "lo": case._lo, "hi": case._hi, "rows": case.rows}
 
 
-def _ratio(got, want):
-    den = float((want.double() * want.double()).sum())
-    return float((got.double() * want.double()).sum()) / den if den > 0 else None
-
-
 def _factor(ratio, cp, dp):
     """A known factor a gradient or a loss is off by, named; '' for none."""
     if ratio is None:
@@ -125,9 +120,9 @@ def _compared(kind, got, want, tolerance, floor, cp, dp):
     scale = max(rms(want), floor)
     if got.shape == want.shape and want.is_floating_point():
         # A known factor, named where got is that multiple of want within the tolerance.
-        ratio = _ratio(got, want)
-        named = _factor(ratio, cp, dp)
-        if named and not difference(kind, got.double(), want.double() * ratio, tolerance, floor=floor * abs(ratio)):
+        r = ratio(got, want)
+        named = _factor(r, cp, dp)
+        if named and not difference(kind, got.double(), want.double() * r, tolerance, floor=floor * abs(r)):
             why += named
     return (err / scale if scale > 0 else float("inf"), why)
 

@@ -6,7 +6,7 @@ run must give the unsharded run's labels at each rank's positions, its value
 (every rank, or summed over the CP ranks) and its gradient to the logits."""
 import torch
 
-from cpsim.compare import RUNS, close, difference, rms
+from cpsim.compare import RUNS, close, difference, ratio, rms
 from cpsim.mesh import who as _who, world_rank
 
 VALUES = ("global", "share")
@@ -117,12 +117,6 @@ def _left_out(who, run, S):
                                              ", mask not 0" if run["loss_mask"] is not None else "", S))
 
 
-def _ratio(got, want):
-    """got as a multiple of want (least squares), or None."""
-    den = float((want.double() * want.double()).sum())
-    return float((got.double() * want.double()).sum()) / den if den > 0 else None
-
-
 def _value_hint(values, whole, tolerance, dp=1):
     """Why the ranks' values are not the whole loss, where it shows."""
     if len(values) < 2:
@@ -191,7 +185,7 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
         why = difference("%s user_loss gradient to the logits (%s)" % (who, where), got,
                          want, tolerance, floor=rms(whole["grad"]) * scale, sides=RUNS)
         if why:
-            why += _gradient_hint(_ratio(got, want), cp, dp)
+            why += _gradient_hint(ratio(got, want), cp, dp)
             found.setdefault(at, (1, why))
         if bool((run["grad"][:, n:] != 0).any()):
             found.setdefault(at, (1, "%s user_loss gradient to the logits is not 0 at the CP padding "
