@@ -1,21 +1,20 @@
-"""GLM-5.3's contiguous CP (NeMo Automodel 0.7.0's `glm5_next.cp`, the module of
-seed 003) and the GLM-5.3 layers that consume it (`glm5_next.layers`),
-unmodified, on cpsim's ranks, property-tested by cpsim.torch.check:
+"""GLM-5.3's contiguous CP (NeMo Automodel 0.7.0's `glm5_next.cp`) and the
+GLM-5.3 layers that consume it (`glm5_next.layers`), unmodified, on cpsim's
+ranks, property-tested by cpsim.torch.check:
 
     .venv/bin/python examples/libraries/glm5_step.py cp           # the CP module against cpsim's references
     .venv/bin/python examples/libraries/glm5_step.py kda          # KDA, FLA's kernels (interpreted), sharded vs unsharded
     .venv/bin/python examples/libraries/glm5_step.py kda_torch    # KDA's CPU path as shipped (finding G1: fails)
     .venv/bin/python examples/libraries/glm5_step.py dsa          # KPool-DSA with its indexer
     .venv/bin/python examples/libraries/glm5_step.py decoder      # one decoder layer (DSA, mHC, dense MLP)
-    .venv/bin/python examples/libraries/glm5_step.py train --dp 2   # the whole model's step (glm5_train.py)
+    .venv/bin/python examples/libraries/glm5_step.py train --dp 2 # the whole model's step (glm5_train.py)
     .venv/bin/python examples/libraries/glm5_step.py cp --variant rank_from_world
 
 * `cp` and `fla_context`: `shard_batch_for_glm5_next_cp` on the raw batch as the
   collator gives it (a THD collator's [S] rows too: `_normalize_batch_axis`),
   on the CP submesh of a real `init_device_mesh("cpu", (dp, cp))`; its
-  `Glm5NextPackedContext` (`doc_ids` from `_global_doc_ids_from_batch`, that is
-  `doc_ids_from_seq_lens` / `doc_ids_from_cu_seqlens`, `local_doc_ids`,
-  `local_seq_len`, `seq_start`, `row_cu_seqlens`), every key the sharder
+  `Glm5NextPackedContext` (`doc_ids` from `_global_doc_ids_from_batch`,
+  `local_doc_ids`, `local_seq_len`, `seq_start`, `row_cu_seqlens`), every key the sharder
   returns, `segment_cu_seqlens` of each row's local ids (`cp`) or FLA's context
   from `build_fla_cp_context` (`fla_context`: its local boundaries and ranks),
   and `all_gather_sequence` with `all_gather_backward_anchor` added to it.
@@ -33,7 +32,7 @@ torch convolution and recurrence, on CUDA tensors FLA's `causal_conv1d`,
 as shipped; `kda` the CUDA branch: `kernel_path(module)` binds, on this
 module's instances only, the three methods that test `is_cuda` compiled from
 the library's own source with each `X.is_cuda` read as True, and FLA's Triton
-kernels run under the interpreter (triton_cpu.py). docs/libraries.md has more.
+kernels run under the interpreter (triton_cpu.py).
 """
 import ast
 import inspect
@@ -354,7 +353,9 @@ VARIANTS = {
     "kda": {"guarded": make_layer_step("kda", guarded=True)},
     "dsa": {"no_anchor": make_layer_step("dsa", no_anchor=True), "guarded": make_layer_step("dsa", guarded=True)},
     "decoder": {"guarded": make_layer_step("decoder", guarded=True)},
-    "train": {"local_label_count": _train_step("local_label_count"), "bias_local": _train_step("bias_local")},
+    "train": {"local_label_count": _train_step("local_label_count"), "bias_local": _train_step("bias_local"),
+              "fsdp_over_dp": _train_step("fsdp_over_dp"),
+              "unused_with_cp_only": _train_step("unused_with_cp_only")},
 }
 
 

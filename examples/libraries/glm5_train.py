@@ -15,11 +15,15 @@ idle), one step as `train_ft._run_train_optim_step` does it:
   to every layer that takes one (`setup_cp_attention`);
 * `calculate_loss(MaskedCrossEntropy(), ..., num_label_tokens=N)`, backward of
   `loss * dp_group_size(include_cp=True)`;
-* the gradients averaged over every DP x CP rank, as FSDP2's reduce-scatter
-  does (a plain all-reduce AVG, the same arithmetic: the library's
-  parallelizer patches FSDP in a way torch 2.15.0 breaks, docs/libraries.md);
-* `scale_grads_and_clip_grad_norm` (the library's, torch's norm on CPU), an
-  SGD step, then `update_moe_gate_bias()` with the routing bias replicated
+* torch's FSDP2 (`fully_shard`) over the (dp, cp) mesh flattened, in the
+  units the library's MoE parallelizer makes (each block, the embedding, the
+  lm head, the vision tower, the root): its reduce-scatter averages the
+  gradients over every DP x CP rank (the parallelizer itself first patches
+  FSDP in a way torch 2.15.0 breaks, docs/libraries.md), with the library's
+  `configure_fsdp_unused_param_reduction` at every CP size (finding G10: the
+  parallelizer calls it with CP only);
+* `scale_grads_and_clip_grad_norm` (the library's, torch's norm on CPU), a
+  step of torch's SGD with momentum on the sharded parameters, then `update_moe_gate_bias()` with the routing bias replicated
   over the whole (dp, cp) mesh as the MoE parallelizer does (a DTensor:
   every rank's expert load summed).
 
@@ -30,11 +34,13 @@ function's own Python body (`__wrapped__`), so no case pays it.
 """
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 import glm5_step
 from glm5_step import OutsideContract, glm5_cp, kernel_path
 
+from nemo_automodel.components.distributed.parallelizer_utils import configure_fsdp_unused_param_reduction
 from nemo_automodel.components.loss.masked_ce import MaskedCrossEntropy
 from nemo_automodel.components.loss.utils import calculate_loss
 from nemo_automodel.components.models.common import BackendConfig
@@ -108,10 +114,26 @@ def _gates(model):
     return [m for m in model.modules() if isinstance(m, Gate) and m.e_score_correction_bias is not None]
 
 
+def _fully_shard(model, mesh):
+    """torch's FSDP2 over the mesh, in the units the library's MoE parallelizer
+    (`apply_fsdp`) makes: each decoder block, the embedding, the lm head, the
+    vision tower (its own unit: bf16 parameters), then the root. Its
+    reduce-scatter averages every gradient over the mesh's ranks."""
+    text = model.model.language_model
+    for block in text.layers.values():
+        fully_shard(block, mesh=mesh)
+    for unit in (text.embed_tokens, model.lm_head, model.model.visual):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def make_train_step(bug=None):
     """bug (PLANTED): "local_label_count" (the label count of this rank's shard,
     not the replica's rows over DP), "bias_local" (the routing bias left a plain
-    tensor: each rank's own expert load)."""
+    tensor: each rank's own expert load), "fsdp_over_dp" (FSDP2 over the DP
+    mesh alone: the CP ranks' gradients never reduced); "unused_with_cp_only"
+    (FSDP2's zeros for unused parameters only with CP, as the library's MoE
+    parallelizer has it: finding G10)."""
     def step(case):
         batch = case.replica_batch
         glm5_step._contract(batch)
@@ -126,9 +148,15 @@ def make_train_step(bug=None):
         for sub in model.modules():
             if hasattr(sub, "setup_cp_attention"):
                 sub.setup_cp_attention(cp_mesh)
+        flat = mesh._flatten("dp_cp")  # the FSDP mesh: DP and CP flattened into one
+        _fully_shard(model, mesh["dp"] if bug == "fsdp_over_dp" else flat)
+        if bug != "unused_with_cp_only" or cp_mesh.size() > 1:
+            # Zeros reduced for a parameter this rank's tokens left unused. The
+            # MoE parallelizer does it only with CP (`if cp_enabled`): finding
+            # G10, a replica of padding only leaves the DSA layer idle at any dp.
+            configure_fsdp_unused_param_reduction(model)
         if bug != "bias_local":
-            # As the MoE parallelizer does: replicated over the FSDP mesh, DP and CP flattened into one.
-            flat = mesh._flatten("dp_cp")
+            # As the MoE parallelizer does: replicated over the FSDP mesh (FSDP2 leaves buffers alone).
             for gate in _gates(model):
                 gate.e_score_correction_bias = distribute_tensor(gate.e_score_correction_bias, flat, [Replicate()])
         loss_mask = batch.pop("loss_mask", None)
@@ -145,19 +173,13 @@ def make_train_step(bug=None):
                               hidden_states=None, num_label_tokens=int(num_label_tokens))
         world = mesh.size()
         (loss * world).backward()  # the recipe's loss * dp_group_size(include_cp=True)
-        for p in model.parameters():  # FSDP2's reduce-scatter: the average over every rank
-            if p.grad is None:  # (an expert no token of this rank chose: FSDP reduces its zeros too)
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         norm = scale_grads_and_clip_grad_norm(MAX_NORM, [model], device_mesh=None, num_label_tokens=None,
                                               dp_group_size=world, use_torch_clip_grad_norm=True)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p -= LR * p.grad
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)  # on FSDP's sharded parameters
+        optimizer.step()
         model.update_moe_gate_bias()
         logged = loss.detach().clone()
         dist.all_reduce(logged)  # every rank's share: the window's loss
-        return {"train": cpsim.torch.TrainStep(model, logged, tensors={"grad_norm": torch.as_tensor(norm)},
+        return {"train": cpsim.torch.TrainStep(model, logged, optimizer, tensors={"grad_norm": torch.as_tensor(norm)},
                                                positions={"logits": out.logits}, tolerance=TOLERANCE)}
     return step

@@ -20,6 +20,23 @@ def ratio(got, want):
     return float((got.double() * want.double()).sum()) / den if den > 0 else None
 
 
+def known_factor(r, cp, dp, within):
+    """The group size a ratio r is (or 1 over), within `within` relative:
+    (factor, its names, whether r is 1 / factor), or None. The sizes are dp,
+    cp and dp x cp, where each is more than 1 (equal ones named together)."""
+    if r is None:
+        return None
+    known = [(f, n) for f, n, given in ((dp, "dp (%d)" % dp, dp > 1), (cp, "cp (%d)" % cp, cp > 1),
+                                        (dp * cp, "dp x cp (%d)" % (dp * cp), dp > 1 and cp > 1)) if given]
+    for factor in sorted(set(f for f, _ in known)):
+        names = " or ".join(n for f, n in known if f == factor)
+        if abs(r - factor) <= within * factor:
+            return factor, names, False
+        if abs(r - 1.0 / factor) <= within / factor:
+            return factor, names, True
+    return None
+
+
 def close(a, b, tolerance):
     """Whether the number a is b within `tolerance` relative to b (|b| at least
     1e-12); a NaN on either side is never close."""

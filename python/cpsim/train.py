@@ -7,7 +7,7 @@ parameter, buffer and optimizer state after the step, and every replica
 against every other (identical after a step)."""
 import torch
 
-from cpsim.compare import RUNS, close, difference, ratio, rms
+from cpsim.compare import RUNS, close, difference, known_factor, ratio, rms
 from cpsim.mesh import who as _who, world_rank
 
 # How many differing tensors one report lists before it counts the rest.
@@ -85,19 +85,15 @@ def train_run(case, step, who):
             "tolerance": step.tolerance, "lo": case._lo, "hi": case._hi, "rows": case.rows}
 
 
-def _factor(ratio, cp, dp):
+def _factor(r, cp, dp):
     """A known factor a gradient or a loss is off by, named; '' for none."""
-    if ratio is None:
+    known = known_factor(r, cp, dp, 1e-6)
+    if known is None:
         return ""
-    known = [(f, n) for f, n, given in ((dp, "dp (%d)" % dp, dp > 1), (cp, "cp (%d)" % cp, cp > 1),
-                                        (dp * cp, "dp x cp (%d)" % (dp * cp), dp > 1 and cp > 1)) if given]
-    for factor in sorted(set(f for f, _ in known)):
-        names = " or ".join(n for f, n in known if f == factor)
-        if abs(ratio - factor) <= 1e-6 * factor:
-            return " (%s times the unsharded: off by %s)" % (_number(ratio), names)
-        if abs(ratio - 1.0 / factor) <= 1e-6 / factor:
-            return " (1/%s of the unsharded: off by %s)" % (_number(factor), names)
-    return ""
+    factor, names, inverse = known
+    if inverse:
+        return " (1/%s of the unsharded: off by %s)" % (_number(factor), names)
+    return " (%s times the unsharded: off by %s)" % (_number(r), names)
 
 
 def _number(x):
@@ -226,7 +222,35 @@ def train_differences(runs, cp, dp, S, mesh="dp,cp"):
             why = _drift(first, who, run)
             if why:
                 found[at] = (0, why)
+    hint = _reduction_hint(runs, cp, dp, mesh, tolerance, grad_floor)
+    if hint and any("\n  gradient of " in why for _, why in found.values()):
+        at = min(found, key=lambda r: (found[r][0], r))
+        found[at] = (found[at][0], found[at][1] + hint)
     return found
+
+
+def _reduction_hint(runs, cp, dp, mesh, tolerance, floor):
+    """Which group the gradient reduction left out, where the ranks' gradients
+    show it: every rank of a replica must hold the same reduced gradients, and
+    every replica too."""
+    grads = {(d, r): runs[(d, r)]["grads"] for d in range(dp) for r in range(cp) if runs.get((d, r))}
+    if len(grads) != dp * cp or all(g is None for g in grads[(0, 0)].values()):
+        return ""
+
+    def same(a, b):
+        return all(difference(n, b[n] if b.get(n) is not None else torch.zeros_like(g),
+                              g if g is not None else torch.zeros_like(b[n]), tolerance, floor=floor) == ""
+                   for n, g in a.items() if g is not None or b.get(n) is not None)
+    within = all(same(grads[(d, r)], grads[(d, 0)]) for d in range(dp) for r in range(1, cp))
+    across = all(same(grads[(d, r)], grads[(0, r)]) for d in range(1, dp) for r in range(cp))
+    if cp > 1 and not within and across:
+        return ("\n  the CP ranks of a replica hold different gradients%s: the reduction left out CP (each CP rank's "
+                "gradient is its own tokens' part: a DDP or FSDP mesh over DP only, say)" % (
+                    ", the replicas the same ones" if dp > 1 else ""))
+    if dp > 1 and within and not across:
+        return ("\n  the replicas hold different gradients, the CP ranks of each the same ones: the reduction left "
+                "out DP (reduced over CP only)")
+    return ""
 
 
 def _drift(first, who, run):

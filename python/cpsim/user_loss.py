@@ -4,9 +4,11 @@ step run unsharded on a group of one (as "layer" is): whatever the loss's
 convention (token mean over every rank, per-document mean, sum), the sharded
 run must give the unsharded run's labels at each rank's positions, its value
 (every rank, or summed over the CP ranks) and its gradient to the logits."""
+import re
+
 import torch
 
-from cpsim.compare import RUNS, close, difference, ratio, rms
+from cpsim.compare import RUNS, close, difference, known_factor, ratio, rms
 from cpsim.mesh import who as _who, world_rank
 
 VALUES = ("global", "share")
@@ -28,7 +30,9 @@ class Loss:
     value_is: "global" (every rank's value is the whole loss: reduced across
         the ranks, dp x cp with replicas) or "share" (the ranks' values sum to
         the whole loss).
-    gradient: the convention of the gradients the ranks' backwards give. "sum"
+    gradient: the convention of the gradients the ranks' backwards give (the
+        logits' .grad where the step called backward itself, else value's
+        gradient, which cpsim takes). "sum"
         (the ranks' gradients add up to the unsharded loss's: each rank's
         gradient to its logits is the unsharded one at its rows and positions)
         or "mean" (a reduction that averages over the dp x cp ranks follows:
@@ -59,8 +63,8 @@ def loss_run(case, loss, who):
         raise TypeError("%s: the Loss's value must be a one-element tensor, not %s" % (who, type(value).__name__))
     if not (isinstance(logits, torch.Tensor) and logits.requires_grad):
         raise TypeError("%s: the Loss's logits must be the leaf it was computed from (case.activation)" % who)
-    grad = None
-    if value.requires_grad:
+    grad = logits.grad  # the step's own backward left it (its graph may be freed: no retain_graph asked)
+    if grad is None and value.requires_grad:
         (grad,) = torch.autograd.grad(value.reshape(()), [logits], retain_graph=True, allow_unused=True)
 
     def kept(t):
@@ -201,22 +205,20 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
     return found
 
 
-def _gradient_hint(ratio, cp, dp):
+def _gradient_hint(r, cp, dp):
     """What a gradient off by a known factor of the unsharded one means."""
-    if ratio is None:
+    known = known_factor(r, cp, dp, 1e-3)
+    if known is None:
         return ""
-    known = [(cp, "cp (%d)" % cp), (dp * cp, "dp x cp (%d)" % (dp * cp)), (dp, "dp (%d)" % dp)]
-    for factor, name in known:
-        if factor > 1 and abs(ratio - factor) <= 1e-3 * factor:
-            if factor == cp and dp == 1:
-                return ("\n  it is cp (%d) times the unsharded gradient at its positions: an all_reduce with "
-                        "autograd (torch.distributed.nn.all_reduce) sums the ranks' upstream gradients into "
-                        "each; all_reduce a detached count or sum instead (or Loss(..., gradient='mean') if "
-                        "a reduction that averages over the ranks follows)" % cp)
-            return ("\n  it is %s times the unsharded gradient at its positions: a loss divided by the count of "
-                    "fewer ranks than its reduction sums over, or summed over ranks with autograd "
-                    "(Loss(..., gradient='mean') if a reduction that averages over the dp x cp ranks follows)" % name)
-        if factor > 1 and abs(ratio - 1.0 / factor) <= 1e-3 / factor:
-            return ("\n  it is 1/%s of the unsharded gradient at its positions: the loss was divided by %s once too "
-                    "often (a mean over the ranks of a loss already reduced)" % (name, name.split(" ")[0]))
-    return ""
+    factor, names, inverse = known
+    if inverse:
+        return ("\n  it is 1/%s of the unsharded gradient at its positions: the loss was divided by %s once too "
+                "often (a mean over the ranks of a loss already reduced)" % (names, re.sub(r" \(\d+\)", "", names)))
+    if dp == 1:
+        return ("\n  it is cp (%d) times the unsharded gradient at its positions: an all_reduce with "
+                "autograd (torch.distributed.nn.all_reduce) sums the ranks' upstream gradients into "
+                "each; all_reduce a detached count or sum instead (or Loss(..., gradient='mean') if "
+                "a reduction that averages over the ranks follows)" % cp)
+    return ("\n  it is %s times the unsharded gradient at its positions: a loss divided by the count of "
+            "fewer ranks than its reduction sums over, or summed over ranks with autograd "
+            "(Loss(..., gradient='mean') if a reduction that averages over the dp x cp ranks follows)" % names)

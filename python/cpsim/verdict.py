@@ -40,10 +40,7 @@ def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp", 
     cp = golden.cp
     runs = {}  # "layer", "user_loss": {(dp_rank, rank) or None (unsharded): run}
     try:
-        def one(rank, world):
-            cp_rank, dp_rank = placed(rank, cp, dp, mesh)
-            return run_rank(golden, step, cp_rank, dp, dp_rank, runs, mesh=mesh)
-        found = ct.spawn(one, dp * cp, backend=backend, timeout=timeout)
+        found = ct.spawn(_each_rank(golden, step, dp, mesh, runs), dp * cp, backend=backend, timeout=timeout)
     except ct.RankFailed as e:
         if isinstance(e.error, OutsideContract):
             return Outside(str(e.error))
@@ -75,6 +72,14 @@ def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp", 
     return first_differences(found)
 
 
+def _each_rank(golden, step, dp, mesh, runs, redraw=None):
+    """A spawned rank's body: its place in the mesh, then run_rank."""
+    def one(rank, world):
+        cp_rank, dp_rank = placed(rank, golden.cp, dp, mesh)
+        return run_rank(golden, step, cp_rank, dp, dp_rank, runs, mesh=mesh, redraw=redraw)
+    return one
+
+
 def _leaks(golden, step, runs, backend, timeout, dp, mesh, found):
     """The leak property (cpsim.leak): the step run again on every rank with
     one document's inputs drawn again, then the padding's; what moved goes to
@@ -82,12 +87,8 @@ def _leaks(golden, step, runs, backend, timeout, dp, mesh, found):
     cp = golden.cp
     for redraw in redraws(golden):
         again = {name: {} for name in runs}
-
-        def one(rank, world):
-            cp_rank, dp_rank = placed(rank, cp, dp, mesh)
-            return run_rank(golden, step, cp_rank, dp, dp_rank, again, mesh=mesh, redraw=redraw)
         try:
-            ct.spawn(one, dp * cp, backend=backend, timeout=timeout)
+            ct.spawn(_each_rank(golden, step, dp, mesh, again, redraw), dp * cp, backend=backend, timeout=timeout)
         except ct.RankFailed as e:
             return "the step run again with %s drawn again: rank %d raised %s" % (
                 redraw.what, e.rank, str(e).split(": ", 1)[1])
@@ -97,8 +98,25 @@ def _leaks(golden, step, runs, backend, timeout, dp, mesh, found):
             for r, why in leak_differences(name, runs[name], again[name], redraw, golden, cp, dp, mesh).items():
                 found[r] = found[r] or why
         if any(found):
+            at = min((r for r, f in enumerate(found) if f), key=lambda r: (found[r][0], r))
+            found[at] = (found[at][0], found[at][1] + _whose_leak(golden, step, runs, redraw, backend, timeout, mesh))
             return ""
     return ""
+
+
+def _whose_leak(golden, step, runs, redraw, backend, timeout, mesh):
+    """Once the sharded run leaked: the unsharded run redrawn the same way,
+    which says whether the step's own code lets them meet or its CP code."""
+    whole = {name: {} for name in runs}
+    try:
+        ct.spawn(lambda rank, world: run_rank(golden, step, 0, runs=whole, unsharded=True, redraw=redraw), 1,
+                 backend=backend, timeout=timeout)
+    except (ct.RankFailed, ct.RankStuck, ct.CollectiveError) as e:
+        return "\n  (the unsharded run with them drawn again failed: %s)" % str(e).split("\n")[0]
+    leaked = any(leak_differences(name, {(0, 0): runs[name][None]}, {(0, 0): whole[name].get(None)}, redraw,
+                                  golden, 1, 1, mesh) for name in runs)
+    return ("\n  the unsharded run (cp 1) moves too: the step's own code, with or without CP" if leaked else
+            "\n  the unsharded run (cp 1) keeps them apart: the step's CP code")
 
 
 def exchange(text, group):

@@ -88,8 +88,9 @@ def test_correct_steps_hold_with_the_leak_property():
 
 @pytest.mark.parametrize("step,says", [
     (mix_step(by_document=False), ["layer output changed at row", "was drawn again",
-                                   "documents must not see each other"]),
-    (loss_step(padding_counts=True), ["user_loss", "were drawn again: padding must never count"]),
+                                   "documents must not see each other", "the unsharded run (cp 1) moves too"]),
+    (loss_step(padding_counts=True), ["user_loss", "were drawn again: padding must never count",
+                                      "the unsharded run (cp 1) moves too"]),
 ], ids=["layer_across_documents", "loss_counts_padding"])
 def test_a_bug_in_both_runs_is_caught_by_the_leak_property_alone(step, says):
     assert ct.check(step, cases=CASES, max_cp=3, seed=4, leaks=False) == CASES

@@ -228,11 +228,30 @@ def test_the_glm5_train_step_at_cp_1_to_4_matches_the_step_on_one_rank():
     assert glm5_step.check("train", cases=TRAIN_CASES, cps=[1, 3, 4], seed=SEED, leaks=False) >= TRAIN_CASES
 
 
+# Finding G10: a replica whose rows are padding only runs no DSA query, so the
+# DSA layer's parameters have no gradient there; without FSDP2's zeros for
+# unused parameters (the library configures them only with CP) the replicas'
+# reduce-scatters differ in size.
+G10_BATCH = ('{"input_ids": [[1, 0, 1], [2, 2, 3]], "labels": [[-100, -100, -100], [2, 3, -100]], '
+             '"seq_lens": [[-1000], [3]], "pad_token_id": 0}')
+
+
+def test_finding_g10_a_replica_of_padding_only_mismatches_fsdps_reduce_scatter_at_cp_1(tmp_path):
+    batch = tmp_path / "g10.json"
+    batch.write_text(G10_BATCH)
+    expect_reported(lambda: glm5_step.check("train", glm5_step.VARIANTS["train"]["unused_with_cp_only"],
+                                            batch=str(batch), cp=1, dp=2, seed=SEED, leaks=False),
+                    "collective mismatch: reduce_scatter_tensor", "with different arguments")
+    assert glm5_step.check("train", batch=str(batch), cp=1, dp=2, seed=SEED, leaks=False) == 1
+
+
 @pytest.mark.parametrize("variant,says", [
     # the label count of the rank's own shard: every rank's loss over too few labels
     ("local_label_count", ["train:", "the loss reported"]),
     # the routing bias a plain tensor: each rank's own expert load moves it
     ("bias_local", ["train:", "buffer model.language_model.layers.1.mlp.gate.e_score_correction_bias after the step"]),
+    # FSDP2 over the DP mesh alone: the CP ranks' gradients never reduced
+    ("fsdp_over_dp", ["train:", "gradient of", "the reduction left out CP"]),
 ])
 def test_a_planted_bug_of_the_glm5_train_step_is_reported(variant, says, tmp_path):
     batch = tmp_path / "train.json"

@@ -109,7 +109,7 @@ PLANTED = [
     ("dp_avg_local_mean", ["train:", "gradient of"]),
     ("loss_local_count", ["train:", "the loss reported"]),
     # Summed over the replicas only: each rank's gradient lacks its CP peers' parts.
-    ("grad_dp_only", ["train:", "gradient of"]),
+    ("grad_dp_only", ["train:", "gradient of", "the reduction left out CP"]),
     ("sgd_before_allreduce", ["train:", "parameter", "after the step", "the update did not use them"]),
     ("clip_local_norm", ["train:", "gradient of"]),
     # labels made on the shard: the last position of a shard loses its label
@@ -158,6 +158,8 @@ def test_every_differing_parameter_is_listed_worst_first():
     assert "train: the same 18 differences as rank 1 (dp 0, cp 1)" in e.value.failure, e.value.failure
     first = e.value.failure.split("\n")
     lines = [line for line in first[1:first.index(next(x for x in first[1:] if not x.startswith("  ")))]]
+    hint = lines.pop()  # after the listing: which group the reduction left out
+    assert hint.startswith("  the CP ranks of a replica hold different gradients"), e.value.failure
     assert lines[-1].startswith("  and "), e.value.failure
     named = [line.split(":")[0].strip() for line in lines[:-1]]
     errors = [float(line.split("relative RMSE ")[1].split(" ")[0]) for line in lines[:-1]]

@@ -113,6 +113,26 @@ def test_a_whole_loss_declared_as_a_share_is_named():
     assert "sum to" in e.value.failure and "every rank's value is the whole loss" in e.value.failure, e.value.failure
 
 
+def test_a_step_that_calls_backward_itself_needs_no_retained_graph():
+    # The step's own backward frees the graph: cpsim reads the gradient it left
+    # on the logits. Its backward of the loss times cp (a reduction that
+    # averages over the CP ranks follows) is that gradient too: declared "mean",
+    # it holds; declared "sum", it is cp times the unsharded one at cp > 1.
+    def step(scaled, gradient):
+        def run(case):
+            out = user_step()(case)
+            loss = out["user_loss"]
+            (loss.value * (case.cp if scaled else 1)).backward()  # no retain_graph
+            loss.gradient = gradient
+            return out
+        return run
+    assert ct.check(step(False, "sum"), cases=10, max_cp=4, seed=11) == 10
+    assert ct.check(step(True, "mean"), cases=10, max_cp=4, seed=11) == 10
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(step(True, "sum"), cases=10, max_cp=4, seed=11)
+    assert "user_loss gradient to the logits" in e.value.failure, e.value.failure
+
+
 def test_a_loss_is_taken_as_declared_or_refused():
     logits = torch.zeros(1, 2, V, requires_grad=True)
     with pytest.raises(ValueError, match="value_is is one of"):
