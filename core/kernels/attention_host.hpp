@@ -1,6 +1,6 @@
 // The host's attention and top-k selection: the same sums as the one kernel
 // source's functors (core/kernels/layers.hpp), in the same order, so the results
-// are bitwise theirs (tests/test_kernels.cpp), computed in tiles:
+// are bitwise theirs (tests/core/test_kernels.cpp), computed in tiles:
 //   dense       the evaluated queries of a row in tiles of up to kAttentionTile
 //               consecutive queries of one document (they share their first key);
 //               each key is read once per tile, for every head, and its score and

@@ -1,7 +1,7 @@
 // The host instantiation of the one kernel source: Thrust's CPP system, so the
 // CPU property suite runs the very functors a GPU runs. Pure data movement
 // (rearrangement, position copies) runs as memcpy runs on the host; the functors a
-// GPU runs for it are checked against those runs in tests/test_kernels.cpp.
+// GPU runs for it are checked against those runs in tests/core/test_kernels.cpp.
 #include <array>
 #include <atomic>
 

@@ -94,7 +94,7 @@ void rearrange(Policy&& policy, const Rearrange& a) {
 // The host's rearrangement and position copy: the same mapping as the functors
 // above, a contiguous run (one rank's row, or n positions of one row) at a time,
 // each one memcpy. (A GPU runs the functors, an element a thread; the CPU suite
-// checks both against each other: tests/test_kernels.cpp.)
+// checks both against each other: tests/core/test_kernels.cpp.)
 template <bool to_sequence>
 void rearrange_runs(const Rearrange& a) {
   const auto* src = static_cast<const std::byte*>(a.src);

@@ -1,4 +1,4 @@
-// One rank of a multi-process job for tests/test_launch.cpp (run under cpsim
+// One rank of a multi-process job for tests/sim/test_launch.cpp (run under cpsim
 // launch): checks that run_ranks across processes hands every rank's outputs to
 // every process, rethrows the root cause of a failed run on every process, turns a
 // mismatch into the same CollectiveError everywhere, and keeps the job usable after

@@ -4,7 +4,7 @@
 // from one stream mixes it further; Golden.EveryRowSeedIsWrittenInInputsCpp
 // holds the rule): the rows (verify/rows/) and
 // `cpsim golden` (verify/golden.cpp) both call these, so a golden folder holds
-// exactly the inputs `cpsim check` compares on (tests/test_golden.cpp holds
+// exactly the inputs `cpsim check` compares on (tests/verify/test_golden.cpp holds
 // them equal).
 #pragma once
 

@@ -158,7 +158,7 @@ TEST(Generators, RowsMultipleDrawsRowsEveryReplicaTakesItsShareOf) {
 }
 // host memory cache's 64 KiB, so the blocks one property row frees are handed
 // to the next rows, of other shapes (a reused block not cleared was caught only
-// by tests/test_host_memory.cpp before: 1300 short fuzz cases passed it).
+// by tests/core/test_host_memory.cpp before: 1300 short fuzz cases passed it).
 TEST(Generators, FuzzDrawsLongLayoutsWhoseBlocksTheNextRowsReuse) {
   const auto gen = gen_layout_case(8, std::nullopt, fuzz_draw_limits());
   std::vector<LayoutCase> long_ones;

@@ -1,14 +1,6 @@
 // Controls of the layout and shard rows (verify/rows/layout.cpp): each must find a
 // counterexample against a deliberately broken layout or shard_batch.
-#include "tests/controls/controls.hpp"
-
-using namespace cpsim;
-using namespace cpsim::verify;
-using cpsim::testing::expect_counterexample;
-using cpsim::testing::expect_found;
-using cpsim::testing::expect_reported;
-using cpsim::testing::Planted;
-using ::testing::HasSubstr;
+#include "tests/verify/controls/controls.hpp"
 
 namespace {
 
@@ -70,23 +62,17 @@ ShardedBatch shard_rounded_down(int rank, int cp, const Batch& b, std::int64_t p
 
 }  // namespace
 
-TEST(NegativeControls, LayoutCatchesDocIdsBuiltFromTokenIds) {
-  expect_found(expect_counterexample("layout vs doc ids from token ids", [](const LayoutCase& c) {
-    const auto r = check_row("layout", c, {}, {.layout = layout_from_token_ids});
-    RC_ASSERT(r.ok);
-  }));
+TEST(LayoutControls, LayoutCatchesDocIdsBuiltFromTokenIds) {
+  expect_row_catches("layout vs doc ids from token ids", "layout", CheckOptions{}, {.layout = layout_from_token_ids});
 }
 
-TEST(NegativeControls, ShardCatchesAnOffByOneShard) {
-  expect_found(expect_counterexample("shard vs off-by-one shard", [](const LayoutCase& c) {
-    const auto r = check_row("shard", c, {}, {.shard = off_by_one_shard});
-    RC_ASSERT(r.ok);
-  }));
+TEST(LayoutControls, ShardCatchesAnOffByOneShard) {
+  expect_row_catches("shard vs off-by-one shard", "shard", CheckOptions{}, {.shard = off_by_one_shard});
 }
 
 // A balanced plan each rank computes from its own row (rank r balances row r % B):
 // the ranks cut differently, and the shard property names the context's cuts.
-TEST(NegativeControls, ShardCatchesAPlanComputedFromRankLocalRows) {
+TEST(LayoutControls, ShardCatchesAPlanComputedFromRankLocalRows) {
   const auto local_plan = [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
     if (plan.kind != PlanChoice::Kind::balanced) return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
     Batch batch = b;
@@ -107,12 +93,12 @@ TEST(NegativeControls, ShardCatchesAPlanComputedFromRankLocalRows) {
   EXPECT_THAT(report, HasSubstr("its plan cuts"));
 }
 
-TEST(PlantedFaults, LayoutThatThrowsOrReturnsTheWrongSize) {
+TEST(LayoutControls, PlantedFaultsLayoutThatThrowsOrReturnsTheWrongSize) {
   expect_reported("layout throws", [](const LayoutCase& c) { return check_row("layout", c, {}, {.layout = layout_throws}); });
   expect_reported("layout short", [](const LayoutCase& c) { return check_row("layout", c, {}, {.layout = layout_short}); });
 }
 
-TEST(PlantedFaults, ShardThatThrowsOrRoundsThePaddedLengthDown) {
+TEST(LayoutControls, PlantedFaultsShardThatThrowsOrRoundsThePaddedLengthDown) {
   expect_reported("shard throws", [](const LayoutCase& c) { return check_row("shard", c, {}, {.shard = shard_throws}); });
   expect_reported("shard rounds P down", [](const LayoutCase& c) { return check_row("shard", c, {}, {.shard = shard_rounded_down}); });
 }
@@ -120,7 +106,7 @@ TEST(PlantedFaults, ShardThatThrowsOrRoundsThePaddedLengthDown) {
 // A user's batch has no construction truth: the layout property must still compare
 // with an independent reference, never with the code under test. The old bug of
 // reading cu_seqlens_padded alone as an unpacked row is caught on such cases.
-TEST(NegativeControls, LayoutOfAUserBatchCatchesCuSeqlensPaddedReadAsUnpacked) {
+TEST(LayoutControls, LayoutOfAUserBatchCatchesCuSeqlensPaddedReadAsUnpacked) {
   const auto merged = [](const Batch& b) {
     Batch copy = b;
     if (!copy.count("cu_seqlens")) copy.erase("cu_seqlens_padded");
@@ -135,7 +121,7 @@ TEST(NegativeControls, LayoutOfAUserBatchCatchesCuSeqlensPaddedReadAsUnpacked) {
 
 // A layout that ignores position_ids resets (reads a flattening collator's row as
 // one document, the attention leak across documents) is caught on user batches.
-TEST(NegativeControls, LayoutOfAUserBatchCatchesPositionResetsIgnored) {
+TEST(LayoutControls, LayoutOfAUserBatchCatchesPositionResetsIgnored) {
   const auto one_document = [](const Batch& b) {
     Batch copy = b;
     if (!copy.count("seq_lens") && !copy.count("cu_seqlens") && !copy.count("cu_seqlens_padded")) copy.erase("position_ids");

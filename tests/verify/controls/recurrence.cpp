@@ -1,13 +1,6 @@
 // Controls of the recurrence rows and two_steps (verify/rows/recurrence.cpp,
 // steps.cpp): zigzag sharding, perturbed fold plans, a plan kept across steps.
-#include "tests/controls/controls.hpp"
-
-using namespace cpsim;
-using namespace cpsim::verify;
-using cpsim::testing::expect_counterexample;
-using cpsim::testing::expect_found;
-using cpsim::testing::expect_reported;
-using cpsim::testing::Planted;
+#include "tests/verify/controls/controls.hpp"
 
 namespace {
 
@@ -53,7 +46,7 @@ Var recurrence_throws(const Var&, const Var&, const Var&, const Var&, const Var&
 // The design the seeds rest on: under the load-balanced zigzag sharding (rank r
 // holds chunks r and 2c-1-r), naive left-to-right state passing is wrong, and the
 // property finds and shrinks a counterexample.
-TEST(NegativeControls, RecurrenceUnderZigzagShardingIsCaught) {
+TEST(RecurrenceControls, RecurrenceUnderZigzagShardingIsCaught) {
   const std::string report = expect_counterexample("recurrence_forward under zigzag sharding", [](const LayoutCase& c) {
     const auto r = check_row("recurrence_forward", c, CheckOptions{}, {.recurrence = default_recurrence(), .sharding = Sharding::zigzag});
     RC_ASSERT(r.ok);
@@ -63,7 +56,7 @@ TEST(NegativeControls, RecurrenceUnderZigzagShardingIsCaught) {
 }
 
 // S <- M_j S + S_ext_j from the nearest predecessor back instead of the farthest first.
-TEST(NegativeControls, TwoStepsCatchAPlanKeptFromTheLastBatch) {
+TEST(RecurrenceControls, TwoStepsCatchAPlanKeptFromTheLastBatch) {
   expect_found(expect_counterexample("two steps vs a plan kept across steps", [](const LayoutCase& c) {
     {
       std::lock_guard<std::mutex> lock(stale_mutex);
@@ -76,13 +69,13 @@ TEST(NegativeControls, TwoStepsCatchAPlanKeptFromTheLastBatch) {
   stale_plans.clear();
 }
 
-TEST(NegativeControls, RecurrenceCatchesAFoldInTheWrongOrder) {
+TEST(RecurrenceControls, RecurrenceCatchesAFoldInTheWrongOrder) {
   expect_plan_fault_found([](RecurrencePlan& p, int, int) { std::reverse(p.fold_forward.begin(), p.fold_forward.end()); },
                           "fold in the wrong order");
 }
 
 // The state carries across segment starts inside a shard.
-TEST(NegativeControls, RecurrenceCatchesAMissingResetAtASegmentStartInsideAShard) {
+TEST(RecurrenceControls, RecurrenceCatchesAMissingResetAtASegmentStartInsideAShard) {
   expect_plan_fault_found(
       [](RecurrencePlan& p, int, int) {
         p.segments = {p.segments.front(), p.segments.back()};
@@ -94,7 +87,7 @@ TEST(NegativeControls, RecurrenceCatchesAMissingResetAtASegmentStartInsideAShard
 // The fold of a code that assumes equal intervals: the ranks before this one from
 // the owner (at L = P/c) of the first segment's start, empty ones included. Right
 // under the equal plan; wrong when the intervals differ.
-TEST(NegativeControls, RecurrenceCatchesAFoldThatAssumesEqualIntervals) {
+TEST(RecurrenceControls, RecurrenceCatchesAFoldThatAssumesEqualIntervals) {
   const auto broken = [](const Var& q, const Var& k, const Var& v, const Var& b, const Var& g, const PackedContext& ctx,
                          Communicator* comm) {
     const RecurrencePlanEdit equal_fold = [&ctx](RecurrencePlan& p, int rank, int row) {
@@ -106,9 +99,7 @@ TEST(NegativeControls, RecurrenceCatchesAFoldThatAssumesEqualIntervals) {
     };
     return gated_delta_rule(q, k, v, b, g, ctx, comm, equal_fold);
   };
-  expect_found(expect_counterexample("fold assuming equal intervals", [&](const LayoutCase& c) {
-    RC_ASSERT(check_row("recurrence_forward", c, CheckOptions{}, {.recurrence = broken}).ok);
-  }));
+  expect_row_catches("fold assuming equal intervals", "recurrence_forward", CheckOptions{}, {.recurrence = broken});
   // The same code passes every case under the equal plan: the control plants
   // exactly the assumption, nothing else.
   const auto gen = gen_layout_case(8, PlanChoice{});
@@ -119,12 +110,12 @@ TEST(NegativeControls, RecurrenceCatchesAFoldThatAssumesEqualIntervals) {
 }
 
 // Ranks publish (M, S_ext) of their first local segment instead of their last.
-TEST(NegativeControls, RecurrenceCatchesTheFirstInsteadOfTheLastLocalSegment) {
+TEST(RecurrenceControls, RecurrenceCatchesTheFirstInsteadOfTheLastLocalSegment) {
   expect_plan_fault_found([](RecurrencePlan& p, int, int) { p.transition_segment = 0; },
                           "first instead of last local segment");
 }
 
-TEST(PlantedFaults, RecurrenceThatThrowsOrReturnsTheWrongSize) {
+TEST(RecurrenceControls, PlantedFaultsRecurrenceThatThrowsOrReturnsTheWrongSize) {
   const CheckOptions o;
   expect_reported("recurrence wrong shape",
                   [&](const LayoutCase& c) { return check_row("recurrence_forward", c, o, {.recurrence = recurrence_wrong_shape}); });

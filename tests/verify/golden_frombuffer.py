@@ -4,7 +4,7 @@ file's bytes as uint8, sliced at the tensor's offsets and viewed as its dtype
 (which needs the data aligned to the element size), equal to what a plain reader
 gets.
 
-    /usr/bin/python3 tests/golden_frombuffer.py GOLDEN_DIR...
+    /usr/bin/python3 tests/verify/golden_frombuffer.py GOLDEN_DIR...
 """
 import glob
 import json

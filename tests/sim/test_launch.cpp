@@ -1,6 +1,6 @@
 // Multi-process jobs through cpsim launch: with the file store and with a real
 // Redis server, and what happens when a rank is killed or stops answering.
-// Joining a job (rank variables, claims) is tests/test_jobs.cpp.
+// Joining a job (rank variables, claims) is tests/sim/test_jobs.cpp.
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <netinet/in.h>

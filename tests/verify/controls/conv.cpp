@@ -1,12 +1,5 @@
 // Controls of the halo and conv rows (verify/rows/conv.cpp).
-#include "tests/controls/controls.hpp"
-
-using namespace cpsim;
-using namespace cpsim::verify;
-using cpsim::testing::expect_counterexample;
-using cpsim::testing::expect_found;
-using cpsim::testing::expect_reported;
-using cpsim::testing::Planted;
+#include "tests/verify/controls/controls.hpp"
 
 namespace {
 
@@ -70,35 +63,23 @@ Var conv_one_short(const Var& x, const Tensor& ids, const Var& w, const Var& b) 
 
 }  // namespace
 
-TEST(NegativeControls, HaloForwardCatchesAHistoryOnePositionOff) {
-  expect_found(expect_counterexample("halo_forward vs one position off", [](const LayoutCase& c) {
-    const auto r = check_row("halo_forward", c, wide_conv(), {.halo = halo_one_position_off});
-    RC_ASSERT(r.ok);
-  }));
+TEST(ConvControls, HaloForwardCatchesAHistoryOnePositionOff) {
+  expect_row_catches("halo_forward vs one position off", "halo_forward", wide_conv, {.halo = halo_one_position_off});
 }
 
-TEST(NegativeControls, HaloBackwardCatchesAGradientSentToTheWrongRank) {
-  expect_found(expect_counterexample("halo_backward vs wrong rank", [](const LayoutCase& c) {
-    const auto r = check_row("halo_backward", c, wide_conv(), {.halo = halo_gradient_to_wrong_rank});
-    RC_ASSERT(r.ok);
-  }));
+TEST(ConvControls, HaloBackwardCatchesAGradientSentToTheWrongRank) {
+  expect_row_catches("halo_backward vs wrong rank", "halo_backward", wide_conv, {.halo = halo_gradient_to_wrong_rank});
 }
 
-TEST(NegativeControls, ConvForwardCatchesTapsThatIgnoreDocumentBoundaries) {
-  expect_found(expect_counterexample("conv_forward vs ignored boundaries", [](const LayoutCase& c) {
-    const auto r = check_row("conv_forward", c, wide_conv(), {.halo = default_halo(), .conv = conv_ignoring_documents});
-    RC_ASSERT(r.ok);
-  }));
+TEST(ConvControls, ConvForwardCatchesTapsThatIgnoreDocumentBoundaries) {
+  expect_row_catches("conv_forward vs ignored boundaries", "conv_forward", wide_conv, {.halo = default_halo(), .conv = conv_ignoring_documents});
 }
 
-TEST(NegativeControls, ConvBackwardCatchesAGradientSentToTheWrongRank) {
-  expect_found(expect_counterexample("conv_backward vs wrong rank", [](const LayoutCase& c) {
-    const auto r = check_row("conv_backward", c, wide_conv(), {.halo = halo_gradient_to_wrong_rank});
-    RC_ASSERT(r.ok);
-  }));
+TEST(ConvControls, ConvBackwardCatchesAGradientSentToTheWrongRank) {
+  expect_row_catches("conv_backward vs wrong rank", "conv_backward", wide_conv, {.halo = halo_gradient_to_wrong_rank});
 }
 
-TEST(PlantedFaults, HaloAndConvThatThrowOrReturnTheWrongSize) {
+TEST(ConvControls, PlantedFaultsHaloAndConvThatThrowOrReturnTheWrongSize) {
   const CheckOptions o;
   expect_reported("halo without history", [&](const LayoutCase& c) { return check_row("halo_forward", c, o, {.halo = halo_without_history}); });
   expect_reported("halo backward without history",

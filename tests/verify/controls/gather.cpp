@@ -1,13 +1,5 @@
 // Controls of the gather rows and the anchor (verify/rows/gather.cpp).
-#include "tests/controls/controls.hpp"
-
-using namespace cpsim;
-using namespace cpsim::verify;
-using cpsim::testing::expect_counterexample;
-using cpsim::testing::expect_found;
-using cpsim::testing::expect_reported;
-using cpsim::testing::Planted;
-using ::testing::HasSubstr;
+#include "tests/verify/controls/controls.hpp"
 
 namespace {
 
@@ -53,17 +45,14 @@ Var anchor_throws(const Var&) { throw Planted(); }
 
 }  // namespace
 
-TEST(NegativeControls, GatherForwardCatchesTheWrongRankOrder) {
-  expect_found(expect_counterexample("gather_forward vs reversed ranks", [](const LayoutCase& c) {
-    const auto r = check_row("gather_forward", c, CheckOptions{}, {.gather = gather_reversed});
-    RC_ASSERT(r.ok);
-  }));
+TEST(GatherControls, GatherForwardCatchesTheWrongRankOrder) {
+  expect_row_catches("gather_forward vs reversed ranks", "gather_forward", CheckOptions{}, {.gather = gather_reversed});
 }
 
 // With one row, a rank's slices of the global inputs are read in place: a write
 // into them changes what the row compares against (the gathered result equals the
 // zeroed global). The run's check that its inputs are unchanged fails the row.
-TEST(NegativeControls, GatherForwardCatchesAGatherThatWritesIntoItsInput) {
+TEST(GatherControls, GatherForwardCatchesAGatherThatWritesIntoItsInput) {
   const auto gen = gen_layout_case(4);
   int one_row = 0;
   for (int i = 0; i < 400 && one_row < 5; ++i) {
@@ -75,15 +64,12 @@ TEST(NegativeControls, GatherForwardCatchesAGatherThatWritesIntoItsInput) {
     EXPECT_THAT(r.detail, HasSubstr("a rank wrote into its input")) << c;
   }
   EXPECT_EQ(one_row, 5) << "too few one-row cases drawn";
-  expect_found(expect_counterexample("gather_forward vs a gather that zeroes its input", [](const LayoutCase& c) {
-    const auto r = check_row("gather_forward", c, CheckOptions{}, {.gather = gather_zeroes_its_input});
-    RC_ASSERT(r.ok);
-  }));
+  expect_row_catches("gather_forward vs a gather that zeroes its input", "gather_forward", CheckOptions{}, {.gather = gather_zeroes_its_input});
 }
 
 // What run_reading compares: any one byte written, at any place of a tensor of any
 // length (the eight lanes, the words after them, the tail), changes it.
-TEST(NegativeControls, AnInputsFingerprintChangesWithAnyByteWritten) {
+TEST(GatherControls, AnInputsFingerprintChangesWithAnyByteWritten) {
   for (std::int64_t n : {1, 7, 8, 9, 63, 64, 65, 71, 200}) {
     Tensor t({n}, DType::b8);
     for (std::int64_t i = 0; i < n; ++i) static_cast<unsigned char*>(t.raw())[i] = static_cast<unsigned char>(i * 37);
@@ -103,21 +89,15 @@ TEST(NegativeControls, AnInputsFingerprintChangesWithAnyByteWritten) {
   }
 }
 
-TEST(NegativeControls, GatherBackwardCatchesABackwardThatSlicesInsteadOfSumming) {
-  expect_found(expect_counterexample("gather_backward vs slicing backward", [](const LayoutCase& c) {
-    const auto r = check_row("gather_backward", c, CheckOptions{}, {.gather = gather_backward_slices});
-    RC_ASSERT(r.ok);
-  }));
+TEST(GatherControls, GatherBackwardCatchesABackwardThatSlicesInsteadOfSumming) {
+  expect_row_catches("gather_backward vs slicing backward", "gather_backward", CheckOptions{}, {.gather = gather_backward_slices});
 }
 
-TEST(NegativeControls, AnchorCatchesAnAnchorWithoutABackwardEdge) {
-  expect_found(expect_counterexample("anchor vs anchor without edge", [](const LayoutCase& c) {
-    const auto r = check_row("anchor", c, CheckOptions{}, {.gather = default_gather(), .anchor = anchor_without_edge});
-    RC_ASSERT(r.ok);
-  }));
+TEST(GatherControls, AnchorCatchesAnAnchorWithoutABackwardEdge) {
+  expect_row_catches("anchor vs anchor without edge", "anchor", CheckOptions{}, {.gather = default_gather(), .anchor = anchor_without_edge});
 }
 
-TEST(PlantedFaults, GatherAndAnchorThatThrowOrReturnTheWrongSize) {
+TEST(GatherControls, PlantedFaultsGatherAndAnchorThatThrowOrReturnTheWrongSize) {
   const CheckOptions o;
   expect_reported("gather throws", [&](const LayoutCase& c) { return check_row("gather_forward", c, o, {.gather = gather_throws_on_rank_0}); });
   expect_reported("gather backward throws",

@@ -1,6 +1,6 @@
 // What the controls share: every property row must be able to fail, so each is
 // run against a deliberately broken variant of the code it checks (one file of
-// tests/controls/ per file of verify/rows/) and must find, and shrink, a
+// tests/verify/controls/ per file of verify/rows/) and must find, and shrink, a
 // counterexample; planted faults (code that throws, or returns the wrong size)
 // are that row failing with its case, never a crash of the harness.
 #pragma once
@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -45,6 +46,14 @@ inline void expect_row_catches(const std::string& name, const std::string& row, 
   }));
 }
 
+// The same, its options drawn in each case (a width from a generator, say).
+inline void expect_row_catches(const std::string& name, const std::string& row,
+                               const std::function<verify::CheckOptions()>& options, const verify::Impl& impl) {
+  expect_found(expect_counterexample(name, [&](const verify::LayoutCase& c) {
+    RC_ASSERT(verify::check_row(row, c, options(), impl).ok);
+  }));
+}
+
 // What a planted fault throws.
 struct Planted : std::runtime_error {
   Planted() : std::runtime_error("planted fault") {}
@@ -71,3 +80,16 @@ inline verify::CheckOptions quick() {
 }
 
 }  // namespace cpsim::testing
+
+// The controls' own preamble (this header is included by tests/verify/controls/
+// only): the names every control file uses.
+using namespace cpsim;
+using namespace cpsim::verify;
+using cpsim::testing::expect_counterexample;
+using cpsim::testing::expect_found;
+using cpsim::testing::expect_reported;
+using cpsim::testing::expect_row_catches;
+using cpsim::testing::Planted;
+using cpsim::testing::quick;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;

@@ -2,18 +2,18 @@
 """Planted bugs in examples/golden_check.py's numpy implementation: each must be
 reported by check() at the key it breaks, with a rank and a position.
 
-    /usr/bin/python3 tests/golden_plants.py GOLDEN_DIR
+    /usr/bin/python3 tests/verify/golden_plants.py GOLDEN_DIR
 
 GOLDEN_DIR holds `cpsim golden` vectors of a batch whose documents cross shard
 edges at CP > 1, some across three ranks, with interior padding
-(tests/test_golden.cpp writes examples/thd_cu_seqlens.json at CP 8). Prints one line per plant; exits 1 when a plant passes or is reported at
+(tests/verify/test_golden.cpp writes examples/thd_cu_seqlens.json at CP 8). Prints one line per plant; exits 1 when a plant passes or is reported at
 another key.
 """
 import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 import numpy as np  # noqa: E402
 
 import golden_check as gc  # noqa: E402

@@ -256,7 +256,7 @@ except AssertionError as e:
   }
 }
 
-// Planted bugs in that numpy implementation, one per hook (tests/golden_plants.py:
+// Planted bugs in that numpy implementation, one per hook (tests/verify/golden_plants.py:
 // interior padding taken as real, a segment reaching back one rank at most, a
 // gather backward keeping only its own slice, conv taps across documents, q scaled
 // by K^-0.5, RoPE by local index, attention without the gathered keys, top-k ties
@@ -271,7 +271,7 @@ TEST(Golden, PlantedBugsInTheNumpyImplementationAreReportedAtTheirKey) {
       {CPSIM_BINARY, "golden", kExamples + "thd_cu_seqlens.json", "--cp", "8", "--out", dir.string()}, 60s);
   ASSERT_EQ(g.status, 0) << g.err;
   const auto r = cpsim::testing::run_process(
-      {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/tests/golden_plants.py", dir.string()}, 60s);
+      {"/usr/bin/python3", std::string(CPSIM_SOURCE_DIR) + "/tests/verify/golden_plants.py", dir.string()}, 60s);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   for (const char* key : {"layout padding", "cp_context.pre_num_ranks", "gather_grad_x", "conv_dx", "o", "rope_q",
                           "attention_dk", "sparse_attention_kept", "targets", "loss", "halo", "gathered", "batch.labels"})
@@ -345,7 +345,7 @@ TEST(Golden, InputsAreStoredAsGivenAndEveryTensorLoadsInPlace) {
   const std::string python = std::string(CPSIM_PYTHON).empty() ? "/usr/bin/python3" : CPSIM_PYTHON;
   if (std::system((python + " -c 'import torch, numpy' >/dev/null 2>&1").c_str()) == 0) {
     const auto r = cpsim::testing::run_process({python, std::string(CPSIM_SOURCE_DIR) +
-                                                "/tests/golden_frombuffer.py", out.string(), lengths.string()}, 120s);
+                                                "/tests/verify/golden_frombuffer.py", out.string(), lengths.string()}, 120s);
     EXPECT_EQ(r.status, 0) << r.out << r.err;
     EXPECT_THAT(r.out, HasSubstr("load in place"));
   }

@@ -1,15 +1,7 @@
 // Controls of the rope and attention rows (verify/rows/rope.cpp, attention.cpp):
 // bugs CP stacks have shipped (RoPE or masks by local index, a layer skipped on
 // a padding rank: a named call mismatch within the timeout, never a hang).
-#include "tests/controls/controls.hpp"
-
-using namespace cpsim;
-using namespace cpsim::verify;
-using cpsim::testing::expect_counterexample;
-using cpsim::testing::expect_row_catches;
-using cpsim::testing::expect_found;
-using ::testing::HasSubstr;
-using cpsim::testing::quick;
+#include "tests/verify/controls/controls.hpp"
 
 namespace {
 
@@ -76,23 +68,23 @@ CpAttention attention_skipped_on_padding(const Var& q, const Var& k, const Var& 
 
 }  // namespace
 
-TEST(LayerControls, RopeCatchesRotationByLocalIndex) {
+TEST(AttentionControls, RopeCatchesRotationByLocalIndex) {
   expect_row_catches("rope by 0..L-1", "rope", quick(), {.rope = rope_by_local_index});
 }
 
-TEST(LayerControls, AttentionCatchesRopeByLocalIndex) {
+TEST(AttentionControls, AttentionCatchesRopeByLocalIndex) {
   expect_row_catches("attention after rope by 0..L-1", "attention_forward", quick(), {.rope = rope_by_local_index});
 }
 
-TEST(LayerControls, AttentionCatchesAMaskByLocalIndex) {
+TEST(AttentionControls, AttentionCatchesAMaskByLocalIndex) {
   expect_row_catches("attention masked by local index", "attention_forward", quick(), {.attention = attention_by_local_index});
 }
 
-TEST(LayerControls, AttentionCatchesAMaskByLocalDocIds) {
+TEST(AttentionControls, AttentionCatchesAMaskByLocalDocIds) {
   expect_row_catches("attention masked by local doc ids", "attention_forward", quick(), {.attention = attention_by_local_doc_ids});
 }
 
-TEST(LayerControls, SparseAttentionCatchesAMaskByLocalIndex) {
+TEST(AttentionControls, SparseAttentionCatchesAMaskByLocalIndex) {
   expect_found(expect_counterexample("sparse attention masked by local index", [](const LayoutCase& c) {
     const CheckOptions o = quick();
     RC_ASSERT(check_row("sparse_attention_forward", c, o, {.attention = attention_by_local_index}).ok);
@@ -101,7 +93,7 @@ TEST(LayerControls, SparseAttentionCatchesAMaskByLocalIndex) {
 
 // The skip is found, and on a rank that is all padding beside one that is not, it
 // is reported as the call the other rank waits in, within the timeout (not a hang).
-TEST(LayerControls, AttentionSkippedWithoutAnAnchorIsANamedMismatch) {
+TEST(AttentionControls, AttentionSkippedWithoutAnAnchorIsANamedMismatch) {
   expect_found(expect_counterexample("attention skipped on an all-padding rank", [](const LayoutCase& c) {
     const auto r = check_row("attention_backward", c, quick(), {.attention = attention_skipped_on_padding});
     if (!r.ok) RC_FAIL(r.detail);
@@ -120,7 +112,7 @@ TEST(LayerControls, AttentionSkippedWithoutAnAnchorIsANamedMismatch) {
 // layer turn by the same float64 angle, pos * base^(-2m/D), so a correct rotation
 // holds there (an angle computed as pos / base^(2m/D) is off by a visible turn at
 // such positions); rotating by the local index still fails.
-TEST(LayerControls, RopeHoldsAtTheLargestPositionsAndTheLocalIndexStillFails) {
+TEST(AttentionControls, RopeHoldsAtTheLargestPositionsAndTheLocalIndexStillFails) {
   LayoutCase c;
   c.batch = parse_batch(R"({"input_ids":[[5,6,7,8,9,4]],
                             "position_ids":[[4503599627370491,4503599627370492,4503599627370493,0,1,2]]})",
@@ -140,7 +132,7 @@ TEST(LayerControls, RopeHoldsAtTheLargestPositionsAndTheLocalIndexStillFails) {
 // a chosen set of queries, not all of them; every planted attention bug is still
 // caught there: the local-index mask, the local doc ids, RoPE by local index, the
 // sparse form's local-index mask, and the layer skipped on the all-padding rank.
-TEST(LayerControls, EveryAttentionControlFailsOnALongDocumentBatch) {
+TEST(AttentionControls, EveryAttentionControlFailsOnALongDocumentBatch) {
   LayoutCase c;
   c.batch = parse_batch(R"({"seq_len": 65536, "seq_lens": [[1, 20000, 25000, 1, 4000]]})", "long").batch;
   c = at_cp(c, 4);
@@ -166,7 +158,7 @@ TEST(LayerControls, EveryAttentionControlFailsOnALongDocumentBatch) {
 // last positions, those around its cuts) and two a document (first and last),
 // each reading at most its document, plus the sample's budget and one last
 // query's keys.
-TEST(LayerControls, TheAttentionRowsChooseTheirQueriesByTheLayout) {
+TEST(AttentionControls, TheAttentionRowsChooseTheirQueriesByTheLayout) {
   const auto work = [](const std::string& json, int cp, std::uint64_t seed) {
     const Batch b = parse_batch(json, "case").batch;
     const Layout l = derive_layout(b);

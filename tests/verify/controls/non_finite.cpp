@@ -12,11 +12,7 @@
 #include "verify/generators.hpp"
 #include "verify/properties.hpp"
 #include "verify/reference.hpp"
-
-using namespace cpsim;
-using namespace cpsim::verify;
-using ::testing::AnyOf;
-using ::testing::HasSubstr;
+#include "tests/verify/controls/controls.hpp"
 
 namespace {
 
@@ -70,7 +66,7 @@ const double kBad[] = {std::numeric_limits<double>::quiet_NaN(), std::numeric_li
 
 }  // namespace
 
-TEST(NonFinite, TheComparisonsNameTheFirstNonFiniteElementAndNeverPassIt) {
+TEST(NonFiniteControls, TheComparisonsNameTheFirstNonFiniteElementAndNeverPassIt) {
   const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
   const Tensor ref = Tensor::from<double>({2, 2}, {1, 2, 3, 4});
   EXPECT_EQ(relative_rmse(ref, ref), 0);
@@ -94,7 +90,7 @@ TEST(NonFinite, TheComparisonsNameTheFirstNonFiniteElementAndNeverPassIt) {
   EXPECT_FALSE(relative_rmse(big, small) <= 1e300);
 }
 
-TEST(NonFinite, APlantedValueFailsTheGatherAndHaloRows) {
+TEST(NonFiniteControls, APlantedValueFailsTheGatherAndHaloRows) {
   const CheckOptions o;
   for (const double bad : kBad) {
     expect_fails("gather_forward", bad, [&](const LayoutCase& c) {
@@ -124,7 +120,7 @@ TEST(NonFinite, APlantedValueFailsTheGatherAndHaloRows) {
   }
 }
 
-TEST(NonFinite, APlantedValueFailsTheConvRows) {
+TEST(NonFiniteControls, APlantedValueFailsTheConvRows) {
   const CheckOptions o;
   // The conv sees no communicator: every rank plants one value in its own output.
   for (const double bad : kBad) {
@@ -142,7 +138,7 @@ TEST(NonFinite, APlantedValueFailsTheConvRows) {
   }
 }
 
-TEST(NonFinite, APlantedValueFailsTheRecurrenceRows) {
+TEST(NonFiniteControls, APlantedValueFailsTheRecurrenceRows) {
   const CheckOptions o;
   for (const double bad : kBad) {
     const RecurrenceFn forward = [bad](const Var& q, const Var& k, const Var& v, const Var& b, const Var& g,
@@ -161,7 +157,7 @@ TEST(NonFinite, APlantedValueFailsTheRecurrenceRows) {
   }
 }
 
-TEST(NonFinite, APlantedValueFailsTheLayerRows) {
+TEST(NonFiniteControls, APlantedValueFailsTheLayerRows) {
   const CheckOptions o;
   for (const double bad : kBad) {
     // RoPE sees no communicator: every rank plants one value.

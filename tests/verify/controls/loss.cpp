@@ -1,13 +1,5 @@
 // Controls of the loss rows (verify/rows/loss.cpp).
-#include "tests/controls/controls.hpp"
-
-using namespace cpsim;
-using namespace cpsim::verify;
-using cpsim::testing::expect_counterexample;
-using cpsim::testing::expect_row_catches;
-using cpsim::testing::expect_found;
-using ::testing::HasSubstr;
-using cpsim::testing::quick;
+#include "tests/verify/controls/controls.hpp"
 
 namespace {
 
@@ -39,15 +31,15 @@ Var loss_skipped_without_targets(const Var& logits, const Tensor& targets, Commu
 
 }  // namespace
 
-TEST(LayerControls, LossCatchesTargetsAlignedAfterSharding) {
+TEST(LossControls, LossCatchesTargetsAlignedAfterSharding) {
   expect_row_catches("targets aligned after sharding", "loss_forward", quick(), {.targets = targets_after_sharding});
 }
 
-TEST(LayerControls, LossCatchesAMeanOfRankMeans) {
+TEST(LossControls, LossCatchesAMeanOfRankMeans) {
   expect_row_catches("per-rank mean averaged over ranks", "loss_forward", quick(), {.loss = mean_of_rank_means});
 }
 
-TEST(LayerControls, ALossSkippedOnARankWithoutTargetsIsANamedMismatch) {
+TEST(LossControls, ALossSkippedOnARankWithoutTargetsIsANamedMismatch) {
   const auto report = expect_counterexample("loss all-reduce skipped without targets", [](const LayoutCase& c) {
     const auto r = check_row("loss_forward", c, quick(), {.loss = loss_skipped_without_targets});
     if (!r.ok) RC_FAIL(r.detail);

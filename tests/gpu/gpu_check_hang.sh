@@ -5,7 +5,7 @@
 set -uo pipefail
 build=${1:?usage: gpu_check_hang.sh BUILD_DIR EXAMPLES}
 examples=${2:?}
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 limit=30
 start=$SECONDS
 out=$(GPU_CHECK_DEVICE=assume GPU_CHECK_HANG="GPU tests" GPU_CHECK_LIMIT=$limit \

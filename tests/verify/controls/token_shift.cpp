@@ -1,11 +1,5 @@
 // Controls of the token_shift row (verify/rows/token_shift.cpp).
-#include "tests/controls/controls.hpp"
-
-using namespace cpsim;
-using namespace cpsim::verify;
-using cpsim::testing::expect_counterexample;
-using cpsim::testing::expect_found;
-using cpsim::testing::quick;
+#include "tests/verify/controls/controls.hpp"
 
 namespace {
 
@@ -26,7 +20,7 @@ Var token_shift_across_documents(const Var& x, const PackedContext& ctx, Communi
 
 }  // namespace
 
-TEST(LayerControls, TokenShiftCatchesAMissingHaloAndAShiftAcrossDocuments) {
+TEST(TokenShiftControls, TokenShiftCatchesAMissingHaloAndAShiftAcrossDocuments) {
   for (const auto& [name, variant] : std::vector<std::pair<std::string, TokenShiftFn>>{
            {"token shift without its halo", token_shift_without_halo},
            {"token shift across documents", token_shift_across_documents}}) {
