@@ -73,14 +73,7 @@ int finish_job(JobArgs& a, int status) {
 
 verify::CheckOptions check_options(const ModelArgs& m) {
   verify::CheckOptions o;
-  o.conv_width = m.conv_width;
-  o.channels = m.channels;
-  o.heads = m.heads;
-  o.key_dim = m.key_dim;
-  o.value_dim = m.value_dim;
-  o.topk = m.topk;
-  o.index_dim = m.index_dim;
-  o.vocab = m.vocab;
+  static_cast<ModelShape&>(o) = m;
   return o;
 }
 

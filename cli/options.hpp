@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/conv.hpp"
+#include "core/model_shape.hpp"
 #include "core/shard_plan.hpp"
 #include "sim/job/job.hpp"
 #include "sim/job/launch.hpp"
@@ -33,10 +34,7 @@ struct JobArgs {
 };
 
 // The shapes and seed of the seeded inputs the properties draw (check, golden).
-struct ModelArgs {
-  int conv_width = kDefaultConvWidth, channels = 8;
-  int heads = 2, key_dim = 4, value_dim = 4;
-  int topk = 3, index_dim = 4, vocab = 16;
+struct ModelArgs : ModelShape {
   std::uint64_t seed = 0;
 };
 

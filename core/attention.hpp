@@ -6,6 +6,7 @@
 
 #include "core/autograd.hpp"
 #include "core/comm/communicator.hpp"
+#include "core/model_shape.hpp"
 #include "core/shard.hpp"
 
 namespace cpsim {
@@ -14,7 +15,7 @@ namespace cpsim {
 // turns by pos * base^(-2m/D). float32 or float64. mRoPE: positions [3, B, L]
 // (temporal, height, width planes); the D/2 pairs split into mrope_sections(D),
 // each part turned by its plane's position.
-Var rope(const Var& x, const Tensor& positions, double base = 10000);
+Var rope(const Var& x, const Tensor& positions, double base = kRopeBase);
 
 // How many rotary pairs each mRoPE plane turns (temporal, height, width): height
 // and width 3/8 of the D/2 pairs each (at least 1), temporal the rest, as

@@ -7,13 +7,10 @@
 
 #include "core/autograd.hpp"
 #include "core/halo.hpp"
+#include "core/model_shape.hpp"
 #include "core/shard.hpp"
 
 namespace cpsim {
-
-// The convolution's taps W where nobody says otherwise (a short conv of a
-// linear-attention layer): every command's --conv-width default.
-inline constexpr int kDefaultConvWidth = 4;
 
 // Doc id of window positions before global position 0.
 inline constexpr std::int64_t kBeforeSequenceDocId = -1;

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/model_shape.hpp"
 #include "verify/golden_build.hpp"
 
 namespace cpsim::verify {
@@ -145,7 +146,7 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                    {"value_dim", o.value_dim},
                    {"attention_dim", D},
                    {"softmax_scale", scale},
-                   {"rope_base", 10000},
+                   {"rope_base", static_cast<std::int64_t>(kRopeBase)},  // an integer, as manifests write it
                    {"topk", o.topk},
                    {"index_dim", o.index_dim},
                    {"vocab", o.vocab},

@@ -22,21 +22,15 @@
 #include "core/attention.hpp"
 #include "core/autograd.hpp"
 #include "core/halo.hpp"
+#include "core/model_shape.hpp"
 #include "core/shard.hpp"
 #include "verify/cases.hpp"
 #include "verify/reference.hpp"
 
 namespace cpsim::verify {
 
-struct CheckOptions {
+struct CheckOptions : ModelShape {  // the seeded inputs' shape (core/model_shape.hpp)
   std::string backend = "threads";
-  int conv_width = kDefaultConvWidth;
-  int channels = 8;
-  int heads = 2, key_dim = 4, value_dim = 4;  // recurrence and attention (RoPE: key_dim rounded up to even)
-  int topk = 3, index_dim = 4;                 // sparse attention's indexer
-  int vocab = 16;                              // the loss's logits
-  // The attention's q and k head size: key_dim rounded up to even (RoPE turns pairs).
-  std::int64_t rope_dim() const { return 2 * ((key_dim + 1) / 2); }
   std::chrono::milliseconds timeout{20000};
   std::shared_ptr<Job> job = nullptr;  // the multi-process job the runs go to (sim/job/), or none
   // check_all measures each row's peak resident memory, resetting the process's
@@ -195,7 +189,7 @@ enum class Comparison { bitwise, tolerance };
 // The model shapes a row's cost depends on.
 struct RowShapes {
   double cp, C, H, K, V;
-  double vocab = 16, Di = 4, topk = 3;
+  double vocab, Di, topk;
   double in() const { return H * (3 * K + V + 1) * 8; }  // q, k, g (K each), v (V), beta: float64
   double out() const { return H * V * 8; }               // o and its upstream gradient
   double states() const { return H * K * V * 8; }        // one K x V state per token and head

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "core/model_shape.hpp"
 #include "core/tensor.hpp"
 
 namespace cpsim::verify {
@@ -28,9 +29,9 @@ LossInputs random_loss_inputs(const Tensor& input_ids, std::int64_t vocab, std::
 
 // x [B, S, H, D] with each pair (x_2m, x_2m+1) turned by pos * base^(-2m/D);
 // positions [B, S], or mRoPE's [3, B, S] (each pair by its plane's position).
-Tensor reference_rope(const Tensor& x, const Tensor& positions, double base = 10000);
+Tensor reference_rope(const Tensor& x, const Tensor& positions, double base = kRopeBase);
 // The gradient of x through reference_rope: dy turned back by -pos * base^(-2m/D).
-Tensor reference_rope_backward(const Tensor& dy, const Tensor& positions, double base = 10000);
+Tensor reference_rope_backward(const Tensor& dy, const Tensor& positions, double base = kRopeBase);
 
 // Attention of every query over the keys it sees: key j is visible to query i iff
 // both are real tokens (padding false), doc_ids[b][i] != 0, doc_ids[b][j] ==

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/device.hpp"
+#include "core/model_shape.hpp"
 #include "core/tensor.hpp"
 
 namespace cpsim::kernels {
@@ -116,7 +117,7 @@ struct Rope {
   const std::int64_t* pos = nullptr;  // [B, L], or mRoPE's [3, B, L] (planes 3)
   void* y = nullptr;
   std::int64_t rows = 0, len = 0, heads = 0, dim = 0;
-  double base = 10000;
+  double base = kRopeBase;
   int sign = 1;
   // mRoPE: pair m turns by plane 0 (temporal) while m < section_t, plane 1
   // (height) while m < section_t + section_h, else plane 2 (width).

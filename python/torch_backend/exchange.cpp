@@ -4,6 +4,7 @@
 
 #include "core/comm/call_check.hpp"
 #include "python/torch_backend/call_site.hpp"
+#include "python/torch_backend/reductions.hpp"
 #include "python/torch_backend/tensors.hpp"
 
 namespace cpsim::torch_backend {
@@ -40,51 +41,26 @@ void BackendCpsim::scatter_reduced(at::Tensor& out, const at::Tensor& input, con
 }
 
 void BackendCpsim::expect_reduction(const c10d::ReduceOp& op, const at::Tensor& like, const std::string& name) {
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM:
-    case c10d::ReduceOp::AVG:
-    case c10d::ReduceOp::PRODUCT:
-    case c10d::ReduceOp::MIN:
-    case c10d::ReduceOp::MAX:
-    case c10d::ReduceOp::BAND:
-    case c10d::ReduceOp::BOR:
-    case c10d::ReduceOp::BXOR: break;
-    default: throw Unsupported("cpsim does not support " + name + " with " + reduce_name(op));
-  }
-  if (op.op_ == c10d::ReduceOp::AVG && !at::isFloatingType(like.scalar_type()) &&
-      !at::isComplexType(like.scalar_type()))
-    throw InvalidInput(name + " with AVG of " + dtype_text(like) + " (torch: floating types only)");
-  const bool bitwise =
-      op.op_ == c10d::ReduceOp::BAND || op.op_ == c10d::ReduceOp::BOR || op.op_ == c10d::ReduceOp::BXOR;
-  if (bitwise && (at::isFloatingType(like.scalar_type()) || at::isComplexType(like.scalar_type())))
-    throw InvalidInput(name + " with " + reduce_name(op) + " of " + dtype_text(like) +
-                       " (torch: integer and bool types only)");
+  const Reduction* r = reduction_of(op);
+  if (!r || !r->join) throw Unsupported("cpsim does not support " + name + " with " + reduce_name(op));
+  const bool floating = at::isFloatingType(like.scalar_type()) || at::isComplexType(like.scalar_type());
+  if (r->takes == Reduction::Takes::floating && !floating)
+    throw InvalidInput(name + " with " + r->name + " of " + dtype_text(like) + " (torch: floating types only)");
+  if (r->takes == Reduction::Takes::integral && floating)
+    throw InvalidInput(name + " with " + r->name + " of " + dtype_text(like) + " (torch: integer and bool types only)");
 }
 
 at::Tensor BackendCpsim::reduced(const at::Tensor& all, const at::Tensor& like, const c10d::ReduceOp& op,
                                  const std::string& name) {
+  const Reduction& r = *reduction_of(op);  // expect_reduction took it
   const std::int64_t n = like.numel();
   auto part = [&](int q) { return all[q].view(like.scalar_type()).view({n}); };
   at::Tensor acc = part(0).clone();
   try {
-    for (int q = 1; q < getSize(); ++q) {
-      const at::Tensor x = part(q);
-      switch (op.op_) {
-        case c10d::ReduceOp::SUM:
-        case c10d::ReduceOp::AVG: acc.add_(x); break;
-        case c10d::ReduceOp::PRODUCT: acc.mul_(x); break;
-        case c10d::ReduceOp::MIN: acc = at::minimum(acc, x); break;
-        case c10d::ReduceOp::MAX: acc = at::maximum(acc, x); break;
-        case c10d::ReduceOp::BAND: acc.bitwise_and_(x); break;
-        case c10d::ReduceOp::BOR: acc.bitwise_or_(x); break;
-        case c10d::ReduceOp::BXOR: acc.bitwise_xor_(x); break;
-        default: break;  // refused by expect_reduction
-      }
-    }
-    if (op.op_ == c10d::ReduceOp::AVG) acc.div_(getSize());
+    for (int q = 1; q < getSize(); ++q) r.join(acc, part(q));
+    if (r.average) acc.div_(getSize());
   } catch (const c10::Error& e) {
-    throw InvalidInput(name + " with " + reduce_name(op) + " of " + dtype_text(like) + ": " +
-                       e.what_without_backtrace());
+    throw InvalidInput(name + " with " + r.name + " of " + dtype_text(like) + ": " + e.what_without_backtrace());
   }
   return acc;
 }

@@ -30,21 +30,6 @@ std::string dtype_text(const at::Tensor& t) {
 
 std::string shape_text(const at::Tensor& t) { return dtype_text(t) + " x " + std::to_string(t.numel()); }
 
-std::string reduce_name(const c10d::ReduceOp& op) {
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM: return "SUM";
-    case c10d::ReduceOp::AVG: return "AVG";
-    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
-    case c10d::ReduceOp::MIN: return "MIN";
-    case c10d::ReduceOp::MAX: return "MAX";
-    case c10d::ReduceOp::BAND: return "BAND";
-    case c10d::ReduceOp::BOR: return "BOR";
-    case c10d::ReduceOp::BXOR: return "BXOR";
-    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
-    default: return "UNUSED";
-  }
-}
-
 void expect_cpu(const at::Tensor& t, const char* op) {
   if (!t.device().is_cpu())
     throw Unsupported(std::string("cpsim does not support ") + op + " of " + t.device().str() +

@@ -1,5 +1,5 @@
 // What the torch backend says of a tensor and how it moves one: torch's names
-// (dtype, reduction), the checks every call makes, a tensor as bytes and as the
+// (dtype; a reduction's: reductions.hpp), the checks every call makes, a tensor as bytes and as the
 // comm layer's Payload.
 #pragma once
 #include <torch/types.h>
@@ -18,8 +18,6 @@ namespace cpsim::torch_backend {
 std::string dtype_text(const at::Tensor& t);
 // "float16 x 8": what every rank's tensor must agree on.
 std::string shape_text(const at::Tensor& t);
-// torch's name of a reduction ("SUM", "MAX").
-std::string reduce_name(const c10d::ReduceOp& op);
 
 // Unsupported unless a dense host tensor.
 void expect_cpu(const at::Tensor& t, const char* op);
