@@ -5,6 +5,7 @@ cpsim.torch.check:
     .venv/bin/python examples/libraries/fla_kernels_step.py kda            # chunk_kda with cp_context
     .venv/bin/python examples/libraries/fla_kernels_step.py conv           # the CP convolution's Triton kernel
     .venv/bin/python examples/libraries/fla_kernels_step.py kda --variant no_state_across_ranks
+    .venv/bin/python examples/libraries/fla_kernels_step.py kda --dtype bf16   # in bf16 (fp32 by default)
 
 * `kda`: `fla.ops.kda.chunk_kda(q, k, v, g, beta, scale=1, cp_context=...)`, one
   packed row at a time with FLA's context of the row (fla_step.row_context:

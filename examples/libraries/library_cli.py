@@ -27,9 +27,10 @@ class FreshGradient(torch.autograd.Function):
         return grad.clone()
 
 
-def arguments(doc, variants, steps=None, max_cp=8):
+def arguments(doc, variants, steps=None, max_cp=8, dtype=False):
     """--variant (a planted bug or a finding's unguarded step), --cases, --max-cp,
-    --family, --seed; and the step's name when an adapter has several."""
+    --family, --seed; the step's name when an adapter has several; --dtype
+    where the adapter takes it."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     if steps:
         parser.add_argument("step", choices=sorted(steps))
@@ -40,6 +41,8 @@ def arguments(doc, variants, steps=None, max_cp=8):
     parser.add_argument("--seed", type=int)
     parser.add_argument("--long-every", type=int, help="1 in N layouts long (the step's default otherwise)")
     parser.add_argument("--dp", type=int, help="data-parallel replicas, each on its own rows (check(dp=N))")
+    if dtype:
+        parser.add_argument("--dtype", choices=["f64", "f32", "bf16"], help="the inputs' dtype (the step's default otherwise)")
     return parser.parse_args()
 
 
@@ -62,10 +65,10 @@ def run_steps(doc, steps, variants, check, what, max_cp=8):
     """main() of an adapter with several steps: `check(name, step, **settings)`
     runs one, `what(name)` names it in the report."""
     names = {name for by_step in variants.values() for name in by_step}
-    args = arguments(doc, names, steps, max_cp=max_cp)
+    args = arguments(doc, names, steps, max_cp=max_cp, dtype=True)
     if args.variant and args.variant not in variants.get(args.step, {}):
         raise SystemExit("%s has the variants %s" % (args.step, sorted(variants.get(args.step, {}))))
     step = variants[args.step][args.variant] if args.variant else None
     return run(lambda: check(args.step, step, cases=args.cases, max_cp=args.max_cp, family=args.family,
-                             seed=args.seed, long_every=args.long_every, dp=args.dp),
+                             seed=args.seed, long_every=args.long_every, dp=args.dp, dtype=args.dtype),
                lambda: what(args.step))

@@ -47,6 +47,14 @@ computes (docs/libraries.md, "FLA's Triton kernels on a CPU"):
    NVIDIA Ampere or newer") is replaced by one that also accepts the CPU, in
    every module that imported it by name. The guard exists for the GPU's
    TF32x3 dot precision; the interpreter computes dots in fp32 (numpy).
+9. bf16 arithmetic as the hardware does it: the interpreter keeps a bf16
+   tensor as its bits (uint16), and its dot, its elementwise arithmetic, its
+   reductions and scans then compute on those bits as integers (a 16 x 16
+   bf16 dot off by 2.4e10), and it truncates fp32 to bf16. Here a bf16 dot
+   widens its operands to fp32 (exactly) and multiplies and accumulates in
+   the accumulator's dtype; elementwise bf16 arithmetic, reductions and scans
+   are computed in fp32, each bf16 result rounded to nearest even (as a GPU's
+   cvt.rn.bf16.f32), as is a cast from fp32 to bf16.
 """
 import os
 import sys
@@ -173,6 +181,9 @@ def enable():
     interpreter.interpreter_builder.options = dataclasses.replace(
         options, allowed_dot_input_precisions=tuple(options.allowed_dot_input_precisions) + ("bf16x3", "bf16x6"))
 
+    # 9. bf16 arithmetic as the hardware does it
+    _bf16_as_hardware(interpreter, np)
+
     # 8. FLA's CP device guard, wherever it was imported by name
     import fla.ops.cp.context as context
     guard = context._check_cp_device
@@ -188,3 +199,82 @@ def enable():
             patched.append(name)
     _enabled.append(sorted(patched))
     return _enabled[0]
+
+
+def to_bf16_bits(x, np):
+    """fp32 values as bf16 bits (uint16), rounded to nearest even (NaN kept NaN)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def from_bf16_bits(bits, np):
+    """bf16 bits (uint16) as the fp32 values they are (exact)."""
+    return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _bf16_as_hardware(interpreter, np):
+    """Adjustment 9 (the module's docstring)."""
+    tl, TensorHandle, builder = interpreter.tl, interpreter.TensorHandle, interpreter.InterpreterBuilder
+
+    def is_bf16(handle):
+        return handle.dtype.scalar == tl.bfloat16
+
+    def widened(handle):
+        return TensorHandle(from_bf16_bits(handle.data, np), tl.float32) if is_bf16(handle) else handle
+
+    dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (is_bf16(a) or is_bf16(b) or is_bf16(d)):
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = dot(self, widened(a), widened(b), widened(d), input_precision, max_num_imprecise_acc)
+        return TensorHandle(to_bf16_bits(out.data, np), tl.bfloat16) if is_bf16(d) else out
+
+    def in_fp32(op, *args):
+        """op on the operands widened to fp32; a bf16 result rounded back."""
+        out = op(*[widened(a) for a in args])  # a comparison's result is bool data: kept
+        return TensorHandle(to_bf16_bits(out.data, np), tl.bfloat16) if out.data.dtype == np.float32 else out
+
+    binary, unary, fma = builder.binary_op, builder.unary_op, builder.create_fma
+
+    def binary_op(self, lhs, rhs, op):
+        if is_bf16(lhs) or is_bf16(rhs):
+            return in_fp32(lambda a, b: binary(self, a, b, op), lhs, rhs)
+        return binary(self, lhs, rhs, op)
+
+    def unary_op(self, arg, op):
+        if is_bf16(arg):
+            return in_fp32(lambda a: unary(self, a, op), arg)
+        return unary(self, arg, op)
+
+    def create_fma(self, x, y, z):
+        if is_bf16(x) or is_bf16(y) or is_bf16(z):
+            return in_fp32(lambda a, b, c: fma(self, a, b, c), x, y, z)
+        return fma(self, x, y, z)
+
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return TensorHandle(to_bf16_bits(src.data, np), tl.bfloat16)
+        return cast(self, src, dst_type)
+    builder.create_dot, builder.binary_op, builder.unary_op = create_dot, binary_op, unary_op
+    builder.create_fma, builder.cast_impl = create_fma, cast_impl
+
+    # Reductions and scans (tl.sum, tl.max, tl.cumsum, ...) of bf16 values: in
+    # fp32, each bf16 result rounded back.
+    for ops in (interpreter.ReduceOps, interpreter.ScanOps):
+        def apply_impl(self, input, _apply=ops.apply_impl):
+            if not any(t.dtype.scalar == tl.bfloat16 for t in input):
+                return _apply(self, input)
+            wide = tuple(self.to_tensor(from_bf16_bits(t.handle.data, np), tl.float32)
+                         if t.dtype.scalar == tl.bfloat16 else t for t in input)
+            out = _apply(self, wide)
+            many = isinstance(out, (list, tuple))
+            was = [t.dtype.scalar == tl.bfloat16 for t in input]  # output i is input i's (an index: int32)
+            out = [self.to_tensor(to_bf16_bits(o.handle.data, np), tl.bfloat16)
+                   if i < len(was) and was[i] and o.handle.data.dtype == np.float32 else o
+                   for i, o in enumerate(out if many else [out])]
+            return out if many else out[0]
+        ops.apply_impl = apply_impl
