@@ -66,7 +66,7 @@ OUTPUT_TABLE = (
            "(case.generator): the loss it reports, every parameter's gradient as its reduction left it, every "
            "parameter, buffer and optimizer state after the step, its other tensors, within the TrainStep's "
            "tolerance, every differing one listed (values, gradients, then the update, each worst first; a "
-           "factor of dp, cp or dp x cp named); then every "
+           "factor of dp, cp or dp x cp named, and the group a gradient reduction left out, CP or DP); then every "
            "rank's parameters, buffers and optimizer state bit for bit against world rank 0's (replicas "
            "identical after a step)"),
     Output("targets", "[B, L]",

@@ -84,8 +84,8 @@ def make_step(bug=""):
 
 
 # The bugs user_cp.py plants itself (the others are this file's).
-USER_CP_BUGS = {"loss_cp_count", "dp_avg_local_mean", "grad_dp_only", "sgd_before_allreduce", "clip_local_norm",
-                "label_shift_local", "loss_local_count", "attn_no_doc_mask", "padding_in_loss"}
+USER_CP_BUGS = {"loss_cp_count", "dp_avg_local_mean", "grad_dp_only", "grad_cp_only", "sgd_before_allreduce",
+                "clip_local_norm", "label_shift_local", "loss_local_count", "attn_no_doc_mask", "padding_in_loss"}
 
 
 def _check(bug="", dp=2, mesh="dp,cp", **kw):
@@ -110,6 +110,8 @@ PLANTED = [
     ("loss_local_count", ["train:", "the loss reported"]),
     # Summed over the replicas only: each rank's gradient lacks its CP peers' parts.
     ("grad_dp_only", ["train:", "gradient of", "the reduction left out CP"]),
+    # Summed over the CP ranks only: the replicas' gradients never meet.
+    ("grad_cp_only", ["train:", "gradient of", "the reduction left out DP"]),
     ("sgd_before_allreduce", ["train:", "parameter", "after the step", "the update did not use them"]),
     ("clip_local_norm", ["train:", "gradient of"]),
     # labels made on the shard: the last position of a shard loses its label

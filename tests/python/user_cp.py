@@ -379,6 +379,8 @@ def all_reduce_grads(model, comm):
     flat = torch.cat([g.reshape(-1) for g in grads])
     if BUG == "grad_dp_only":
         dist.all_reduce(flat, group=comm.dp_group)
+    elif BUG == "grad_cp_only":
+        dist.all_reduce(flat, group=comm.cp_group)
     elif BUG == "dp_avg_local_mean":
         dist.all_reduce(flat, group=comm.cp_group)
         dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=comm.dp_group)
