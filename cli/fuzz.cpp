@@ -95,7 +95,8 @@ int run_fuzz(FuzzArgs a) {
   // 1 in 8 random layouts is long (512-2048 tokens): what one property row leaves
   // in the host memory cache is handed to the next, of other shapes, and
   // balanced plans part from equal ones over padding gaps; 1 in 6 layouts
-  // gives mRoPE position_ids (image spans as grids).
+  // gives mRoPE position_ids (image spans as grids); unpacked rows draw padding
+  // gaps inside their document.
   const auto gen = family ? gen_family_case(*family, a.max_cp, plan)
                           : gen_layout_case(a.max_cp, plan, fuzz_draw_limits());
   const PropertyOutcome result = run_property(settings, [&] { property(*gen); }, &progress);

@@ -182,6 +182,14 @@ LayoutCase build_case(const LayoutSpec& spec) {
         id[r * S + s] = 1;
         pad[r * S + s] = false;
       }
+      // An interior gap: the mask's zeros between real tokens of the one
+      // document (row padding, doc id 0; the tokens after it are the document's).
+      const auto [at, len] = r < static_cast<std::int64_t>(spec.row_gaps.size()) ? spec.row_gaps[r] : std::pair{0, 0};
+      if (len > 0 && at > 0 && spec.mask_kind != MaskKind::none && !spec.give_positions && !spec.mrope)
+        for (std::int64_t s = l + at; s < std::min<std::int64_t>(l + at + len, S - rp - 1); ++s) {
+          id[r * S + s] = kPadDocId;
+          pad[r * S + s] = true;
+        }
       continue;
     }
     std::int64_t pos = 0;

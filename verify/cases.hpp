@@ -85,6 +85,10 @@ struct LayoutSpec {
   int seq_len = 1;
   std::vector<std::vector<DocSpec>> rows;      // packed forms
   std::vector<std::pair<int, int>> row_pads;   // unpacked: (left, right) padding per row
+  // unpacked: a padding gap inside each row's document, (where it starts after
+  // the document's first token, its length); none where 0 long, and none where
+  // positions are given (a gap never resumes a document by its positions).
+  std::vector<std::pair<int, int>> row_gaps;
   MaskKind mask_kind = MaskKind::padding_mask;  // unpacked, position_resets
   bool absorb_tail = false;   // last document's padded length absorbs the row's tail
   bool give_positions = false;

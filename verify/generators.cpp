@@ -58,11 +58,12 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
   const Gen<int> form_index = allowed.empty() ? gen::inRange(0, kLayoutForms) : uniform_element(allowed);
   const int long_every = limits.long_every, mrope_every = limits.mrope_every;
   const int long_min = limits.long_min, long_max = limits.long_max;
+  const bool interior_gaps = limits.interior_gaps;
   // A forms filter is obeyed to the letter: its row forms come as [B, S] rows;
   // only THD forms (a collator's [S] stream) draw 1-D rows then.
   const bool filtered = !limits.forms.empty() || rows_multiple > 1;
   return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard, long_every, long_min, long_max, mrope_every,
-                                                       filtered, rows_multiple](std::pair<int, int> cp_form) {
+                                                       filtered, rows_multiple, interior_gaps](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
@@ -74,7 +75,7 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
                                                                       {1, gen::inRange(std::max(shortest, long_min),
                                                                                       std::max(shortest, long_max) + 1)}})
                                            : short_length;
-    return gen::mapcat(length, [cp, form, draw, mrope_every, filtered, rows_multiple](int S) {
+    return gen::mapcat(length, [cp, form, draw, mrope_every, filtered, rows_multiple, interior_gaps](int S) {
       const int L = (S + cp - 1) / cp;
       // Lengths biased to the shard length (edges hit exactly), to 1, and to long spans.
       auto len = gen::weightedOneOf<int>({{5, gen::inRange(0, 2 * L + 2)},
@@ -113,7 +114,13 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
                                                          : gen::just(false)),
             gen::set(&LayoutSpec::image_spans, mrope_every > 0 ? gen::just(std::optional<ImageSpans>(ImageSpans{}))
                                                                : gen::just(std::optional<ImageSpans>())),
-            gen::set(&LayoutSpec::seed, gen::arbitrary<std::uint64_t>()));
+            gen::set(&LayoutSpec::seed, gen::arbitrary<std::uint64_t>()),
+            // Last: without interior gaps the draws before it are those of every earlier release.
+            gen::set(&LayoutSpec::row_gaps,
+                     interior_gaps ? gen::container<std::vector<std::pair<int, int>>>(
+                                         B, gen::pair(gen::inRange(1, std::max(2, S / 2 + 1)),
+                                                      gen::weightedOneOf<int>({{1, gen::just(0)}, {2, gen::inRange(1, 5)}})))
+                                   : gen::just(std::vector<std::pair<int, int>>{})));
       });
     });
   });
@@ -125,6 +132,7 @@ DrawLimits fuzz_draw_limits() {
   DrawLimits limits;
   limits.long_every = 8;
   limits.mrope_every = 6;
+  limits.interior_gaps = true;
   return limits;
 }
 

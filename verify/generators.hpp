@@ -45,10 +45,14 @@ struct DrawLimits {
   // rows_multiple x 1..3): the global batch of check(dp=D), each replica its own
   // B / D rows.
   int rows_multiple = 1;
+  // Unpacked rows draw, 2 in 3, a padding gap inside their document (an
+  // attention mask's zeros between its real tokens), where positions are not
+  // given: a balanced plan's cost must run on across it.
+  bool interior_gaps = false;
 };
 // cpsim fuzz's draw: every form, 1 in 8 layouts long (what one property row
 // leaves in the host memory cache is handed to the next, as in a long step), 1
-// in 6 with mRoPE position_ids.
+// in 6 with mRoPE position_ids, interior padding gaps in unpacked rows.
 DrawLimits fuzz_draw_limits();
 rc::Gen<LayoutSpec> gen_layout_spec(int max_cp = 16, const PlanDraw& plan = std::nullopt, const DrawLimits& limits = {});
 rc::Gen<LayoutCase> gen_layout_case(int max_cp = 16, const PlanDraw& plan = std::nullopt, const DrawLimits& limits = {});

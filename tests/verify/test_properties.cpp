@@ -177,6 +177,40 @@ TEST(Generators, FuzzDrawsLongLayoutsWhoseBlocksTheNextRowsReuse) {
   EXPECT_GE(cached, std::size_t{64} << 10) << "the rows of a long case hand their blocks on";
 }
 
+// Fuzz draws unpacked rows whose document has a padding gap inside it (the
+// mask's zeros between its real tokens, doc id 0 there and the document's on
+// both sides); every such case derives to its truth and holds the layout and
+// shard rows. Without the limit no gap is drawn.
+TEST(Generators, FuzzDrawsPaddingGapsInsideADocument) {
+  const auto interior = [](const LayoutCase& c) {
+    const Tensor& id = c.truth->doc_ids;
+    const std::int64_t B = id.dim(0), S = id.dim(1);
+    for (std::int64_t r = 0; r < B; ++r)
+      for (std::int64_t s = 1; s + 1 < S; ++s)
+        if (id.get_int(r * S + s) == 0 && id.get_int(r * S + s - 1) > 0)
+          for (std::int64_t e = s + 1; e < S; ++e)
+            if (id.get_int(r * S + e) != 0) {
+              if (id.get_int(r * S + e) == id.get_int(r * S + s - 1)) return true;
+              break;
+            }
+    return false;
+  };
+  const auto gen = gen_layout_case(4, std::nullopt, fuzz_draw_limits());
+  int gaps = 0;
+  for (int i = 0; i < 3000 && gaps < 12; ++i) {
+    const LayoutCase c = gen(rc::Random(9001 + i), i % 100).value();
+    if (!interior(c)) continue;
+    ++gaps;
+    for (const char* row : {"layout", "shard"}) {
+      const PropertyResult r = check_row(row, c, CheckOptions{}, Impl{});
+      EXPECT_TRUE(r.ok) << row << ": " << r.detail << "\n" << c;
+    }
+  }
+  EXPECT_GE(gaps, 12) << "of up to 3000 fuzz draws";
+  const auto plain = gen_layout_case(4);
+  for (int i = 0; i < 300; ++i) EXPECT_FALSE(interior(plain(rc::Random(9001 + i), i % 100).value()));
+}
+
 // The generator must draw every layout class SPEC §5 lists; counted over a fixed sample.
 TEST(Generators, DrawEveryLayoutClassOfSpecSection5) {
   std::map<std::string, int> seen;

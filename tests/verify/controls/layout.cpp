@@ -93,6 +93,50 @@ TEST(LayoutControls, ShardCatchesAPlanComputedFromRankLocalRows) {
   EXPECT_THAT(report, HasSubstr("its plan cuts"));
 }
 
+// A balanced plan whose attention cost starts again after a padding gap inside
+// a document (the tokens after it attend to the whole document before them):
+// fuzz's draw (interior gaps) finds it; the harness's default draw, without
+// such gaps, cannot.
+TEST(LayoutControls, ShardCatchesACostRestartedAfterAGapInsideADocument) {
+  const auto restarted = [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
+    if (plan.kind != PlanChoice::Kind::balanced) return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
+    Batch batch = b;
+    normalize_batch_axis(batch);
+    const Layout layout = derive_layout(batch);
+    const std::int64_t B = layout.doc_ids.dim(0), S = layout.doc_ids.dim(1);
+    const std::int64_t P = shard_geometry(S, cp).padded_len;
+    std::vector<std::vector<std::int64_t>> costs(B, std::vector<std::int64_t>(P, 0));
+    for (std::int64_t r = 0; r < B; ++r)
+      for (std::int64_t s = 0, run = 0, last = -1; s < S; ++s) {
+        if (layout.padding.get_int(r * S + s)) {
+          run = 0;  // PLANTED: a gap ends the count, as if a new document began
+          continue;
+        }
+        const std::int64_t id = layout.doc_ids.get_int(r * S + s);
+        run = id == last ? run + 1 : 1;
+        last = id;
+        costs[r][s] = plan.cost.attention * run + plan.cost.linear;
+      }
+    PlanChoice mine;
+    mine.kind = PlanChoice::Kind::cuts;
+    mine.cuts = balanced_plan(costs, P, cp).cuts;
+    return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, mine);
+  };
+  const auto property = [&](const DrawLimits& limits) {
+    return [&, limits] {
+      PlanChoice balanced;
+      balanced.kind = PlanChoice::Kind::balanced;
+      const LayoutCase c = *gen_layout_case(4, balanced, limits);
+      const auto r = check_row("shard", c, {}, {.shard = restarted});
+      if (!r.ok) RC_FAIL(r.detail);
+    };
+  };
+  const std::string report = expect_counterexample("shard vs a cost restarted after a gap", property(fuzz_draw_limits()));
+  expect_found(report);
+  EXPECT_THAT(report, AnyOf(HasSubstr("attention_mask"), HasSubstr("padding_mask")));
+  EXPECT_TRUE(expect_counterexample("the same without interior gaps", property(DrawLimits{})).empty());
+}
+
 TEST(LayoutControls, PlantedFaultsLayoutThatThrowsOrReturnsTheWrongSize) {
   expect_reported("layout throws", [](const LayoutCase& c) { return check_row("layout", c, {}, {.layout = layout_throws}); });
   expect_reported("layout short", [](const LayoutCase& c) { return check_row("layout", c, {}, {.layout = layout_short}); });
