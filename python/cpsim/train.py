@@ -142,6 +142,31 @@ def _first_index(a, b):
     return index, a[index].item() if a.dim() else a.item(), b[index].item() if b.dim() else b.item()
 
 
+def _values_differing(run, whole, S, cp, dp):
+    """A rank's values against the unsharded run's, as (error, why): the loss
+    it reported, its tensors, its per-position results at its rows and
+    positions."""
+    tolerance, lines = whole["tolerance"], []
+    if not close(run["loss"], whole["loss"], max(tolerance, 1e-12)):
+        lines.append((float("inf"), "the loss reported %.10g, the unsharded run's %.10g%s" % (
+            run["loss"], whole["loss"], _factor(run["loss"] / whole["loss"] if whole["loss"] else None, cp, dp))))
+    for name, want in whole["tensors"].items():
+        got = run["tensors"].get(name)
+        d = ((float("inf"), "no tensor %s (the unsharded run gave one)" % name) if got is None else
+             _compared(name, got, want, tolerance, 0.0, cp, dp))
+        if d:
+            lines.append(d)
+    rows, lo, n = run["rows"], run["lo"], max(min(run["hi"], S) - run["lo"], 0)
+    for name, want in whole["positions"].items():
+        got = run["positions"].get(name)
+        d = ((float("inf"), "no %s (the unsharded run gave it)" % name) if got is None else
+             _compared("%s (positions %d..%d, rows %d..%d)" % (name, lo, lo + n, rows.start, rows.stop),
+                       got[:, :n], want[rows, lo:lo + n], tolerance, rms(want), cp, dp))
+        if d:
+            lines.append(d)
+    return lines
+
+
 def train_differences(runs, cp, dp, S, mesh="dp,cp"):
     """Each rank's step against the unsharded run's: the loss reported, every
     gradient, every parameter, buffer and optimizer state after the step, the
@@ -166,30 +191,8 @@ def train_differences(runs, cp, dp, S, mesh="dp,cp"):
             if run is None:
                 found[at] = (0, "%s returned no train (the unsharded run did)" % who)
                 continue
-            lines, phase = [], 1
-            if not close(run["loss"], whole["loss"], max(tolerance, 1e-12)):
-                phase = 0
-                lines.append((float("inf"), "the loss reported %.10g, the unsharded run's %.10g%s" % (
-                    run["loss"], whole["loss"], _factor(run["loss"] / whole["loss"] if whole["loss"] else None,
-                                                        cp, dp))))
-            for name, want in whole["tensors"].items():
-                got = run["tensors"].get(name)
-                if got is None:
-                    phase, _ = 0, lines.append((float("inf"), "no tensor %s (the unsharded run gave one)" % name))
-                    continue
-                d = _compared(name, got, want, tolerance, 0.0, cp, dp)
-                if d:
-                    phase, _ = 0, lines.append(d)
-            rows, lo, n = run["rows"], run["lo"], max(min(run["hi"], S) - run["lo"], 0)
-            for name, want in whole["positions"].items():
-                got = run["positions"].get(name)
-                if got is None:
-                    phase, _ = 0, lines.append((float("inf"), "no %s (the unsharded run gave it)" % name))
-                    continue
-                d = _compared("%s (positions %d..%d, rows %d..%d)" % (name, lo, lo + n, rows.start, rows.stop),
-                              got[:, :n], want[rows, lo:lo + n], tolerance, rms(want), cp, dp)
-                if d:
-                    phase, _ = 0, lines.append(d)
+            lines = _values_differing(run, whole, S, cp, dp)
+            phase = 0 if lines else 1
             grads = [d for d in (_compared(name, run["grads"].get(name), want, tolerance, grad_floor, cp, dp)
                                  for name, want in whole["grads"].items()) if d]
             values = [d for d in (_compared(name + " after the step", run["values"].get(name), want, tolerance,
@@ -213,8 +216,8 @@ def train_differences(runs, cp, dp, S, mesh="dp,cp"):
                                                                                    reported[body]))
                 else:
                     reported[body] = who
-                    found[at] = (phase, "%s train: %d of the step's results differ from the unsharded run's "
-                                        "(values, gradients, then the update, each worst first)%s" % (who, len(parts), body))
+                    found[at] = (phase, "%s train: %d of the step's results differ from the unsharded run's (values, "
+                                        "gradients, then the update, each worst first)%s" % (who, len(parts), body))
                 continue
             if first is None:
                 first = (at, who, run)

@@ -116,9 +116,14 @@ def test_the_minimal_layouts_of_docs_libraries_show_glm5s_findings():
 
 # --- the layers, sharded against themselves unsharded ---
 
+# Few interpreted KDA cases in CI (each ~13 s); `glm5_step.py kda --cases N` or
+# CPSIM_GLM5_KDA_CASES=N for long runs.
+KDA_CASES = int(os.environ.get("CPSIM_GLM5_KDA_CASES", "3"))
+
+
 def test_kda_with_flas_kernels_under_cp_matches_kda_unsharded():
-    ran = glm5_step.check("kda", cases=6, seed=SEED)
-    assert ran >= 6 and ran.outside == 0
+    ran = glm5_step.check("kda", cases=KDA_CASES, seed=SEED)
+    assert ran >= KDA_CASES and ran.outside == 0
 
 
 def test_kpool_dsa_with_its_indexer_matches_itself_unsharded():
