@@ -29,15 +29,18 @@ def test_chunk_kda_and_the_convolution_in_bf16_match_cpsims_references():
     # The dtype models train in, within the manifest's bf16 tolerance; without
     # the adjustment the interpreter's bf16 dots compute on the values' bits
     # (a relative RMSE of 5e9 on the first case).
-    assert fla_kernels_step.check("kda", cases=4, seed=SEED, dtype="bf16") >= 4
-    assert fla_kernels_step.check("conv", cases=4, seed=SEED, dtype="bf16") >= 4
+    assert fla_kernels_step.check("kda", cases=3, seed=SEED, dtype="bf16") >= 3
+    assert fla_kernels_step.check("conv", cases=3, seed=SEED, dtype="bf16") >= 3
 
 
-def test_in_bf16_kda_without_the_state_of_the_ranks_before_is_still_reported():
-    # The bf16 tolerance does not hide a CP bug of the kernels.
+def test_in_bf16_kda_without_the_state_of_the_ranks_before_is_still_reported(tmp_path):
+    # The bf16 tolerance does not hide a CP bug of the kernels (one document
+    # over both ranks, replayed: a drawn failure shrinks through interpreted runs).
+    batch = tmp_path / "one_document.json"
+    batch.write_text('{"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8]], "seq_lens": [[8]]}')
     expect_reported(lambda: fla_kernels_step.check("kda", fla_kernels_step.VARIANTS["kda"]["no_state_across_ranks"],
-                                                   cases=16, seed=SEED, dtype="bf16"),
-                    "recurrence_o", "smallest failing layout (cp=2")
+                                                   batch=str(batch), cp=2, seed=SEED, dtype="bf16"),
+                    "recurrence_o", "rank 1")
 
 
 def test_the_interpreters_bf16_arithmetic_is_the_hardwares():
