@@ -54,8 +54,7 @@ def verdict(folder, step, backend, timeout, dp=1, tolerance=None, mesh="dp,cp", 
             return "a \"%s\" output is compared on thread ranks (backend='threads'), not on %s" % (
                 sorted(runs)[0], backend)
         try:
-            ct.spawn(lambda rank, world: run_rank(golden, step, 0, runs=runs, unsharded=True), 1,
-                     backend=backend, timeout=timeout)
+            ct.spawn(_unsharded_rank(golden, step, runs), 1, backend=backend, timeout=timeout)
         except ct.RankFailed as e:
             return "the unsharded run (cp 1) raised %s" % str(e).split(": ", 1)[1]
         except (ct.RankStuck, ct.CollectiveError) as e:
@@ -78,6 +77,11 @@ def _each_rank(golden, step, dp, mesh, runs, redraw=None):
         cp_rank, dp_rank = placed(rank, golden.cp, dp, mesh)
         return run_rank(golden, step, cp_rank, dp, dp_rank, runs, mesh=mesh, redraw=redraw)
     return one
+
+
+def _unsharded_rank(golden, step, runs, redraw=None):
+    """The unsharded run's body (a group of one): run_rank with unsharded=True."""
+    return lambda rank, world: run_rank(golden, step, 0, runs=runs, unsharded=True, redraw=redraw)
 
 
 def _leaks(golden, step, runs, backend, timeout, dp, mesh, found):
@@ -109,8 +113,7 @@ def _whose_leak(golden, step, runs, redraw, backend, timeout, mesh):
     which says whether the step's own code lets them meet or its CP code."""
     whole = {name: {} for name in runs}
     try:
-        ct.spawn(lambda rank, world: run_rank(golden, step, 0, runs=whole, unsharded=True, redraw=redraw), 1,
-                 backend=backend, timeout=timeout)
+        ct.spawn(_unsharded_rank(golden, step, whole, redraw), 1, backend=backend, timeout=timeout)
     except (ct.RankFailed, ct.RankStuck, ct.CollectiveError) as e:
         return "\n  (the unsharded run with them drawn again failed: %s)" % str(e).split("\n")[0]
     leaked = any(leak_differences(name, {(0, 0): runs[name][None]}, {(0, 0): whole[name].get(None)}, redraw,

@@ -60,6 +60,41 @@ ShardedBatch shard_rounded_down(int rank, int cp, const Batch& b, std::int64_t p
   return out;
 }
 
+// A shard whose balanced plan is cut from costs(layout, P, cost), the rows'
+// per-token costs a planted bug computes; any other plan shards as usual.
+template <class Costs>
+ShardedBatch shard_by_costs(int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan,
+                            const Costs& costs) {
+  if (plan.kind != PlanChoice::Kind::balanced) return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
+  Batch batch = b;
+  normalize_batch_axis(batch);
+  const Layout layout = derive_layout(batch);
+  const std::int64_t P = shard_geometry(layout.doc_ids.dim(1), cp).padded_len;
+  PlanChoice mine;
+  mine.kind = PlanChoice::Kind::cuts;
+  mine.cuts = balanced_plan(costs(layout, P, plan.cost), P, cp).cuts;
+  return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, mine);
+}
+
+// Attention costs whose count starts again after a padding gap inside a document.
+std::vector<std::vector<std::int64_t>> costs_restarted_after_gaps(const Layout& layout, std::int64_t P,
+                                                                  const TokenCost& cost) {
+  const std::int64_t B = layout.doc_ids.dim(0), S = layout.doc_ids.dim(1);
+  std::vector<std::vector<std::int64_t>> costs(B, std::vector<std::int64_t>(P, 0));
+  for (std::int64_t r = 0; r < B; ++r)
+    for (std::int64_t s = 0, run = 0, last = -1; s < S; ++s) {
+      if (layout.padding.get_int(r * S + s)) {
+        run = 0;  // PLANTED: a gap ends the count, as if a new document began
+        continue;
+      }
+      const std::int64_t id = layout.doc_ids.get_int(r * S + s);
+      run = id == last ? run + 1 : 1;
+      last = id;
+      costs[r][s] = cost.attention * run + cost.linear;
+    }
+  return costs;
+}
+
 }  // namespace
 
 TEST(LayoutControls, LayoutCatchesDocIdsBuiltFromTokenIds) {
@@ -74,15 +109,10 @@ TEST(LayoutControls, ShardCatchesAnOffByOneShard) {
 // the ranks cut differently, and the shard property names the context's cuts.
 TEST(LayoutControls, ShardCatchesAPlanComputedFromRankLocalRows) {
   const auto local_plan = [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
-    if (plan.kind != PlanChoice::Kind::balanced) return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
-    Batch batch = b;
-    normalize_batch_axis(batch);
-    const Layout layout = derive_layout(batch);
-    const std::int64_t row = rank % layout.doc_ids.dim(0), P = shard_geometry(layout.doc_ids.dim(1), cp).padded_len;
-    PlanChoice mine;
-    mine.kind = PlanChoice::Kind::cuts;
-    mine.cuts = balanced_plan({token_costs(layout, P, plan.cost)[row]}, P, cp).cuts;
-    return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, mine);
+    return shard_by_costs(rank, cp, b, pad, primary, plan, [rank](const Layout& layout, std::int64_t P,
+                                                                  const TokenCost& cost) {
+      return std::vector<std::vector<std::int64_t>>{token_costs(layout, P, cost)[rank % layout.doc_ids.dim(0)]};
+    });
   };
   const std::string report = expect_counterexample("shard vs plans from rank-local rows", [&](const LayoutCase& c) {
     const auto r = check_row("shard", c, {}, {.shard = local_plan});
@@ -99,28 +129,7 @@ TEST(LayoutControls, ShardCatchesAPlanComputedFromRankLocalRows) {
 // such gaps, cannot.
 TEST(LayoutControls, ShardCatchesACostRestartedAfterAGapInsideADocument) {
   const auto restarted = [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
-    if (plan.kind != PlanChoice::Kind::balanced) return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, plan);
-    Batch batch = b;
-    normalize_batch_axis(batch);
-    const Layout layout = derive_layout(batch);
-    const std::int64_t B = layout.doc_ids.dim(0), S = layout.doc_ids.dim(1);
-    const std::int64_t P = shard_geometry(S, cp).padded_len;
-    std::vector<std::vector<std::int64_t>> costs(B, std::vector<std::int64_t>(P, 0));
-    for (std::int64_t r = 0; r < B; ++r)
-      for (std::int64_t s = 0, run = 0, last = -1; s < S; ++s) {
-        if (layout.padding.get_int(r * S + s)) {
-          run = 0;  // PLANTED: a gap ends the count, as if a new document began
-          continue;
-        }
-        const std::int64_t id = layout.doc_ids.get_int(r * S + s);
-        run = id == last ? run + 1 : 1;
-        last = id;
-        costs[r][s] = plan.cost.attention * run + plan.cost.linear;
-      }
-    PlanChoice mine;
-    mine.kind = PlanChoice::Kind::cuts;
-    mine.cuts = balanced_plan(costs, P, cp).cuts;
-    return shard_batch_at(rank, cp, b, std::nullopt, pad, primary, 1, mine);
+    return shard_by_costs(rank, cp, b, pad, primary, plan, costs_restarted_after_gaps);
   };
   const auto property = [&](const DrawLimits& limits) {
     return [&, limits] {
