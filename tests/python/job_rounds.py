@@ -20,6 +20,8 @@ ap.add_argument("--start-at", type=float, default=0.0,
 args = ap.parse_args()
 
 time.sleep(max(0.0, args.start_at - time.time()))
+# When this rank really joined: a loaded machine imports torch past `--start-at`.
+os.write(1, b"joined at %.3f\n" % time.time())
 
 ct.init_process_group(timeout=args.timeout)
 rank, world = dist.get_rank(), dist.get_world_size()
