@@ -48,6 +48,7 @@ struct Progress : PropertyListener {
 int run_fuzz(FuzzArgs a) {
   join_job(a.job);
   CheckOptions o = check_options(a.model);
+  o.live_gates_every = kFuzzLiveGatesEvery;
   o.backend = a.job.backend;
   o.timeout = milliseconds_of(a.job.timeout);
   o.job = a.job.joined;

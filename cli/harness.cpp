@@ -222,6 +222,7 @@ int run_harness(const HarnessArgs& a) {
   if (a.workdir.empty()) throw UsageError("cpsim harness: --workdir is required");
   CheckOptions o;
   o.conv_width = a.conv_width;
+  o.live_gates_every = a.live_gates_every;
   GoldenOptions g;
   g.shard_primary = a.shard_primary;
   g.dtype = a.dtype == "f32" ? DType::f32 : a.dtype == "bf16" ? DType::bf16 : DType::f64;
@@ -250,6 +251,7 @@ int run_harness(const HarnessArgs& a) {
   if (a.long_lengths.size() != 2 || a.long_lengths[0] > a.long_lengths[1])
     throw UsageError("cpsim harness --long-lengths: MIN,MAX with MIN <= MAX");
   limits.long_min = a.long_lengths[0], limits.long_max = a.long_lengths[1];
+  limits.long_per_rank = a.long_per_rank;
   limits.rows_multiple = a.rows_multiple;
   for (const std::string& name : a.forms) {
     const auto form = layout_forms().find(name);

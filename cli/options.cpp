@@ -162,6 +162,13 @@ Parsed parse_options(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 20));
   h->add_option("--long-lengths", harness.long_lengths, "the long layouts' lengths: MIN,MAX tokens")
       ->delimiter(',')->expected(2)->check(CLI::Range(1, 1 << 20));
+  h->add_flag("--long-per-rank", harness.long_per_rank,
+              "the long lengths are each rank's shard (the sequence cp times as long): shards that span kernel "
+              "chunks at every CP size");
+  h->add_option("--live-gates-every", harness.live_gates_every,
+                "1 in N cases draws the recurrence's gates live: per head a decay factor 1, 0.01, 0.1 or 0 (a state "
+                "that outlives a chunk, heads that differ; 0: none)")
+      ->check(CLI::Range(0, 1 << 20));
   h->add_option("--rows-multiple", harness.rows_multiple,
                 "every layout a multiple of N rows, [B, S] row forms only (N data-parallel replicas, each its own "
                 "rows of one batch)")

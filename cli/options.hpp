@@ -90,6 +90,8 @@ struct HarnessArgs {
   int probes = 2;  // layouts just outside each contract (--min-shard, --forms) handed to the step after
   int long_every = 0;                    // 1 in N random layouts long (0: none)
   std::vector<int> long_lengths{64, 512};  // the long ones' lengths, at least and at most
+  bool long_per_rank = false;            // the long lengths are each rank's (S = cp x the drawn length)
+  int live_gates_every = 0;              // 1 in N cases draws the recurrence's gates live (0: none)
   int rows_multiple = 1;  // every layout a multiple of this many rows (check(dp=D): D replicas' rows)
   std::string workdir;
 };

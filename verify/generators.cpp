@@ -57,13 +57,15 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
                 "forms (one row)");
   const Gen<int> form_index = allowed.empty() ? gen::inRange(0, kLayoutForms) : uniform_element(allowed);
   const int long_every = limits.long_every, mrope_every = limits.mrope_every;
+  const int per_rank = limits.long_per_rank ? 1 : 0;
   const int long_min = limits.long_min, long_max = limits.long_max;
   const bool interior_gaps = limits.interior_gaps;
   // A forms filter is obeyed to the letter: its row forms come as [B, S] rows;
   // only THD forms (a collator's [S] stream) draw 1-D rows then.
   const bool filtered = !limits.forms.empty() || rows_multiple > 1;
-  return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard, long_every, long_min, long_max, mrope_every,
-                                                       filtered, rows_multiple, interior_gaps](std::pair<int, int> cp_form) {
+  return gen::mapcat(gen::pair(cp_size, form_index), [draw, min_shard, long_every, long_min, long_max, per_rank,
+                                                       mrope_every, filtered, rows_multiple,
+                                                       interior_gaps](std::pair<int, int> cp_form) {
     const int cp = cp_form.first;
     const auto form = static_cast<LayoutForm>(cp_form.second);
     // Short rows relative to c give shards shorter than a conv window and all-padding shards.
@@ -71,9 +73,10 @@ rc::Gen<LayoutSpec> layout_spec_at(const rc::Gen<int>& cp_size, const PlanDraw& 
     const int shortest = cp * (min_shard - 1) + 1;
     const Gen<int> short_length = gen::inRange(shortest, shortest + cp * 6 + 9);
     // A failure in a long draw shrinks towards the short ones (the first choice).
+    const int scale = per_rank ? cp : 1;
     const Gen<int> length = long_every > 0 ? gen::weightedOneOf<int>({{long_every - 1, short_length},
-                                                                      {1, gen::inRange(std::max(shortest, long_min),
-                                                                                      std::max(shortest, long_max) + 1)}})
+                                                                      {1, gen::inRange(std::max(shortest, scale * long_min),
+                                                                                      std::max(shortest, scale * long_max) + 1)}})
                                            : short_length;
     return gen::mapcat(length, [cp, form, draw, mrope_every, filtered, rows_multiple, interior_gaps](int S) {
       const int L = (S + cp - 1) / cp;

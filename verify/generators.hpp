@@ -37,6 +37,10 @@ struct DrawLimits {
   // shards that span several kernel chunks.
   int long_every = 0;
   int long_min = 512, long_max = 2048;
+  // The long lengths are a rank's: a long draw is cp x long_min to cp x long_max
+  // tokens, so that every rank's shard spans the same kernel chunks at every CP
+  // size (a kernel's chunk carried inside a rank).
+  bool long_per_rank = false;
   // 1 in `mrope_every` draws (0: none; not position resets) gives mRoPE's [3, B, S]
   // position_ids with image-token spans as grids (docs/layout.md): cpsim's own
   // operators take them; a torch step opts in through an mRoPE family.
@@ -54,6 +58,9 @@ struct DrawLimits {
 // leaves in the host memory cache is handed to the next, as in a long step), 1
 // in 6 with mRoPE position_ids, interior padding gaps in unpacked rows.
 DrawLimits fuzz_draw_limits();
+// cpsim fuzz's inputs: 1 in 4 cases draws the recurrence's gates live
+// (CheckOptions::live_gates_every).
+inline constexpr int kFuzzLiveGatesEvery = 4;
 rc::Gen<LayoutSpec> gen_layout_spec(int max_cp = 16, const PlanDraw& plan = std::nullopt, const DrawLimits& limits = {});
 rc::Gen<LayoutCase> gen_layout_case(int max_cp = 16, const PlanDraw& plan = std::nullopt, const DrawLimits& limits = {});
 // CP sizes from a list, each as often as any other at every generator size (the

@@ -205,6 +205,9 @@ std::vector<std::string> write_golden(const LayoutCase& c, const CheckOptions& o
                                   {"relative_rmse_recurrence", golden_tolerances(dt).recurrence},
                                   {"relative_rmse_layers", golden_tolerances(dt).layers}}},
                    {"files", json::object()}};
+  // Where cases may draw live gates (cpsim harness --live-gates-every): whether
+  // this one did (case.live_gates), for a step whose layer makes its own gates.
+  if (o.live_gates_every > 0) manifest["live_gates"] = inputs::live_gates(o, c.seed);
   std::vector<std::string> written;
   // Every reference key's tolerance (relative RMSE; 0: bitwise).
   const auto tolerance_of = [dt](const std::string& key, const json& entry) -> double {

@@ -41,6 +41,9 @@ struct CheckOptions : ModelShape {  // the seeded inputs' shape (core/model_shap
   // Told before each row check_all runs (its name, how many rows of this case
   // ran before it, how many it runs in all) and once after the last (name "").
   std::function<void(const std::string& row, int done, int total)> on_row;
+  // 1 in N cases (by the case's seed; 0: none) draws the recurrence's gates live
+  // (random_recurrence_inputs): a state that outlives a chunk, heads that differ.
+  int live_gates_every = 0;
 };
 
 // The work of the attention rows on a layout (doc ids and padding [B, S] or

@@ -108,8 +108,12 @@ namespace cpsim::verify {
 struct RecurrenceInputs {
   Tensor q, k, v, beta, g;  // [B,P,H,K], [B,P,H,K], [B,P,H,V], [B,P,H], [B,P,H,K]
 };
+// Live gates: each head's log-decay scaled by its own factor, 1, 0.01, 0.1 or 0
+// in a drawn rotation (heads differ; one in two or more keeps a state alive over
+// a 64-token chunk: e^(-0.32) a chunk at 0.01, none at 0); else every head's in
+// [-1, 0] (a state all but gone within a chunk).
 RecurrenceInputs random_recurrence_inputs(std::int64_t B, std::int64_t P, std::int64_t H, std::int64_t K,
-                                          std::int64_t V, std::uint64_t seed);
+                                          std::int64_t V, std::uint64_t seed, bool live_gates = false);
 
 struct RecurrenceReference {
   Tensor o, dq, dk, dv, dbeta, dg;

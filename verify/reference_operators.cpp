@@ -86,20 +86,24 @@ ConvReference reference_conv(const Tensor& x, const Tensor& ids, const Tensor& w
 namespace cpsim::verify {
 
 RecurrenceInputs random_recurrence_inputs(std::int64_t B, std::int64_t P, std::int64_t H, std::int64_t K,
-                                          std::int64_t V, std::uint64_t seed) {
+                                          std::int64_t V, std::uint64_t seed, bool live_gates) {
   RecurrenceInputs in{random_tensor({B, P, H, K}, DType::f64, mix_seed(seed, 1)),
                       random_tensor({B, P, H, K}, DType::f64, mix_seed(seed, 2)),
                       random_tensor({B, P, H, V}, DType::f64, mix_seed(seed, 3)),
                       random_tensor({B, P, H}, DType::f64, mix_seed(seed, 4)),
                       random_tensor({B, P, H, K}, DType::f64, mix_seed(seed, 5))};
-  // Keys normalised (as KDA does), beta in (0, 1), log-decay g in [-1, 0].
+  // Keys normalised (as KDA does), beta in (0, 1), log-decay g in [-1, 0] (live:
+  // times the head's factor).
+  static constexpr double kLiveFactors[] = {1.0, 0.01, 0.1, 0.0};
+  const std::int64_t rotation = live_gates ? SplitMix64(mix_seed(seed, 6)).below(4) : 0;
   for (std::int64_t i = 0; i < B * P * H; ++i) {
+    const double factor = live_gates ? kLiveFactors[(i % H + rotation) % 4] : 1.0;
     double n = 0;
     for (std::int64_t a = 0; a < K; ++a) n += in.k.get(i * K + a) * in.k.get(i * K + a);
     n = std::sqrt(n) + 1e-6;
     for (std::int64_t a = 0; a < K; ++a) in.k.set(i * K + a, in.k.get(i * K + a) / n);
     in.beta.set(i, 0.05 + 0.45 * (in.beta.get(i) + 1.0));
-    for (std::int64_t a = 0; a < K; ++a) in.g.set(i * K + a, -0.5 * (in.g.get(i * K + a) + 1.0));
+    for (std::int64_t a = 0; a < K; ++a) in.g.set(i * K + a, -0.5 * factor * (in.g.get(i * K + a) + 1.0));
   }
   return in;
 }

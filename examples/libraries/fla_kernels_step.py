@@ -84,9 +84,11 @@ VARIANTS = {
 }
 # The shapes the interpreter affords (a few seconds a case): documents of tens of
 # tokens, CP 1-4; FLA's contract: equal shards, every rank W - 1 tokens for the conv.
-# (No long layouts by default: one of 512 tokens is minutes in the interpreter;
-# --long-every N draws them.)
-SETTINGS = {"kda": {"dtype": "f32", "max_cp": 4, "long_every": 0},
+# KDA: 1 in 8 layouts long, each rank's shard 65-80 tokens (two of FLA's 64-token
+# chunks: the state carried chunk to chunk inside a rank, ~15 s a case at CP 2),
+# and 1 in 4 cases with live gates (check's default), heads decaying apart.
+LONG_SHARDS = {"long_lengths": (65, 80), "long_per_rank": True}
+SETTINGS = {"kda": {"dtype": "f32", "max_cp": 4, "long_every": 8, **LONG_SHARDS},
             "conv": {"dtype": "f32", "max_cp": 4, "min_shard": fla_step.MIN_SHARD, "long_every": 0}}
 
 

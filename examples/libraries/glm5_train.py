@@ -38,6 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 import glm5_step
+import library_cli
 from glm5_step import OutsideContract, glm5_cp, kernel_path
 
 from nemo_automodel.components.distributed.parallelizer_utils import configure_fsdp_unused_param_reduction
@@ -143,6 +144,7 @@ def make_train_step(bug=None):
         cp_mesh = mesh["cp"]
         model = _build()
         model.load_state_dict(WEIGHTS)
+        library_cli.live_kda_gates(model, case)
         kernel_path(model)
         model.train()
         for sub in model.modules():

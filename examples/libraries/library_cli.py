@@ -13,6 +13,26 @@ def has_mrope_positions(batch):
     return positions is not None and positions.numel() == 3 * batch["input_ids"].numel()
 
 
+LIVE_FACTORS = (1.0, 0.01, 0.1, 1e-4)  # head h's decay rate times LIVE_FACTORS[h % 4] on a live case
+
+
+def live_kda_gates(module, case):
+    """On a case whose gates are drawn live (case.live_gates: check(live_gates_every=N)),
+    every KDA layer's per-head decay rate exp(A_log) (GLM-5.3's, Kimi-Linear's) scaled by its head's factor
+    (1, 0.01, 0.1, 1e-4 in turn), as cpsim's own live gates: heads that differ,
+    a state that outlives a 64-token chunk. GLM-5.3's init draws A_log in
+    log [1, 16], a state gone within a few tokens. Same weights in the sharded
+    and the unsharded run."""
+    if case.live_gates:
+        with torch.no_grad():
+            for sub in module.modules():
+                a_log = sub._parameters.get("A_log")
+                if a_log is not None:
+                    factors = [LIVE_FACTORS[h % len(LIVE_FACTORS)] for h in range(a_log.numel())]
+                    a_log.add_(torch.tensor(factors, dtype=a_log.dtype).log().view_as(a_log))
+    return module
+
+
 class FreshGradient(torch.autograd.Function):
     """Identity whose backward hands on a copy of its gradient: it keeps finding
     K4 (a gather's backward that all-reduces its grad_output in place, Kimi-Linear's

@@ -11,9 +11,13 @@ computes (docs/libraries.md, "FLA's Triton kernels on a CPU"):
    numpy on CPU tensors. Set before triton is first imported (the decorator
    reads it).
 2. Autotuning without timing: Triton's Autotuner times every config with a
-   GPU benchmarker. Here it keeps the first config that FLA's own pruning
-   leaves (configs change block sizes and warps, never the result beyond
-   rounding; on the interpreter warps and stages do nothing).
+   GPU benchmarker. Here it keeps, of the configs FLA's own pruning leaves,
+   the one with the largest blocks (the product of its block sizes; the last
+   such in FLA's list): the fewest programs for the interpreter to run one by
+   one (KDA's token-parallel kernel takes 8 heads a program, not 1: a
+   140-token step in 8 s, not 21). Configs change block sizes and warps,
+   never the result beyond rounding; on the interpreter warps and stages do
+   nothing.
 3. Loop counters are tensors: under the interpreter `tl.range` is Python's
    range, so a counter is a Python int, and FLA calls `i_t.to(tl.int64)` on
    one. The interpreter's range here yields int32 scalar tensors (what the
@@ -55,6 +59,13 @@ computes (docs/libraries.md, "FLA's Triton kernels on a CPU"):
    the accumulator's dtype; elementwise bf16 arithmetic, reductions and scans
    are computed in fp32, each bf16 result rounded to nearest even (as a GPU's
    cvt.rn.bf16.f32), as is a cast from fp32 to bf16.
+10. The language patched once a launch: the interpreter patches
+   triton.language for a launch and restores it after, but also patches it
+   again at every call of a `@triton.jit` helper inside the kernel (FLA's
+   `exp2`, `safe_exp`, ...), walking every member of the language's modules
+   each time (a quarter of an interpreted KDA step's time). A helper called
+   while its launch's patches hold patches nothing more: the same stand-ins,
+   found once.
 """
 import os
 import sys
@@ -125,12 +136,15 @@ def enable():
     import triton.runtime.autotuner as autotuner
     import triton.runtime.interpreter as interpreter
 
-    # 2. the first config FLA's pruning keeps, untimed
+    # 2. of the configs FLA's pruning keeps, the largest blocks, untimed
+    import math
     prune = autotuner.Autotuner.prune_configs
 
-    def first_config(self, kwargs):
-        return prune(self, kwargs)[:1]
-    autotuner.Autotuner.prune_configs = first_config
+    def largest_blocks(self, kwargs):
+        configs = prune(self, kwargs)
+        size = [math.prod(v for v in c.kwargs.values() if isinstance(v, int)) for c in configs]
+        return [configs[max(range(len(configs)), key=lambda i: (size[i], i))]] if configs else configs
+    autotuner.Autotuner.prune_configs = largest_blocks
 
     # 3. loop counters as int32 tensors: `for i in range(...)` and tl.range in a
     # kernel's source (the interpreter already rewrites each kernel's AST once)
@@ -157,6 +171,9 @@ def enable():
             LAUNCHES[0] += 1
             return launch(self, *args, **kwargs)
     interpreter.InterpretedFunction.run = serialised
+
+    # 10. the language patched once a launch (a helper's call inside it finds it patched)
+    _patch_once_a_launch(interpreter)
 
     # 5. integer masks taken as bool by loads and stores
     import numpy as np
@@ -199,6 +216,38 @@ def enable():
             patched.append(name)
     _enabled.append(sorted(patched))
     return _enabled[0]
+
+
+def _patch_once_a_launch(interpreter):
+    """Adjustment 10 (the module's docstring)."""
+    patch, tl, held = interpreter._patch_lang, interpreter.tl, []  # held: the launch's scope, while it runs
+
+    def langs(fn):
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    class Restoring:
+        def __init__(self, scope, patched):
+            self.scope, self.patched = scope, patched
+
+        def restore(self):
+            held.remove(self)
+            self.scope.restore()
+
+    class Held:
+        def restore(self):
+            pass
+
+    def patch_lang(fn):
+        mine = langs(fn)
+        if held:  # a helper's call inside a launch: its scope is never restored (the interpreter's way)
+            if not mine <= held[-1].patched:
+                patch(fn)
+                held[-1].patched |= mine
+            return Held()
+        scope = Restoring(patch(fn), mine)
+        held.append(scope)
+        return scope
+    interpreter._patch_lang = patch_lang
 
 
 def to_bf16_bits(x, np):

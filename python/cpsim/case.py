@@ -75,6 +75,8 @@ class RankCase:
             self.batch = redrawn_batch(self.batch, redraw, self._seed, m["S"])
         self.pad_token_id = m["pad_token_id"]
         self.conv_width = m["conv_width"]
+        # Whether case.recurrence's gates were drawn live (check(live_gates_every=N)).
+        self.live_gates = bool(m.get("live_gates", False))
         self.cuts = list(cuts)  # rank r holds [cuts[r], cuts[r+1]) of the padded rows
         self.S, self.P = m["S"], (m["S"] if unsharded else m["P"])
         self.shard_primary = m.get("shard_primary", False)

@@ -108,7 +108,10 @@ def _generator(workdir, cases, layouts, inputs, sizes, seed, in_job, rows_multip
                "--conv-width", str(int(inputs.conv_width)), "--dtype", inputs.dtype,
                "--pad-multiple", str(int(layouts.pad_multiple)), "--min-shard", str(int(layouts.min_shard)),
                "--probes", str(int(layouts.probes)), "--long-every", str(int(layouts.long_every)),
-               "--long-lengths", ",".join(str(int(n)) for n in layouts.long_lengths)]
+               "--long-lengths", ",".join(str(int(n)) for n in layouts.long_lengths),
+               "--live-gates-every", str(int(inputs.live_gates_every))]
+    if layouts.long_per_rank:
+        command += ["--long-per-rank"]
     if layouts.batch is not None:
         command += ["--batch", os.fspath(layouts.batch), "--cp", str(int(layouts.cp))]
     else:
@@ -154,23 +157,11 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
     else the build's, else cpsim on the PATH), which draws and shrinks them
     with RapidCheck and writes each case's expected values."""
     layouts, inputs, ranks = grouped(layouts, inputs, ranks, **options)
-    replay, plan, seed, cp, dp = layouts.batch is not None, layouts.plan, layouts.seed, layouts.cp, int(ranks.dp)
-    sizes = layouts.sizes()
+    dp = int(ranks.dp)
+    sizes, seed = layouts.sizes(), layouts.seed
     in_job = ct._job is not None
     if in_job:
-        # A process of a job (init_process_group): every case at the job's size,
-        # each process its rank; every process draws the same cases (one seed).
-        import torch.distributed as dist
-        chosen = torch.tensor([int.from_bytes(os.urandom(6), "little") if seed is None else int(seed)])
-        dist.broadcast(chosen, src=0, group=dist.group.WORLD)
-        if ct._job.size() % dp:
-            raise ValueError("check(dp=%d) in a job of %d processes: dp must divide the job's size"
-                             % (dp, ct._job.size()))
-        seed, sizes = int(chosen), [ct._job.size() // dp]
-        _verdict.job_checks[0] += 1
-        if replay and int(cp) != sizes[0]:
-            raise ValueError("check(batch=..., cp=%d) in a job of %d processes at dp=%d: the CP size is %d"
-                             % (int(cp), ct._job.size(), dp, sizes[0]))
+        seed, sizes = _job_draw(seed, dp, layouts)
     workdir = tempfile.mkdtemp(prefix="cpsim-check-")
     command = _generator(workdir, cases, layouts, inputs, sizes, seed, in_job, dp * int(ranks.microbatches))
     try:
@@ -192,20 +183,8 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
                                             ranks.microbatches) if in_job
                        else _verdict.verdict(folder, step, ranks.backend, ranks.timeout, dp, inputs.tolerance,
                                              ranks.mesh, inputs.leaks, ranks.microbatches))
-                if probe and isinstance(why, _verdict.Raised) and 0 < len(why.ranks) < why.world:
-                    # Outside its contract, refused by some ranks only: the others wait for them.
-                    answer = "partial ranks %s of %d raised, the others waited in a collective (on NCCL, a hang): %s" % (
-                        ", ".join(map(str, why.ranks)), why.world, " | ".join(why.splitlines()))
-                elif probe and isinstance(why, (_verdict.Outside, _verdict.Raised)):
-                    answer = "refused " + " | ".join(why.splitlines())  # outside its contract: loudly, as it must
-                elif isinstance(why, _verdict.Outside):
-                    answer = "outside " + " | ".join(why.splitlines())
-                elif why:
-                    # A probe's failure: cpsim's line says which contract, then this verdict's text.
-                    last_failure = (" | ".join(why.splitlines()), why) if probe else why
-                    answer = "fail " + " | ".join(why.splitlines())  # its first line leads, the rest joined
-                else:
-                    answer = "ok"
+                answer, failure = _answer(why, probe)
+                last_failure = failure if failure is not None else last_failure
                 generator.stdin.write(answer + "\n")
                 generator.stdin.flush()
         except BaseException:
@@ -221,41 +200,83 @@ def check(step, cases=100, layouts=None, inputs=None, ranks=None, out=None, **op
             result = json.load(f)
         if result["ok"]:
             return Checked(result["ran"], result.get("outside", 0), result.get("outside_why"), result.get("probes", ()))
-        if isinstance(last_failure, tuple):  # outside its contract: the verdict after what cpsim says of it
-            joined, whole = last_failure
-            if result["failure"].endswith(joined):
-                result["failure"] = result["failure"][:len(result["failure"]) - len(joined)] + whole
-        elif last_failure is not None:
-            result["failure"] = last_failure
-        first = result["failure"].split("\n", 1)[0]
-        if result.get("cp") == 1 and "relative RMSE" in first and "the step's loss is " not in result["failure"]:
-            result["failure"] += _precision_note(inputs, dp)
-        if "batch" not in result:
-            raise CheckFailed("cpsim.torch.check: %s" % result["report"], result["failure"], None, None, None, plan)
-        path = out or os.path.join(tempfile.gettempdir(), "cpsim-counterexample-%d.json" % os.getpid())
-        with open(path, "w") as f:
-            f.write(result["batch"])
-        references = "cpsim check %s --cp %d" % (path, result["cp"])
-        plan_arg = "equal"
-        if result["cuts"] is not None:
-            plan_arg = path + ".plan.json"
-            with open(plan_arg, "w") as f:
-                json.dump({"cuts": result["cuts"]}, f)
-            references += " --plan " + plan_arg
-        elif result["plan"] != "equal":
-            plan_arg = result["plan"].split(":")[0]
-            references += " --plan " + plan_arg
-        replicas = "" if dp == 1 else ", dp=%d, mesh=%r" % (dp, ranks.mesh)  # a DP failure replays with its replicas
-        if int(ranks.microbatches) > 1:
-            replicas += ", microbatches=%d" % int(ranks.microbatches)
-        again = "cpsim.torch.check(step, batch=%r, cp=%d, plan=%r, seed=%d%s)" % (path, result["cp"], plan_arg,
-                                                                                 result["seed"], replicas)
-        message = ("cpsim.torch.check: %s\n%s failing layout (cp=%d, plan %s), saved to %s:\n%s"
-                   "\nreplay the step with: %s\nreplay the references with: %s"
-                   % (result["failure"], "the replayed" if replay else "the probed" if isinstance(last_failure, tuple)
-                      else "smallest", result["cp"], result["plan"],
-                      path, json.dumps(json.loads(result["batch"])), again, references))
-        raise CheckFailed(message, result["failure"], result["batch"], path, result["cp"], plan_arg, result["seed"])
+        raise _failed(result, last_failure, layouts, inputs, ranks, out)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
+
+def _job_draw(seed, dp, layouts):
+    """In a process of a job (init_process_group): every case at the job's size,
+    each process its rank; every process draws the same cases (rank 0's seed).
+    Returns (seed, [CP size])."""
+    import torch.distributed as dist
+    chosen = torch.tensor([int.from_bytes(os.urandom(6), "little") if seed is None else int(seed)])
+    dist.broadcast(chosen, src=0, group=dist.group.WORLD)
+    if ct._job.size() % dp:
+        raise ValueError("check(dp=%d) in a job of %d processes: dp must divide the job's size" % (dp, ct._job.size()))
+    size = ct._job.size() // dp
+    _verdict.job_checks[0] += 1
+    if layouts.batch is not None and int(layouts.cp) != size:
+        raise ValueError("check(batch=..., cp=%d) in a job of %d processes at dp=%d: the CP size is %d"
+                         % (int(layouts.cp), ct._job.size(), dp, size))
+    return int(chosen), [size]
+
+
+def _answer(why, probe):
+    """A verdict as the line the harness reads (ok, outside, refused, partial,
+    fail), and the failure to keep (None: keep the last one): a probe's as
+    (its joined text, the verdict), after what cpsim says of the contract."""
+    if probe and isinstance(why, _verdict.Raised) and 0 < len(why.ranks) < why.world:
+        # Outside its contract, refused by some ranks only: the others wait for them.
+        return ("partial ranks %s of %d raised, the others waited in a collective (on NCCL, a hang): %s" % (
+            ", ".join(map(str, why.ranks)), why.world, " | ".join(why.splitlines())), None)
+    if probe and isinstance(why, (_verdict.Outside, _verdict.Raised)):
+        return "refused " + " | ".join(why.splitlines()), None  # outside its contract: loudly, as it must
+    if isinstance(why, _verdict.Outside):
+        return "outside " + " | ".join(why.splitlines()), None
+    if why:
+        # its first line leads, the rest joined
+        return "fail " + " | ".join(why.splitlines()), ((" | ".join(why.splitlines()), why) if probe else why)
+    return "ok", None
+
+
+def _failed(result, last_failure, layouts, inputs, ranks, out):
+    """The CheckFailed of a failing check: the smallest (or replayed, or probed)
+    layout saved to `out`, its verdict whole, the lines that replay it."""
+    dp, replay = int(ranks.dp), layouts.batch is not None
+    if isinstance(last_failure, tuple):  # outside its contract: the verdict after what cpsim says of it
+        joined, whole = last_failure
+        if result["failure"].endswith(joined):
+            result["failure"] = result["failure"][:len(result["failure"]) - len(joined)] + whole
+    elif last_failure is not None:
+        result["failure"] = last_failure
+    first = result["failure"].split("\n", 1)[0]
+    if result.get("cp") == 1 and "relative RMSE" in first and "the step's loss is " not in result["failure"]:
+        result["failure"] += _precision_note(inputs, dp)
+    if "batch" not in result:
+        return CheckFailed("cpsim.torch.check: %s" % result["report"], result["failure"], None, None, None,
+                           layouts.plan)
+    path = out or os.path.join(tempfile.gettempdir(), "cpsim-counterexample-%d.json" % os.getpid())
+    with open(path, "w") as f:
+        f.write(result["batch"])
+    references = "cpsim check %s --cp %d" % (path, result["cp"])
+    plan_arg = "equal"
+    if result["cuts"] is not None:
+        plan_arg = path + ".plan.json"
+        with open(plan_arg, "w") as f:
+            json.dump({"cuts": result["cuts"]}, f)
+        references += " --plan " + plan_arg
+    elif result["plan"] != "equal":
+        plan_arg = result["plan"].split(":")[0]
+        references += " --plan " + plan_arg
+    replicas = "" if dp == 1 else ", dp=%d, mesh=%r" % (dp, ranks.mesh)  # a DP failure replays with its replicas
+    if int(ranks.microbatches) > 1:
+        replicas += ", microbatches=%d" % int(ranks.microbatches)
+    again = "cpsim.torch.check(step, batch=%r, cp=%d, plan=%r, seed=%d%s)" % (path, result["cp"], plan_arg,
+                                                                             result["seed"], replicas)
+    message = ("cpsim.torch.check: %s\n%s failing layout (cp=%d, plan %s), saved to %s:\n%s"
+               "\nreplay the step with: %s\nreplay the references with: %s"
+               % (result["failure"], "the replayed" if replay else "the probed" if isinstance(last_failure, tuple)
+                  else "smallest", result["cp"], result["plan"],
+                  path, json.dumps(json.loads(result["batch"])), again, references))
+    return CheckFailed(message, result["failure"], result["batch"], path, result["cp"], plan_arg, result["seed"])

@@ -41,6 +41,9 @@ class Layouts:
     long_every: int = _option(10, "1 in N random layouts is long, its length drawn from long_lengths (0: none): "
                               "long documents, shards that span several kernel chunks")
     long_lengths: tuple = _option((64, 512), "the long layouts' lengths in tokens, (at least, at most)")
+    long_per_rank: bool = _option(False, "long_lengths are each rank's shard (a long layout cp times as long): shards "
+                                  "that span a kernel's chunks (64 tokens in FLA's) at every CP size, a state carried "
+                                  "from chunk to chunk inside a rank")
     probes: int = _option(2, "once every drawn layout held, this many layouts just outside each contract "
                           "(min_shard, forms) go to the step: it must refuse each (OutsideContract or an exception) "
                           "or handle it right; a wrong result fails the check (Checked.probes says what it did)")
@@ -71,6 +74,10 @@ class Inputs:
     dtype: str = _option("f64", "the dtype of every floating input and expected value (f64, f32 or bf16), "
                          "compared within the manifest's tolerance of that dtype")
     conv_width: int = _option(4, "the convolution's width W (case.conv_width)")
+    live_gates_every: int = _option(4, "1 in N cases (0: none) draws case.recurrence's gates live: each head's "
+                                    "log-decay scaled by its own factor, 1, 0.01, 0.1 or 0 (heads differ, a state "
+                                    "outlives a chunk); else every head's in [-1, 0]. case.live_gates says which "
+                                    "(a layer that makes its own gates can follow it)")
     shard_primary: bool = _option(False, "input_ids is sharded like the other keys (else kept global)")
     tolerance: float = _option(None, "the relative RMSE every floating output is compared within, instead of "
                                "the manifest's for the dtype (outputs compared bit for bit stay so)")
@@ -82,6 +89,8 @@ class Inputs:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError("dtype: f64, f32 or bf16, not %r" % (self.dtype,))
+        if int(self.live_gates_every) < 0:
+            raise ValueError("live_gates_every: 0 (none) or more, not %r" % (self.live_gates_every,))
         if self.tolerance is not None and not float(self.tolerance) >= 0:
             raise ValueError("tolerance: a relative RMSE of at least 0, not %r" % (self.tolerance,))
 

@@ -23,6 +23,18 @@ def test_chunk_kda_with_cp_context_matches_cpsims_recurrence():
     assert triton_cpu.LAUNCHES[0] - before > 16 * 10  # FLA's kernels ran: forward, backward, the CP merge
 
 
+def test_chunk_kda_carries_a_live_state_over_chunks_inside_and_across_ranks(tmp_path):
+    # One document over three ranks of 67 tokens (two of FLA's 64-token chunks
+    # each: the state goes chunk to chunk inside a rank, then through the CP
+    # summaries of ranks 0 and 1), gates live (heads decaying apart, a state
+    # that outlives a chunk). FLA's fix #1115 reverted (the backward summary
+    # decaying every head by head 0's gate) fails here and passes every short
+    # case; drawn gates in [-1, 0] hide it too.
+    batch = tmp_path / "one_long_document.json"
+    batch.write_text('{"input_ids": [[%s]]}' % ", ".join(str(1 + i % 5) for i in range(201)))
+    assert fla_kernels_step.check("kda", batch=str(batch), cp=3, seed=SEED, live_gates_every=1) == 1
+
+
 # --- bf16 (triton_cpu.py's adjustment 9) ---
 
 def test_chunk_kda_and_the_convolution_in_bf16_match_cpsims_references():

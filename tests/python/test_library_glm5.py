@@ -126,6 +126,15 @@ def test_kda_with_flas_kernels_under_cp_matches_kda_unsharded():
     assert ran >= KDA_CASES and ran.outside == 0
 
 
+def test_kda_carries_a_live_state_over_chunks_and_ranks(tmp_path):
+    # One document over two ranks of 72 tokens (two of FLA's chunks each), the
+    # layer's heads made live (library_cli.live_kda_gates: the library's A_log init
+    # wipes a state within a few tokens). FLA's fix #1115 reverted fails here.
+    batch = tmp_path / "one_long_document.json"
+    batch.write_text('{"input_ids": [[%s]]}' % ", ".join(str(1 + i % 5) for i in range(144)))
+    assert glm5_step.check("kda", batch=str(batch), cp=2, seed=SEED, live_gates_every=1) == 1
+
+
 def test_kpool_dsa_with_its_indexer_matches_itself_unsharded():
     assert glm5_step.check("dsa", cases=30, seed=SEED) >= 30
 

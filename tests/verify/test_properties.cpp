@@ -177,6 +177,80 @@ TEST(Generators, FuzzDrawsLongLayoutsWhoseBlocksTheNextRowsReuse) {
   EXPECT_GE(cached, std::size_t{64} << 10) << "the rows of a long case hand their blocks on";
 }
 
+// Long lengths per rank: every long draw is cp x 65..80 tokens, so that each
+// rank's equal shard spans two 64-token chunks at every CP size.
+TEST(Generators, LongLengthsPerRankGiveEveryShardTheLongLengths) {
+  DrawLimits limits;
+  limits.long_every = 1;  // every draw long
+  limits.long_min = 65, limits.long_max = 80, limits.long_per_rank = true;
+  const auto gen = gen_layout_case(std::vector<int>{1, 2, 3, 4}, std::nullopt, limits);
+  std::set<int> sizes;
+  for (int i = 0; i < 60; ++i) {
+    const LayoutCase c = gen(rc::Random(99 + i), 30).value();
+    Batch b = c.batch;
+    normalize_batch_axis(b);
+    const std::int64_t S = sequence_length(b);
+    EXPECT_GE(S, 65 * c.cp) << c;
+    EXPECT_LE(S, 80 * c.cp) << c;
+    sizes.insert(c.cp);
+  }
+  EXPECT_EQ(sizes.size(), 4u);
+}
+
+// Live gates: each head's log-decay in [-factor, 0] for its own factor (1, 0.01,
+// 0.1, 0 in a drawn rotation): heads differ, and one head in two keeps a state
+// over a 64-token chunk (a mean decay of e^(-0.5) or more over it); else every
+// head's in [-1, 0], its mean over a chunk e^(-32). The recurrence rows, cpsim's CP
+// operator against its reference, hold on long shards with them.
+TEST(Generators, LiveGatesDecayEachHeadByItsOwnFactorAndTheRecurrenceHolds) {
+  const std::int64_t H = 2, K = 4, P = 64;
+  std::set<std::pair<int, int>> pairs;
+  for (std::uint64_t seed = 1; seed <= 16; ++seed) {
+    const RecurrenceInputs live = random_recurrence_inputs(1, P, H, K, 4, seed, true);
+    const RecurrenceInputs plain = random_recurrence_inputs(1, P, H, K, 4, seed, false);
+    int slowest = 0;
+    std::vector<int> factor_index(H);
+    for (std::int64_t h = 0; h < H; ++h) {
+      double least = 0, sum = 0, plain_sum = 0;
+      for (std::int64_t t = 0; t < P; ++t)
+        for (std::int64_t a = 0; a < K; ++a) {
+          const double g = live.g.get((t * H + h) * K + a);
+          ASSERT_LE(g, 0.0);
+          least = std::min(least, g);
+          sum += g;
+          plain_sum += plain.g.get((t * H + h) * K + a);
+        }
+      // The live head is the plain draw times its factor, one of the four.
+      const double factor = plain_sum == 0 ? 1 : sum / plain_sum;
+      const double factors[] = {1.0, 0.01, 0.1, 0.0};
+      const auto it = std::find_if(std::begin(factors), std::end(factors),
+                                   [&](double f) { return std::abs(f - factor) < 1e-9; });
+      ASSERT_NE(it, std::end(factors)) << "head " << h << " scaled by " << factor;
+      factor_index[h] = static_cast<int>(it - std::begin(factors));
+      EXPECT_GE(least, -*it - 1e-12);
+      if (sum / K >= -0.5) ++slowest;  // a channel's mean decay over the chunk, e^(sum / K), at least e^(-0.5)
+    }
+    EXPECT_NE(factor_index[0], factor_index[1]) << "seed " << seed;
+    EXPECT_GE(slowest, 1) << "seed " << seed;
+    pairs.insert({factor_index[0], factor_index[1]});
+  }
+  EXPECT_EQ(pairs.size(), 4u) << "every rotation drawn";
+
+  DrawLimits limits;
+  limits.long_every = 1;
+  limits.long_min = 65, limits.long_max = 80, limits.long_per_rank = true;
+  const auto gen = gen_layout_case(std::vector<int>{2, 3}, std::nullopt, limits);
+  CheckOptions o;
+  o.live_gates_every = 1;
+  for (int i = 0; i < 4; ++i) {
+    const LayoutCase c = gen(rc::Random(7 + i), 30).value();
+    for (const char* row : {"recurrence_forward", "recurrence_backward", "two_steps"}) {
+      const PropertyResult r = check_row(row, c, o);
+      EXPECT_TRUE(r.ok && r.cp == c.cp) << row << " at cp " << c.cp << ": " << r.detail;
+    }
+  }
+}
+
 // Fuzz draws unpacked rows whose document has a padding gap inside it (the
 // mask's zeros between its real tokens, doc id 0 there and the document's on
 // both sides); every such case derives to its truth and holds the layout and

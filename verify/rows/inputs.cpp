@@ -45,13 +45,19 @@ Anchor anchor(const Shape& shape, int cp, std::uint64_t seed) {
   return a;
 }
 
+bool live_gates(const CheckOptions& o, std::uint64_t seed) {
+  return o.live_gates_every > 0 && SplitMix64(mix_seed(seed, 53)).below(o.live_gates_every) == 0;
+}
+
 RecurrenceInputs step_recurrence(std::int64_t rows, std::int64_t padded_len, const CheckOptions& o, int step,
                                  std::uint64_t seed) {
-  return random_recurrence_inputs(rows, padded_len, o.heads, o.key_dim, o.value_dim, mix_seed(seed, 101 + step));
+  return random_recurrence_inputs(rows, padded_len, o.heads, o.key_dim, o.value_dim, mix_seed(seed, 101 + step),
+                                  live_gates(o, seed));
 }
 
 Recurrence recurrence(std::int64_t rows, std::int64_t padded_len, const CheckOptions& o, std::uint64_t seed) {
-  return {random_recurrence_inputs(rows, padded_len, o.heads, o.key_dim, o.value_dim, mix_seed(seed, 51)),
+  return {random_recurrence_inputs(rows, padded_len, o.heads, o.key_dim, o.value_dim, mix_seed(seed, 51),
+                                   live_gates(o, seed)),
           random_tensor({rows, padded_len, o.heads, o.value_dim}, DType::f64, mix_seed(seed, 52))};
 }
 

@@ -55,6 +55,8 @@ struct Recurrence {
   Tensor grad_o;
 };
 Recurrence recurrence(std::int64_t rows, std::int64_t padded_len, const CheckOptions& o, std::uint64_t seed);
+// Whether the case of `seed` draws live gates (CheckOptions::live_gates_every).
+bool live_gates(const CheckOptions& o, std::uint64_t seed);
 
 // The two_steps row's recurrence inputs of step k (0, 1) of a training loop.
 RecurrenceInputs step_recurrence(std::int64_t rows, std::int64_t padded_len, const CheckOptions& o, int step,
