@@ -1,10 +1,11 @@
 // The two-step row: a training loop reuses its rank objects across steps (the
 // packed context is reassigned from batch to batch, as a `step` variable is), so
 // state kept from the last batch (a cache keyed by row, a plan, a buffer) must not
-// leak into the next. Each rank runs the recurrence (whose segments its packed
-// context caches per row) on the case's batch, then, with the same context object
-// reassigned, on a second batch of the same shape with another layout, then on the
-// first again.
+// leak into the next. Each rank runs the recurrence on the case's batch, then,
+// with the same context object reassigned, on a second batch of the same shape
+// with another layout, then on the first again; at each step the segments its
+// context gives of each row of its shard (row_cu_seqlens, cached per row: what
+// FLA's CP context hands a kernel as cu_seqlens) are those of that step's batch.
 #include <cmath>
 
 #include "core/recurrence.hpp"
@@ -37,6 +38,18 @@ Batch second_step(const Prepared& s) {
   return b;
 }
 
+// The segments of [begin, end) of row b of the reference doc ids [B, P], by a
+// plain loop: 0, every position whose id differs from the one before, the length.
+std::vector<std::int64_t> reference_segments(const Tensor& ids, std::int64_t b, std::int64_t begin, std::int64_t end) {
+  if (end <= begin) return {0};
+  const std::int64_t P = ids.dim(1);
+  std::vector<std::int64_t> cu{0};
+  for (std::int64_t i = begin + 1; i < end; ++i)
+    if (ids.get(b * P + i) != ids.get(b * P + i - 1)) cu.push_back(i - begin);
+  cu.push_back(end - begin);
+  return cu;
+}
+
 }  // namespace
 
 static PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn) {
@@ -61,6 +74,9 @@ static PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const Rec
     data.push_back(std::move(d));
   }
   std::vector<std::vector<Tensor>> outs(3, std::vector<Tensor>(c.cp));
+  // Per step and rank, the first row whose cached segments are not its batch's
+  // (-1: none), a tensor so that a job's ranks send it back.
+  std::vector<std::vector<Tensor>> stale(3, std::vector<Tensor>(c.cp));
   std::vector<Input> inputs;
   for (const Step& d : data)
     for (const Tensor* t : {&d.in.q, &d.in.k, &d.in.v, &d.in.beta, &d.in.g}) inputs.push_back({"of the recurrence", t});
@@ -73,14 +89,26 @@ static PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const Rec
       auto mine = [&](const Tensor& x) { return Var(on(comm, local(x, ctx)), false); };
       const Var out = fn(mine(in.q), mine(in.k), mine(in.v), mine(in.beta), mine(in.g), ctx, &comm);
       outs[k][r] = host(out.value());
+      const ReferenceGeometry& g = steps[k]->g;
+      Tensor first({1}, DType::f64);
+      first.set(0, -1.0);
+      for (std::int64_t b = steps[k]->shape.rows - 1; b >= 0; --b)
+        if (ctx.row_cu_seqlens(static_cast<int>(b)) != reference_segments(data[k % 2].ids, b, g.start(r), g.end(r)))
+          first.set(0, static_cast<double>(b));
+      stale[k][r] = first;
     }
-  }, run_options(o), {&outs[0], &outs[1], &outs[2]});
+  }, run_options(o), {&outs[0], &outs[1], &outs[2], &stale[0], &stale[1], &stale[2]});
   const char* what[] = {"step 1 (the case)", "step 2 (documents of 3 tokens)", "step 3 (the case again)"};
   for (int k = 0; k < 3; ++k) {
     bool all = true;
     for (const Tensor& x : outs[k]) all = all && x.defined();
     t.expect_close(data[k % 2].ref, all ? cat(outs[k], 1) : Tensor(), kTwoSteps.tolerance,
                    std::string(what[k]) + ": recurrence o");
+    for (int r = 0; r < c.cp && t.why.empty(); ++r)
+      if (stale[k][r].defined() && stale[k][r].get(0) >= 0)
+        t.why = std::string(what[k]) + ": rank " + std::to_string(r) + "'s context gives row " +
+                std::to_string(static_cast<std::int64_t>(stale[k][r].get(0))) +
+                " segments that are not this step's batch's (row_cu_seqlens kept from an earlier step?)";
   }
   return t.result(kTwoSteps.tolerance);
 }
