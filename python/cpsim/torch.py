@@ -220,17 +220,7 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=(), sends="rende
                    for r in range(world_size)]
         for t in threads:
             t.start()
-        # Every rank's wait in a cpsim call ends within the timeout; a rank still
-        # running that long (and a little) after a peer ended is in none.
-        grace = max(1.0, 0.1 * timeout)
-        with ending:
-            while any(e is None for e in ended):
-                first = min((e for e in ended if e is not None), default=None)
-                left = None if first is None else first + timeout + grace - time.monotonic()
-                if left is not None and left <= 0:
-                    stuck = [r for r in range(world_size) if ended[r] is None]
-                    break
-                ending.wait(left)
+        stuck = _stuck_ranks(ended, ending, timeout)
         if stuck:
             first = min(e for e in ended if e is not None)
             first_rank = ended.index(first)
@@ -248,10 +238,31 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=(), sends="rende
         _uninstall()
     if stuck:
         raise RankStuck("\n".join(lines), stuck)
-    # The root cause first: an exception of the rank's own, then cpsim's report.
-    # A rank whose own call ended in cpsim's report raised the report (it crosses
-    # torch's bindings as a RuntimeError with cpsim's text); any other exception
-    # is the rank's own.
+    _raise_first_failure(group, errors, backends)
+    return results
+
+
+def _stuck_ranks(ended, ending, timeout):
+    """Waits until every rank's thread ended (`ended[r]`, told on `ending`); the
+    ranks still running `timeout` and a little after a peer ended, or []. Every
+    rank's wait in a cpsim call ends within the timeout: such a rank is in none."""
+    grace = max(1.0, 0.1 * timeout)
+    with ending:
+        while any(e is None for e in ended):
+            first = min((e for e in ended if e is not None), default=None)
+            left = None if first is None else first + timeout + grace - time.monotonic()
+            if left is not None and left <= 0:
+                return [r for r in range(len(ended)) if ended[r] is None]
+            ending.wait(left)
+    return []
+
+
+def _raise_first_failure(group, errors, backends):
+    """The root cause first: an exception of a rank's own (RankFailed), then
+    cpsim's report (CollectiveError), then a send nobody received. A rank whose
+    own call ended in cpsim's report raised the report (it crosses torch's
+    bindings as a RuntimeError with cpsim's text); any other exception is the
+    rank's own."""
     def reported_by_cpsim(rank, error):
         return isinstance(error, (CollectiveError, _C.Aborted)) or (
             isinstance(error, RuntimeError) and any(b.collective_failed() for b in backends[rank]))
@@ -268,7 +279,6 @@ def spawn(fn, world_size, backend="threads", timeout=20.0, args=(), sends="rende
     unreceived = group.unreceived()
     if unreceived:
         raise CollectiveError(unreceived)
-    return results
 
 
 _job = None      # this process's rank of its job (init_process_group)
