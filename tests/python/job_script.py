@@ -166,9 +166,12 @@ elif mode == "tags_posted_first":  # receives of two tags posted before the send
     else:
         dist.barrier()
     print("rank %d: tags agree" % rank)
-elif mode == "subgroup_raise":  # 4 processes: in the group of ranks 1 and 3, rank 3 raises; rank 1 waits in it
-    pair = dist.new_group([1, 3])
+elif mode.startswith("subgroup_raise"):
+    # 4 processes: in a group of two (ranks 1 and 3, interleaved; subgroup_raise_offset:
+    # ranks 2 and 3), rank 3 raises; the group's other rank waits in it
+    members = [2, 3] if mode.endswith("_offset") else [1, 3]
+    pair = dist.new_group(members)
     if rank == 3:
         raise ValueError("the step of rank 3 broke")
-    if rank == 1:
+    if rank == members[0]:
         dist.all_reduce(x, group=pair)

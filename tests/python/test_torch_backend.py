@@ -739,11 +739,14 @@ def test_processes_match_receives_posted_first_by_their_tags():
     _expect_every_rank_says("tags_posted_first", 3, "tags agree")
 
 
-def test_a_subgroup_failure_is_named_by_its_global_rank_not_its_group_rank():
-    # Ranks 1 and 3 form a group: group rank 1 is job rank 3, group rank 0 is job
-    # rank 1. Rank 3's failure is recorded and reported under 3; a record kept
-    # under its group rank would name rank 1 (or overwrite rank 1's own).
-    out = _launch_that_fails("subgroup_raise", n=4, timeout=5)
+@pytest.mark.parametrize("mode,waiting", [("subgroup_raise", 1), ("subgroup_raise_offset", 2)])
+def test_a_subgroup_failure_is_named_by_its_global_rank_not_its_group_rank(mode, waiting):
+    # A group of ranks 1 and 3 (an interleaved mesh's), or 2 and 3 (an offset
+    # one): group rank 1 is job rank 3, group rank 0 the other. Rank 3's failure
+    # is recorded and reported under 3; a record kept under its group rank would
+    # name rank 1 (a rank of another group, or the waiting one's own record).
+    out = _launch_that_fails(mode, n=4, timeout=5)
     assert "the step of rank 3 broke" in out, out
     assert re.search(r"rank 3\b[^\n]*threw|rank 3 raised|rank 3: .*ValueError", out), out
-    assert "rank 1 threw" not in out and "rank 1 raised" not in out, out
+    for other in (0, 1, 2):
+        assert "rank %d threw" % other not in out and "rank %d raised" % other not in out, out
