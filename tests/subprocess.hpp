@@ -18,6 +18,12 @@
 
 namespace cpsim::testing {
 
+#ifdef CPSIM_SOURCE_DIR
+// The shipped examples the tests read (batches, families, golden_check.py).
+inline const std::string kExamplesDir = std::string(CPSIM_SOURCE_DIR) + "/examples/";
+inline const std::string kSpecExample = kExamplesDir + "spec_example.json";
+#endif
+
 struct ProcessResult {
   int status = -1;  // exit code, 128+signal if killed, -1 if it hit the deadline
   std::string out, err;

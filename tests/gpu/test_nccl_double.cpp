@@ -28,7 +28,7 @@ namespace {
 // Before anything looks for NCCL (static initialisation, ahead of every test).
 const bool kDoubleLoaded = (setenv("CPSIM_NCCL_LIBRARY", CPSIM_NCCL_DOUBLE, 1), true);
 const std::string kCpsim = CPSIM_BINARY;
-const std::string kExample = std::string(CPSIM_SOURCE_DIR) + "/examples/spec_example.json";
+const std::string& kExample = cpsim::testing::kSpecExample;
 
 void inject(const char* spec) {
   auto* f = reinterpret_cast<void (*)(const char*)>(gpu::nccl_library_symbol("cpsimNcclDoubleInject"));

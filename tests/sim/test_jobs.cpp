@@ -19,7 +19,7 @@ using cpsim::testing::run_process;
 
 namespace {
 const std::string kCpsim = CPSIM_BINARY;
-const std::string kExample = std::string(CPSIM_SOURCE_DIR) + "/examples/spec_example.json";
+const std::string& kExample = cpsim::testing::kSpecExample;
 }  // namespace
 
 // Where a process finds its rank.

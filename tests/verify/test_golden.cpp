@@ -24,7 +24,7 @@ using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
 namespace {
-const std::string kExamples = std::string(CPSIM_SOURCE_DIR) + "/examples/";
+const std::string& kExamples = cpsim::testing::kExamplesDir;
 
 SafetensorsFile read(const std::filesystem::path& p) {
   const MappedFile f(p.string());

@@ -17,7 +17,7 @@ using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
 namespace {
-const std::string kExamples = std::string(CPSIM_SOURCE_DIR) + "/examples/";
+const std::string& kExamples = cpsim::testing::kExamplesDir;
 ShowOptions at(int cp, int width = 4) {
   ShowOptions o;
   o.cp = cp;
