@@ -150,6 +150,18 @@ PropertyResult shard_of(const LayoutCase& c, const ShardFn& shard) {
     }
     t.expect_equal(ref_ids, cat(local_ids, 1), "concatenated local doc ids");
   }
+  // Each balanced plan of this layout, whatever plan the case drew: its cuts are
+  // the reference's (the cost runs on across a padding gap inside a document and
+  // starts again at the next document), so that a cost bug shows on every layout
+  // that has what it gets wrong, not only on the fifth of them drawn balanced.
+  for (const char* cost : {"attention", "linear"}) {
+    const PlanChoice balanced = parse_plan_choice("balanced", cost);
+    if (c.plan.kind == balanced.kind && token_cost_name(c.plan.cost) == token_cost_name(balanced.cost)) continue;
+    const std::vector<std::int64_t> want = reference_cuts(truth, g.padded_len, c.cp, balanced);
+    const ShardedBatch sb = shard(0, c.cp, c.batch, c.pad_token_id, false, balanced);
+    t.expect(sb.context.plan().cuts == want, std::string("the balanced plan (") + cost + " cost) of this layout: cuts " +
+                                                 plan_text(sb.context.plan()) + ", the reference's " + plan_text({want}));
+  }
   return t.result();
 }
 
