@@ -106,7 +106,9 @@ TEST(LayoutControls, ShardCatchesAnOffByOneShard) {
 }
 
 // A balanced plan each rank computes from its own row (rank r balances row r % B):
-// the ranks cut differently, and the shard property names the context's cuts.
+// the ranks cut differently, and the shard property names the cuts against the
+// reference's, on a case drawn balanced or on any other (the row shards every
+// layout under both balanced plans too).
 TEST(LayoutControls, ShardCatchesAPlanComputedFromRankLocalRows) {
   const auto local_plan = [](int rank, int cp, const Batch& b, std::int64_t pad, bool primary, const PlanChoice& plan) {
     return shard_by_costs(rank, cp, b, pad, primary, plan, [rank](const Layout& layout, std::int64_t P,
@@ -119,8 +121,8 @@ TEST(LayoutControls, ShardCatchesAPlanComputedFromRankLocalRows) {
     if (!r.ok) RC_FAIL(r.detail);
   });
   expect_found(report);
-  EXPECT_THAT(report, HasSubstr("plan=balanced"));
-  EXPECT_THAT(report, HasSubstr("its plan cuts"));
+  EXPECT_THAT(report, AnyOf(HasSubstr("its plan cuts"), HasSubstr("the balanced plan (")));
+  EXPECT_THAT(report, HasSubstr("the reference's ["));
 }
 
 // A balanced plan whose attention cost starts again after a padding gap inside
@@ -140,7 +142,10 @@ TEST(LayoutControls, ShardCatchesACostRestartedAfterAGapInsideADocument) {
       if (!r.ok) RC_FAIL(r.detail);
     };
   };
-  const std::string report = expect_counterexample("shard vs a cost restarted after a gap", property(fuzz_draw_limits()));
+  // A gap that moves a cut is rare in a draw (about 1 in 300: 300 draws missed it
+  // 1 run in 20); 1500 draws, stopped at the first, miss it all but never.
+  const std::string report =
+      expect_counterexample("shard vs a cost restarted after a gap", property(fuzz_draw_limits()), 1500);
   expect_found(report);
   EXPECT_THAT(report, AnyOf(HasSubstr("attention_mask"), HasSubstr("padding_mask")));
   EXPECT_TRUE(expect_counterexample("the same without interior gaps", property(DrawLimits{})).empty());
