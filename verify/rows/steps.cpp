@@ -38,16 +38,11 @@ Batch second_step(const Prepared& s) {
   return b;
 }
 
-// The segments of [begin, end) of row b of the reference doc ids [B, P], by a
-// plain loop: 0, every position whose id differs from the one before, the length.
-std::vector<std::int64_t> reference_segments(const Tensor& ids, std::int64_t b, std::int64_t begin, std::int64_t end) {
-  if (end <= begin) return {0};
-  const std::int64_t P = ids.dim(1);
-  std::vector<std::int64_t> cu{0};
-  for (std::int64_t i = begin + 1; i < end; ++i)
-    if (ids.get(b * P + i) != ids.get(b * P + i - 1)) cu.push_back(i - begin);
-  cu.push_back(end - begin);
-  return cu;
+// The reference's segments of [begin, end) of row b of the reference doc ids [B, P].
+std::vector<std::int64_t> shard_segments(const Tensor& ids, std::int64_t b, std::int64_t begin, std::int64_t end) {
+  std::vector<std::int64_t> row;
+  for (std::int64_t i = begin; i < end; ++i) row.push_back(ids.get_int(b * ids.dim(1) + i));
+  return reference_segments(row);
 }
 
 }  // namespace
@@ -93,7 +88,7 @@ static PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const Rec
       Tensor first({1}, DType::f64);
       first.set(0, -1.0);
       for (std::int64_t b = steps[k]->shape.rows - 1; b >= 0; --b)
-        if (ctx.row_cu_seqlens(static_cast<int>(b)) != reference_segments(data[k % 2].ids, b, g.start(r), g.end(r)))
+        if (ctx.row_cu_seqlens(static_cast<int>(b)) != shard_segments(data[k % 2].ids, b, g.start(r), g.end(r)))
           first.set(0, static_cast<double>(b));
       stale[k][r] = first;
     }
