@@ -87,8 +87,7 @@ VARIANTS = {
 # KDA: 1 in 8 layouts long, each rank's shard 65-80 tokens (two of FLA's 64-token
 # chunks: the state carried chunk to chunk inside a rank, ~15 s a case at CP 2),
 # and 1 in 4 cases with live gates (check's default), heads decaying apart.
-LONG_SHARDS = {"long_lengths": (65, 80), "long_per_rank": True}
-SETTINGS = {"kda": {"dtype": "f32", "max_cp": 4, "long_every": 8, **LONG_SHARDS},
+SETTINGS = {"kda": {"dtype": "f32", "max_cp": 4, "long_every": 8, **library_cli.LONG_SHARDS},
             "conv": {"dtype": "f32", "max_cp": 4, "min_shard": fla_step.MIN_SHARD, "long_every": 0}}
 
 

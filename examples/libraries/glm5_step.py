@@ -328,16 +328,15 @@ STEPS = {
 # Layers: every layout, G2-G9's too, so no leak runs (they show G2, G8); "guarded" variants have them.
 # fp32, equal shards (glm5_next.cp cuts padded / cp), the interpreter's KDA at
 # CP 1-4; long layouts on --long-every N (65-80 tokens a rank).
-LONG_SHARDS = {"long_lengths": (65, 80), "long_per_rank": True}
 SETTINGS = {
     "cp": {"shard_primary": True},
     "fla_context": {"shard_primary": True},
-    "kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0, "leaks": False, **LONG_SHARDS},  # F1: W - 1
+    "kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0, "leaks": False, **library_cli.LONG_SHARDS},  # F1: W - 1
     "kda_torch": {"dtype": "f32", "max_cp": 4, "long_every": 0, "leaks": False},
     "dsa": {"dtype": "f32", "long_every": 0, "leaks": False},
     "decoder": {"dtype": "f32", "long_every": 0, "leaks": False},
-    "decoder_kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0, "leaks": False, **LONG_SHARDS},
-    "train": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0, **LONG_SHARDS,
+    "decoder_kda": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0, "leaks": False, **library_cli.LONG_SHARDS},
+    "train": {"dtype": "f32", "max_cp": 4, "min_shard": 3, "long_every": 0, **library_cli.LONG_SHARDS,
               "forms": ["seq_lens", "seq_lens_padded", "unpacked", "position_ids"]},
 }
 def _train_step(bug=None):

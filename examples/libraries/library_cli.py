@@ -13,6 +13,9 @@ def has_mrope_positions(batch):
     return positions is not None and positions.numel() == 3 * batch["input_ids"].numel()
 
 
+# Long layouts whose every rank's shard spans two of FLA's 64-token chunks (the
+# KDA steps' `long_lengths` and `long_per_rank`).
+LONG_SHARDS = {"long_lengths": (65, 80), "long_per_rank": True}
 LIVE_FACTORS = (1.0, 0.01, 0.1, 1e-4)  # head h's decay rate times LIVE_FACTORS[h % 4] on a live case
 
 

@@ -235,8 +235,8 @@ def _answer(why, probe):
     if isinstance(why, _verdict.Outside):
         return "outside " + " | ".join(why.splitlines()), None
     if why:
-        # its first line leads, the rest joined
-        return "fail " + " | ".join(why.splitlines()), ((" | ".join(why.splitlines()), why) if probe else why)
+        joined = " | ".join(why.splitlines())  # its first line leads, the rest joined
+        return "fail " + joined, ((joined, why) if probe else why)
     return "ok", None
 
 

@@ -20,19 +20,7 @@ cpsim.torch.init_process_group(timeout=20)
 
 
 def step(case):
-    b = case.batch
-    if "seq_lens" not in b:
-        raise cpsim.torch.OutsideContract("the packer emits rows with seq_lens")
-    if b["input_ids"].dim() == 1:
-        b = {k: v[None] for k, v in b.items()}
-    comm = user_cp.CPComm(case.device_mesh())
-    cb = user_cp.CPBatch(b, case.cp, case.rank)
-    tb = user_cp.CPBatch(b, case.cp, case.rank, ids=case.tokens)
-    r = case.recurrence
-    out = {"targets": tb.labels,
-           "conv": user_cp.packed_causal_conv(case.x, case.conv_weight, case.conv_bias, cb, comm),
-           "recurrence_o": user_cp.gated_delta_rule(r["q"], r["k"], r["v"], r["beta"], r["g"], cb, comm),
-           "attention_o": user_cp.doc_attention(case.q, case.k, case.v, cb, comm, case.softmax_scale, case.rope_base)}
+    out = user_cp.operators(case)
     return out if outputs == "all" else {k: v for k, v in out.items() if k in outputs.split(",")}
 
 

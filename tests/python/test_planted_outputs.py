@@ -25,21 +25,6 @@ import user_cp  # noqa: E402
 SEED = 20261207
 
 
-def _user_cp_step(case):
-    """tests/python/stress_job.py's step: a user's own conv halo by send/recv, a
-    recurrence passing its state (user_cp.py)."""
-    b = case.batch
-    if "seq_lens" not in b:
-        raise ct.OutsideContract("the packer emits rows with seq_lens")
-    if b["input_ids"].dim() == 1:
-        b = {k: v[None] for k, v in b.items()}
-    comm = user_cp.CPComm(case.device_mesh())
-    cb = user_cp.CPBatch(b, case.cp, case.rank)
-    r = case.recurrence
-    return {"conv": user_cp.packed_causal_conv(case.x, case.conv_weight, case.conv_bias, cb, comm),
-            "recurrence_o": user_cp.gated_delta_rule(r["q"], r["k"], r["v"], r["beta"], r["g"], cb, comm)}
-
-
 def _automodel_thd_step(case):
     import automodel_step
     return automodel_step.make_thd_step()(case)
@@ -72,8 +57,8 @@ def _layer_step(case):
 SOURCES = {
     **{name: (cp_step.step, {}) for name in ("batch", "doc_ids", "local_doc_ids", "cu_seqlens", "gathered", "halo",
                                                "attention_o", "targets", "loss")},
-    "conv": (_user_cp_step, {"forms": ["seq_lens_padded", "seq_lens"]}),
-    "recurrence_o": (_user_cp_step, {"forms": ["seq_lens_padded", "seq_lens"]}),
+    "conv": (user_cp.operators, {"forms": ["seq_lens_padded", "seq_lens"]}),
+    "recurrence_o": (user_cp.operators, {"forms": ["seq_lens_padded", "seq_lens"]}),
     "padding": (_automodel_thd_step, {"forms": ["seq_lens_padded"]}),
     "position_ids": (_automodel_thd_step, {"forms": ["seq_lens_padded"]}),
     "cp_context": (_fla_step, {"min_shard": 3}),
@@ -93,11 +78,9 @@ def _corrupt_tensor(t):
     (a constant added: its gradient unchanged)."""
     if t.numel() == 0:
         return t
-    delta = torch.zeros_like(t)
-    if t.dtype == torch.bool:
-        return t ^ delta.reshape(-1).index_fill(0, torch.tensor([0]), True).reshape(t.shape)
-    delta.reshape(-1)[0] = 1
-    return t + delta
+    delta = torch.zeros_like(t, memory_format=torch.contiguous_format)  # a view of it below, whatever t's strides
+    delta.view(-1)[0] = 1
+    return t ^ delta if t.dtype == torch.bool else t + delta
 
 
 def _corrupt(name, value):

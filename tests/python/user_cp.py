@@ -187,6 +187,26 @@ class RecvState(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- the model
+def operators(case):
+    """The step of a user's own CP operators on cpsim's ranks: targets, the conv
+    (halo by send/recv), the recurrence (state passed rank to rank) and attention
+    over gathered K/V, on rows with seq_lens (the packer's)."""
+    import cpsim.torch
+    b = case.batch
+    if "seq_lens" not in b:
+        raise cpsim.torch.OutsideContract("the packer emits rows with seq_lens")
+    if b["input_ids"].dim() == 1:
+        b = {k: v[None] for k, v in b.items()}
+    comm = CPComm(case.device_mesh())
+    cb = CPBatch(b, case.cp, case.rank)
+    tb = CPBatch(b, case.cp, case.rank, ids=case.tokens)
+    r = case.recurrence
+    return {"targets": tb.labels,
+            "conv": packed_causal_conv(case.x, case.conv_weight, case.conv_bias, cb, comm),
+            "recurrence_o": gated_delta_rule(r["q"], r["k"], r["v"], r["beta"], r["g"], cb, comm),
+            "attention_o": doc_attention(case.q, case.k, case.v, cb, comm, case.softmax_scale, case.rope_base)}
+
+
 def rope(x, pos, base=10000.0):
     """Rotary embedding of x [B, L, H, K] by positions pos [B, L]."""
     K = x.shape[-1]

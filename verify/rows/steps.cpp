@@ -38,13 +38,6 @@ Batch second_step(const Prepared& s) {
   return b;
 }
 
-// The reference's segments of [begin, end) of row b of the reference doc ids [B, P].
-std::vector<std::int64_t> shard_segments(const Tensor& ids, std::int64_t b, std::int64_t begin, std::int64_t end) {
-  std::vector<std::int64_t> row;
-  for (std::int64_t i = begin; i < end; ++i) row.push_back(ids.get_int(b * ids.dim(1) + i));
-  return reference_segments(row);
-}
-
 }  // namespace
 
 static PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const RecurrenceFn& fn) {
@@ -59,13 +52,21 @@ static PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const Rec
     RecurrenceInputs in;
     Tensor ids;
     Tensor ref;
+    // Each rank's segments of its shard of each row, as the shard row holds
+    // row_cu_seqlens to them: [rank][row].
+    std::vector<std::vector<std::vector<std::int64_t>>> segments;
   };
   std::vector<Step> data;
   for (int k = 0; k < 2; ++k) {
     const Prepared& p = *steps[k];
     Step d{inputs::step_recurrence(p.shape.rows, p.g.padded_len, o, k, c.seed),
-           reference_padded_doc_ids(p.truth, p.g.padded_len), Tensor()};
+           reference_padded_doc_ids(p.truth, p.g.padded_len), Tensor(),
+           std::vector<std::vector<std::vector<std::int64_t>>>(c.cp)};
     d.ref = reference_recurrence(d.in, d.ids, Tensor()).o;
+    for (std::int64_t b = 0; b < p.shape.rows; ++b) {
+      const auto ids = reference_padded_doc_ids_row(p.truth, static_cast<int>(b), p.g.padded_len);
+      for (int r = 0; r < c.cp; ++r) d.segments[r].push_back(reference_cp_context(ids, p.g, r).cu_seqlens);
+    }
     data.push_back(std::move(d));
   }
   std::vector<std::vector<Tensor>> outs(3, std::vector<Tensor>(c.cp));
@@ -84,12 +85,11 @@ static PropertyResult two_steps_of(Prepared& s, const CheckOptions& o, const Rec
       auto mine = [&](const Tensor& x) { return Var(on(comm, local(x, ctx)), false); };
       const Var out = fn(mine(in.q), mine(in.k), mine(in.v), mine(in.beta), mine(in.g), ctx, &comm);
       outs[k][r] = host(out.value());
-      const ReferenceGeometry& g = steps[k]->g;
+      const auto& want = data[k % 2].segments[r];
       Tensor first({1}, DType::f64);
       first.set(0, -1.0);
-      for (std::int64_t b = steps[k]->shape.rows - 1; b >= 0; --b)
-        if (ctx.row_cu_seqlens(static_cast<int>(b)) != shard_segments(data[k % 2].ids, b, g.start(r), g.end(r)))
-          first.set(0, static_cast<double>(b));
+      for (int b = static_cast<int>(want.size()) - 1; b >= 0; --b)
+        if (ctx.row_cu_seqlens(b) != want[b]) first.set(0, static_cast<double>(b));
       stale[k][r] = first;
     }
   }, run_options(o), {&outs[0], &outs[1], &outs[2], &stale[0], &stale[1], &stale[2]});
