@@ -46,8 +46,10 @@ CHECK_FLAGS = -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" -DCPSIM
 # The suites that run ranks as threads (every backend), and the multi-process jobs.
 TSAN_TESTS ?= threads|gloo|delayed|BackendCalls|Collectives|CheckedCommunicator|PropertyTable|Launch|PointToPoint|ProcessWire|Gloo
 
+# clang for AddressSanitizer + UBSan: it builds the suite in about 2/3 of gcc's
+# time with both sanitizers at -O1, and its UBSan also checks float-to-int casts.
 test-asan: deps
-	cmake -S . -B build-asan $(CHECK_FLAGS) -DCPSIM_SANITIZE=address,undefined
+	CC=clang CXX=clang++ cmake -S . -B build-asan $(CHECK_FLAGS) -DCPSIM_SANITIZE=address,undefined
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && RC_PARAMS="$${RC_PARAMS:-$(SANITIZER_CASES)}" ASAN_OPTIONS=detect_leaks=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j $(JOBS)

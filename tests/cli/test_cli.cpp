@@ -322,14 +322,14 @@ TEST(Cli, MemoryIsEstimatedFirstAndRunningOutAborts) {
   const auto at_once = run_process({kCpsim, "check", huge.string(), "--max-memory", "8G"}, 60s);
   EXPECT_EQ(at_once.status, 2) << at_once.out << at_once.err;
   EXPECT_THAT(at_once.err, AllOf(HasSubstr("needs about"), HasSubstr("64 x 1000000 tokens")));
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !defined(CPSIM_SANITIZED)
   const auto small_space = run_process({"/bin/bash", "-c", "ulimit -v 400000 && exec \"$0\" check \"$1\" --max-memory 8G",
                                         kCpsim, huge.string()}, 60s);
   EXPECT_EQ(small_space.status, 2) << small_space.out << small_space.err;
   EXPECT_THAT(small_space.err, AllOf(HasSubstr("needs about"), HasSubstr("64 x 1000000 tokens")));
 #endif
   std::filesystem::remove(huge);
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // sanitizers need the address space themselves
+#if !defined(CPSIM_SANITIZED)  // sanitizers need the address space themselves
   const auto by_default = run_process({"/bin/bash", "-c", "ulimit -v 400000 && exec \"$0\" check \"$1\" --cp 2", kCpsim,
                                        path.string()}, 60s);
   EXPECT_EQ(by_default.status, 2) << by_default.err;
@@ -419,7 +419,7 @@ TEST(Cli, TooFewDescriptorsForAGlooGroupIsAResourceErrorNamingTheLimit) {
 // tens of thousands of tokens, at several CP sizes and model shapes, lies within
 // [estimate / 1.6, estimate]. (Sanitizer builds hold far more memory: skipped.)
 TEST(Cli, TheMemoryEstimateBoundsTheMeasuredPeak) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(CPSIM_SANITIZED)
   GTEST_SKIP() << "sanitizer builds hold shadow memory";
 #endif
   const auto dir = std::filesystem::temp_directory_path() / ("cpsim-memory-" + std::to_string(::getpid()));

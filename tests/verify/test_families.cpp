@@ -224,10 +224,14 @@ TEST(Families, MropeMembersCatchRopeByOnePlaneAndPlanesShardedByRows) {
   EXPECT_GT(grids, 0) << "no member had an image grid";
   CheckOptions o;
   o.key_dim = 8;  // pairs: 2 temporal, 1 height, 1 width
-  for (const auto& [name, row, impl] :
+  for (const auto& planted :
        {std::tuple<std::string, std::string, Impl>{"rope by the temporal plane", "rope", {.rope = rope_by_temporal_plane}},
         {"attention after rope by the temporal plane", "attention_forward", {.rope = rope_by_temporal_plane}},
         {"planes sharded by rows", "shard", {.shard = shard_planes_by_rows}}}) {
+    // Named copies, not structured bindings: the lambdas below capture them.
+    const std::string& name = std::get<0>(planted);
+    const std::string& row = std::get<1>(planted);
+    const Impl& impl = std::get<2>(planted);
     const std::string report = cpsim::testing::expect_counterexample(name, [&] {
       const LayoutCase c = *gen;
       RC_ASSERT(check_row(row, c, o, impl).ok);

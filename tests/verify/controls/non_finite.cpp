@@ -20,9 +20,10 @@ constexpr int kPlantedRank = 1;
 
 bool planted_here(const Communicator* comm) { return comm && comm->rank() == kPlantedRank; }
 
-// A copy of t with its last element set to `bad` (t itself when it is empty).
+// A copy of t with its last element set to `bad` (t itself when it is empty, or
+// of an integer dtype: no integer holds NaN or inf).
 Tensor with_bad(const Tensor& t, double bad) {
-  if (t.numel() == 0) return t;
+  if (t.numel() == 0 || !is_floating(t.dtype())) return t;
   Tensor c = t.to(Device::host()).clone();
   c.set(c.numel() - 1, bad);
   return c;
