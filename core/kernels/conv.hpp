@@ -14,66 +14,62 @@
 
 namespace cpsim::kernels {
 
+// The first tap of output (b, t) inside its run: the taps before it would read
+// another document (negative: every tap is inside).
+CPSIM_HD inline index_t first_tap(const Conv& a, index_t b, index_t t) {
+  return a.run_start[b * (a.outputs + a.width - 1) + t + a.width - 1] - t;
+}
+
 template <class T>
 struct ConvForward {
-  const T* x;
-  const std::int64_t* start;  // run starts of the window [B][NW]
-  const T* w;
-  const T* bias;
-  T* y;
-  index_t N, C, W;
-  CPSIM_HD void operator()(index_t i) const {
-    const index_t NW = N + W - 1, b = i / (N * C), rem = i - b * N * C, t = rem / C, c = rem - t * C;
-    const index_t first = start[b * NW + t + W - 1] - t;
+  Conv a;
+  CPSIM_HD void operator()(index_t i) const {  // i over (b, t, c)
+    const index_t N = a.outputs, C = a.channels, W = a.width, NW = N + W - 1;
+    const index_t b = i / (N * C), rem = i - b * N * C, t = rem / C, c = rem - t * C, first = first_tap(a, b, t);
+    const T *x = static_cast<const T*>(a.x), *w = static_cast<const T*>(a.w), *bias = static_cast<const T*>(a.bias);
     T acc = bias ? bias[c] : T(0);
     for (index_t j = first > 0 ? first : 0; j < W; ++j) acc += w[c * W + j] * x[(b * NW + t + j) * C + c];
-    y[i] = acc;
+    static_cast<T*>(a.y)[i] = acc;
   }
 };
 
 template <class T>
 struct ConvInputGrad {
-  const std::int64_t* start;
-  const T* w;
-  const T* gy;
-  T* gx;
-  index_t N, C, W;
-  CPSIM_HD void operator()(index_t i) const {
-    const index_t NW = N + W - 1, b = i / (NW * C), rem = i - b * NW * C, p = rem / C, c = rem - p * C;
+  Conv a;
+  CPSIM_HD void operator()(index_t i) const {  // i over (b, p, c), p a window position
+    const index_t N = a.outputs, C = a.channels, W = a.width, NW = N + W - 1;
+    const index_t b = i / (NW * C), rem = i - b * NW * C, p = rem / C, c = rem - p * C;
+    const T *w = static_cast<const T*>(a.w), *gy = static_cast<const T*>(a.gy);
     T acc = T(0);
     for (index_t j = W - 1; j >= 0; --j) {  // outputs t = p - j in increasing order
       const index_t t = p - j;
-      if (t < 0 || t >= N || j < start[b * NW + t + W - 1] - t) continue;
+      if (t < 0 || t >= N || j < first_tap(a, b, t)) continue;
       acc += w[c * W + j] * gy[(b * N + t) * C + c];
     }
-    gx[i] = acc;
+    static_cast<T*>(a.gx)[i] = acc;
   }
 };
 
 template <class T>
 struct ConvWeightGrad {
-  const T* x;
-  const std::int64_t* start;
-  const T* gy;
-  T* gw;
-  T* gbias;
-  index_t B, N, C, W;
+  Conv a;
   CPSIM_HD void operator()(index_t i) const {  // i over C*W weights, then C biases
-    const index_t NW = N + W - 1;
+    const index_t N = a.outputs, C = a.channels, W = a.width, NW = N + W - 1;
+    const T *x = static_cast<const T*>(a.x), *gy = static_cast<const T*>(a.gy);
     if (i >= C * W) {
       const index_t c = i - C * W;
       T acc = T(0);
-      for (index_t b = 0; b < B; ++b)
+      for (index_t b = 0; b < a.rows; ++b)
         for (index_t t = 0; t < N; ++t) acc += gy[(b * N + t) * C + c];
-      gbias[c] = acc;
+      static_cast<T*>(a.gbias)[c] = acc;
       return;
     }
     const index_t c = i / W, j = i - c * W;
     T acc = T(0);
-    for (index_t b = 0; b < B; ++b)
+    for (index_t b = 0; b < a.rows; ++b)
       for (index_t t = 0; t < N; ++t)
-        if (j >= start[b * NW + t + W - 1] - t) acc += x[(b * NW + t + j) * C + c] * gy[(b * N + t) * C + c];
-    gw[i] = acc;
+        if (j >= first_tap(a, b, t)) acc += x[(b * NW + t + j) * C + c] * gy[(b * N + t) * C + c];
+    static_cast<T*>(a.gw)[i] = acc;
   }
 };
 
@@ -84,29 +80,22 @@ void with_float(DType dtype, F&& f) {
   else f(double{});
 }
 
+// Runs F<T>{a} over indices 0..n-1, T the float type of dtype: how an op's
+// functor (holding the op's arguments) runs.
+template <template <class> class F, class Policy, class Args>
+void for_each_float(Policy&& policy, DType dtype, index_t n, const Args& a) {
+  with_float(dtype, [&](auto tag) { for_each_index(policy, n, F<decltype(tag)>{a}); });
+}
+
 template <class Policy>
 void conv_forward(Policy&& policy, const Conv& a, DType dtype) {
-  with_float(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    for_each_index(policy, a.rows * a.outputs * a.channels,
-                   ConvForward<T>{static_cast<const T*>(a.x), a.run_start, static_cast<const T*>(a.w),
-                                  static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.outputs, a.channels, a.width});
-  });
+  for_each_float<ConvForward>(policy, dtype, a.rows * a.outputs * a.channels, a);
 }
 
 template <class Policy>
 void conv_backward(Policy&& policy, const Conv& a, DType dtype) {
-  with_float(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    const index_t NW = a.outputs + a.width - 1;
-    for_each_index(policy, a.rows * NW * a.channels,
-                   ConvInputGrad<T>{a.run_start, static_cast<const T*>(a.w), static_cast<const T*>(a.gy),
-                                    static_cast<T*>(a.gx), a.outputs, a.channels, a.width});
-    for_each_index(policy, a.channels * a.width + a.channels,
-                   ConvWeightGrad<T>{static_cast<const T*>(a.x), a.run_start, static_cast<const T*>(a.gy),
-                                     static_cast<T*>(a.gw), static_cast<T*>(a.gbias), a.rows, a.outputs, a.channels,
-                                     a.width});
-  });
+  for_each_float<ConvInputGrad>(policy, dtype, a.rows * (a.outputs + a.width - 1) * a.channels, a);
+  for_each_float<ConvWeightGrad>(policy, dtype, a.channels * a.width + a.channels, a);
 }
 
 // out[c] += a[c] * b[c] for every channel.
@@ -123,26 +112,45 @@ std::vector<T> taps_by_channel(const T* w, index_t C, index_t W) {
   return wt;
 }
 
+// What the host's passes share: the sizes, x, the weights transposed to [W][C]
+// (a tap's channels contiguous), and the walk over the outputs.
+template <class T>
+struct HostConv {
+  const Conv& a;
+  index_t N, C, W, NW;
+  const T* x;
+  std::vector<T> wt;
+  explicit HostConv(const Conv& conv)
+      : a(conv), N(conv.outputs), C(conv.channels), W(conv.width), NW(N + W - 1), x(static_cast<const T*>(conv.x)),
+        wt(taps_by_channel(static_cast<const T*>(conv.w), C, W)) {}
+  // f(b, t, first) for each output (row b, token t) in order, `first` its first
+  // tap inside its run (the taps before it would read another document).
+  template <class F>
+  void each_output(F&& f) const {
+    for (index_t b = 0; b < a.rows; ++b)
+      for (index_t t = 0; t < N; ++t) {
+        const index_t first = first_tap(a, b, t);
+        f(b, t, first > 0 ? first : 0);
+      }
+  }
+};
+
 // The host's conv runs along the channels: per (row, token), each tap adds its
-// weights times x across all channels at once (the weights transposed to [W][C]
-// so a tap's channels are contiguous), a loop the compiler vectorises. Every
-// output adds the same terms in the same order as the functors (bias, then taps
-// in increasing j; the input gradient's outputs in increasing t), so the results
-// are bitwise theirs.
+// weights times x across all channels at once, a loop the compiler vectorises.
+// Every output adds the same terms in the same order as the functors (bias, then
+// taps in increasing j; the input gradient's outputs in increasing t), so the
+// results are bitwise theirs.
 inline void conv_forward_host(const Conv& a, DType dtype) {
   with_float(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const index_t N = a.outputs, C = a.channels, W = a.width, NW = N + W - 1;
-    const T *x = static_cast<const T*>(a.x), *bias = static_cast<const T*>(a.bias);
-    const std::vector<T> wt = taps_by_channel(static_cast<const T*>(a.w), C, W);
-    for (index_t b = 0; b < a.rows; ++b)
-      for (index_t t = 0; t < N; ++t) {
-        const index_t first = a.run_start[b * NW + t + W - 1] - t;
-        T* out = static_cast<T*>(a.y) + (b * N + t) * C;
-        for (index_t c = 0; c < C; ++c) out[c] = bias ? bias[c] : T(0);
-        for (index_t j = first > 0 ? first : 0; j < W; ++j)
-          add_products(out, wt.data() + j * C, x + (b * NW + t + j) * C, C);
-      }
+    const HostConv<T> h(a);
+    const T* bias = static_cast<const T*>(a.bias);
+    h.each_output([&](index_t b, index_t t, index_t first) {
+      T* out = static_cast<T*>(a.y) + (b * h.N + t) * h.C;
+      for (index_t c = 0; c < h.C; ++c) out[c] = bias ? bias[c] : T(0);
+      for (index_t j = first; j < h.W; ++j)
+        add_products(out, h.wt.data() + j * h.C, h.x + (b * h.NW + t + j) * h.C, h.C);
+    });
   });
 }
 
@@ -153,33 +161,31 @@ inline void conv_forward_host(const Conv& a, DType dtype) {
 inline void conv_backward_host(const Conv& a, DType dtype) {
   with_float(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const index_t N = a.outputs, C = a.channels, W = a.width, NW = N + W - 1;
-    const T *x = static_cast<const T*>(a.x), *gy = static_cast<const T*>(a.gy);
-    const std::vector<T> wt = taps_by_channel(static_cast<const T*>(a.w), C, W);
+    const HostConv<T> h(a);
+    const index_t N = h.N, C = h.C, W = h.W, NW = h.NW;
+    const T* gy = static_cast<const T*>(a.gy);
     for (index_t b = 0; b < a.rows; ++b)
       for (index_t p = 0; p < NW; ++p) {
         T* out = static_cast<T*>(a.gx) + (b * NW + p) * C;
         for (index_t c = 0; c < C; ++c) out[c] = T(0);
         for (index_t j = W - 1; j >= 0; --j) {  // outputs t = p - j in increasing order
           const index_t t = p - j;
-          if (t < 0 || t >= N || j < a.run_start[b * NW + t + W - 1] - t) continue;
-          add_products(out, wt.data() + j * C, gy + (b * N + t) * C, C);
+          if (t < 0 || t >= N || j < first_tap(a, b, t)) continue;
+          add_products(out, h.wt.data() + j * C, gy + (b * N + t) * C, C);
         }
       }
     T* gw = static_cast<T*>(a.gw);
     T* gbias = static_cast<T*>(a.gbias);
     for (index_t i = 0; i < C * W; ++i) gw[i] = T(0);
     for (index_t c = 0; c < C; ++c) gbias[c] = T(0);
-    for (index_t b = 0; b < a.rows; ++b)
-      for (index_t t = 0; t < N; ++t) {
-        const index_t first = a.run_start[b * NW + t + W - 1] - t;
-        const T* g = gy + (b * N + t) * C;
-        for (index_t c = 0; c < C; ++c) gbias[c] += g[c];
-        for (index_t j = first > 0 ? first : 0; j < W; ++j) {
-          const T* xj = x + (b * NW + t + j) * C;
-          for (index_t c = 0; c < C; ++c) gw[c * W + j] += xj[c] * g[c];
-        }
+    h.each_output([&](index_t b, index_t t, index_t first) {
+      const T* g = gy + (b * N + t) * C;
+      for (index_t c = 0; c < C; ++c) gbias[c] += g[c];
+      for (index_t j = first; j < W; ++j) {
+        const T* xj = h.x + (b * NW + t + j) * C;
+        for (index_t c = 0; c < C; ++c) gw[c * W + j] += xj[c] * g[c];
       }
+    });
   });
 }
 

@@ -62,15 +62,17 @@ inline std::size_t word_size(std::size_t run_bytes, const void* a, const void* b
   return 1;
 }
 
-// Calls fn(W{}) with the word type of `w` bytes.
+// Calls fn(W{}, n): W the word type of word_size(run_bytes, a, b), n the words
+// of one run.
 template <class Fn>
-void with_word(std::size_t w, Fn&& fn) {
-  switch (w) {
-    case 16: return fn(Word16{});
-    case 8: return fn(std::uint64_t{});
-    case 4: return fn(std::uint32_t{});
-    case 2: return fn(std::uint16_t{});
-    default: return fn(std::uint8_t{});
+void with_words(std::size_t run_bytes, const void* a, const void* b, Fn&& fn) {
+  const auto n = [run_bytes](auto word) { return static_cast<index_t>(run_bytes / sizeof(word)); };
+  switch (word_size(run_bytes, a, b)) {
+    case 16: return fn(Word16{}, n(Word16{}));
+    case 8: return fn(std::uint64_t{}, n(std::uint64_t{}));
+    case 4: return fn(std::uint32_t{}, n(std::uint32_t{}));
+    case 2: return fn(std::uint16_t{}, n(std::uint16_t{}));
+    default: return fn(std::uint8_t{}, n(std::uint8_t{}));
   }
 }
 

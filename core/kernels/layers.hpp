@@ -52,10 +52,7 @@ struct RopeRotate {
 
 template <class Policy>
 void rope(Policy&& policy, const Rope& a, DType dtype) {
-  with_float(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    for_each_index(policy, a.rows * a.len * a.heads * (a.dim / 2), RopeRotate<T>{a});
-  });
+  for_each_float<RopeRotate>(policy, dtype, a.rows * a.len * a.heads * (a.dim / 2), a);
 }
 
 // The host's rope: each token's angles once (pow per pair index, sin and cos per
@@ -151,6 +148,15 @@ CPSIM_HD inline QueryKeys query_keys(const Attention& a, index_t b, index_t t) {
   return k;
 }
 
+// An index over (b, position, h) of a [B][len][heads] layout, split.
+struct HeadIndex {
+  index_t b, position, h;
+};
+CPSIM_HD inline HeadIndex head_index(index_t i, index_t heads, index_t len) {
+  const index_t bp = i / heads;
+  return {bp / len, bp % len, i % heads};
+}
+
 template <class T>
 struct AttentionForward {
   Attention a;
@@ -164,7 +170,7 @@ struct AttentionForward {
   // One pass over the keys with a running maximum (the online softmax): the
   // output and the normaliser are rescaled when a larger score arrives.
   CPSIM_HD void operator()(index_t i) const {  // i over (b, t, h)
-    const index_t h = i % a.heads, bt = i / a.heads, t = bt % a.q_len, b = bt / a.q_len;
+    const auto [b, t, h] = head_index(i, a.heads, a.q_len);
     T* o = static_cast<T*>(a.o) + i * a.v_dim;
     for (index_t d = 0; d < a.v_dim; ++d) o[d] = T(0);
     const QueryKeys keys = query_keys(a, b, t);
@@ -227,9 +233,9 @@ template <class T>
 struct AttentionQueryGrad {
   Attention a;
   CPSIM_HD void operator()(index_t i) const {  // i over (b, t, h)
-    const index_t h = i % a.heads, bt = i / a.heads, t = bt % a.q_len, b = bt / a.q_len;
     T* dq = static_cast<T*>(a.dq) + i * a.dim;
     for (index_t d = 0; d < a.dim; ++d) dq[d] = T(0);
+    const auto [b, t, h] = head_index(i, a.heads, a.q_len);
     const QueryKeys keys = query_keys(a, b, t);
     for (index_t n = 0; n < keys.count; ++n) {
       const index_t j = keys.key(n);
@@ -246,7 +252,7 @@ template <class T>
 struct AttentionKeyGrad {
   Attention a;
   CPSIM_HD void operator()(index_t i) const {  // i over (b, j, h)
-    const index_t h = i % a.heads, bj = i / a.heads, j = bj % a.k_len, b = bj / a.k_len;
+    const auto [b, j, h] = head_index(i, a.heads, a.k_len);
     T* dk = static_cast<T*>(a.dk) + i * a.dim;
     T* dv = static_cast<T*>(a.dv) + i * a.v_dim;
     const std::int64_t doc = a.k_ids[b * a.k_len + j];
@@ -276,20 +282,14 @@ struct AttentionKeyGrad {
 
 template <class Policy>
 void attention_forward(Policy&& policy, const Attention& a, DType dtype) {
-  with_float(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    for_each_index(policy, a.rows * a.q_len * a.heads, AttentionForward<T>{a});
-  });
+  for_each_float<AttentionForward>(policy, dtype, a.rows * a.q_len * a.heads, a);
 }
 
 template <class Policy>
 void attention_backward(Policy&& policy, const Attention& a, DType dtype) {
-  with_float(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    for_each_index(policy, a.rows * a.q_len * a.heads, AttentionDelta<T>{a});
-    for_each_index(policy, a.rows * a.q_len * a.heads, AttentionQueryGrad<T>{a});
-    for_each_index(policy, a.rows * a.k_len * a.heads, AttentionKeyGrad<T>{a});
-  });
+  for_each_float<AttentionDelta>(policy, dtype, a.rows * a.q_len * a.heads, a);
+  for_each_float<AttentionQueryGrad>(policy, dtype, a.rows * a.q_len * a.heads, a);
+  for_each_float<AttentionKeyGrad>(policy, dtype, a.rows * a.k_len * a.heads, a);
 }
 
 // Top-k query i's kept list set to none (-1s); true when it has candidates: its
@@ -403,25 +403,21 @@ struct TokenSums {
   }
 };
 
+// Forward: each token's loss, then the sum and count in token order; backward:
+// each token's gradient (the same pass, writing the other output).
+template <class Policy>
+void cross_entropy_pass(Policy&& policy, CrossEntropy a, DType dtype, bool forward) {
+  (forward ? a.grad : a.token_loss) = nullptr;
+  for_each_float<TokenCrossEntropy>(policy, dtype, a.tokens, a);
+  if (forward) for_each_float<TokenSums>(policy, dtype, 1, a);
+}
 template <class Policy>
 void cross_entropy_forward(Policy&& policy, const CrossEntropy& a, DType dtype) {
-  with_float(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    CrossEntropy f = a;
-    f.grad = nullptr;
-    for_each_index(policy, a.tokens, TokenCrossEntropy<T>{f});
-    for_each_index(policy, 1, TokenSums<T>{a});
-  });
+  cross_entropy_pass(policy, a, dtype, true);
 }
-
 template <class Policy>
 void cross_entropy_backward(Policy&& policy, const CrossEntropy& a, DType dtype) {
-  with_float(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    CrossEntropy g = a;
-    g.token_loss = nullptr;
-    for_each_index(policy, a.tokens, TokenCrossEntropy<T>{g});
-  });
+  cross_entropy_pass(policy, a, dtype, false);
 }
 
 }  // namespace cpsim::kernels

@@ -82,9 +82,8 @@ struct MovePositions {
 
 template <bool to_sequence, class Policy>
 void rearrange(Policy&& policy, const Rearrange& a) {
-  with_word(word_size(a.row_bytes, a.src, a.dst), [&](auto word) {
+  with_words(a.row_bytes, a.src, a.dst, [&](auto word, index_t row) {
     using W = decltype(word);
-    const index_t row = static_cast<index_t>(a.row_bytes / sizeof(W));
     for_each_index(policy, a.rows * a.ranks * row,
                    Rearrangement<W, to_sequence>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.rows, a.ranks,
                                                  row});
@@ -132,9 +131,8 @@ inline void add_position_runs(const PositionCopy& a, DType dtype) {
 
 template <class Policy>
 void copy_positions(Policy&& policy, const PositionCopy& a) {
-  with_word(word_size(a.position_bytes, a.src, a.dst), [&](auto word) {
+  with_words(a.position_bytes, a.src, a.dst, [&](auto word, index_t P) {
     using W = decltype(word);
-    const index_t P = static_cast<index_t>(a.position_bytes / sizeof(W));
     for_each_index(policy, a.rows * a.n * P,
                    MovePositions<W, false>{static_cast<const W*>(a.src), static_cast<W*>(a.dst), a.src_len, a.dst_len,
                                            a.from, a.to, a.n, P});
