@@ -2,7 +2,7 @@
 CP ranks, against the same step run unsharded on a group of one."""
 import torch
 
-from cpsim.mesh import who as _who, world_rank
+from cpsim.mesh import ranks_with, world_rank
 from cpsim.compare import RUNS, difference, rms
 from cpsim.upstream import laid_out, layout_for
 
@@ -77,29 +77,23 @@ def layer_differences(layers, cp, dp, S, mesh="dp,cp"):
     parameter_scale = rms(torch.cat([g.reshape(-1) for g in parameters])) if parameters else 0.0
     found = {}
     sums = {}
-    for dp_rank in range(dp):
-        for rank in range(cp):
-            run = layers.get((dp_rank, rank))
-            who, at = _who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
-            if run is None:
-                found.setdefault(at, (0, "%s returned no layer (the unsharded run did)" % who))
+    for run, who, at in ranks_with(layers, "layer", cp, dp, mesh, found):
+        lo, hi, rows = run["lo"], min(run["hi"], S), run["rows"]
+        n = max(hi - lo, 0)
+        where = "positions %d..%d%s" % (lo, lo + n, "" if dp == 1 else ", rows %d..%d" % (rows.start, rows.stop))
+        why = difference("%s layer output (%s)" % (who, where), run["output"][:, :n],
+                         whole["output"][rows, lo:lo + n], tolerance, floor=rms(whole["output"]), sides=RUNS)
+        if why:
+            found.setdefault(at, (0, why))
+        for name, grad in run["grads"].items():
+            if name.startswith("parameter "):
+                sums[name] = grad.clone() if name not in sums else sums[name] + grad
                 continue
-            lo, hi, rows = run["lo"], min(run["hi"], S), run["rows"]
-            n = max(hi - lo, 0)
-            where = "positions %d..%d%s" % (lo, lo + n, "" if dp == 1 else ", rows %d..%d" % (rows.start, rows.stop))
-            why = difference("%s layer output (%s)" % (who, where), run["output"][:, :n],
-                             whole["output"][rows, lo:lo + n], tolerance, floor=rms(whole["output"]), sides=RUNS)
+            want = whole["grads"][name]
+            why = difference("%s layer gradient of %s (%s)" % (who, name, where),
+                             grad[:, :n], want[rows, lo:lo + n], tolerance, floor=rms(want), sides=RUNS)
             if why:
-                found.setdefault(at, (0, why))
-            for name, grad in run["grads"].items():
-                if name.startswith("parameter "):
-                    sums[name] = grad.clone() if name not in sums else sums[name] + grad
-                    continue
-                want = whole["grads"][name]
-                why = difference("%s layer gradient of %s (%s)" % (who, name, where),
-                                 grad[:, :n], want[rows, lo:lo + n], tolerance, floor=rms(want), sides=RUNS)
-                if why:
-                    found.setdefault(at, (1, why))
+                found.setdefault(at, (1, why))
     for name, total in sums.items():
         why = difference("layer gradient of %s summed over the %s" % (
             name[len("parameter "):], "CP ranks" if dp == 1 else "%d ranks (dp x cp, each replica its rows)" % (

@@ -22,3 +22,17 @@ def who(cp_rank, dp_rank, cp, dp, mesh="dp,cp"):
     if dp == 1:
         return "rank %d" % cp_rank
     return "rank %d (dp %d, cp %d)" % (world_rank(cp_rank, dp_rank, cp, dp, mesh), dp_rank, cp_rank)
+
+
+def ranks_with(runs, output, cp, dp, mesh, found):
+    """(run, who, world rank) of each rank, replica by replica, whose run of
+    `output` is in `runs` (keyed (dp_rank, cp_rank)); a rank without one is put
+    in `found` as its first difference (0: a value), once."""
+    for dp_rank in range(dp):
+        for rank in range(cp):
+            run = runs.get((dp_rank, rank))
+            name, at = who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
+            if run is None:
+                found.setdefault(at, (0, "%s returned no %s (the unsharded run did)" % (name, output)))
+            else:
+                yield run, name, at

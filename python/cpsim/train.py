@@ -8,7 +8,7 @@ against every other (identical after a step)."""
 import torch
 
 from cpsim.compare import RUNS, close, difference, known_factor, ratio, rms
-from cpsim.mesh import who as _who, world_rank
+from cpsim.mesh import ranks_with
 
 # How many differing tensors one report lists before it counts the rest.
 LISTED = 8
@@ -88,12 +88,10 @@ def train_run(case, step, who):
 def _factor(r, cp, dp):
     """A known factor a gradient or a loss is off by, named; '' for none."""
     known = known_factor(r, cp, dp, 1e-6)
-    if known is None:
+    if not known:
         return ""
     factor, names, inverse = known
-    if inverse:
-        return " (1/%s of the unsharded: off by %s)" % (_number(factor), names)
-    return " (%s times the unsharded: off by %s)" % (_number(r), names)
+    return " (%s the unsharded: off by %s)" % ("1/%s of" % _number(factor) if inverse else "%s times" % _number(r), names)
 
 
 def _number(x):
@@ -184,47 +182,41 @@ def train_differences(runs, cp, dp, S, mesh="dp,cp"):
     value_floor = {k: rms(torch.cat(v)) for k, v in value_floor.items()}
     found, reported = {}, {}  # reported: each report's body, the first rank that gave it
     first = None  # (world rank, its run): the replica every other is held to, bit for bit
-    for dp_rank in range(dp):
-        for rank in range(cp):
-            run, who = runs.get((dp_rank, rank)), _who(rank, dp_rank, cp, dp, mesh)
-            at = world_rank(rank, dp_rank, cp, dp, mesh)
-            if run is None:
-                found[at] = (0, "%s returned no train (the unsharded run did)" % who)
-                continue
-            lines = _values_differing(run, whole, S, cp, dp)
-            phase = 0 if lines else 1
-            grads = [d for d in (_compared(name, run["grads"].get(name), want, tolerance, grad_floor, cp, dp)
-                                 for name, want in whole["grads"].items()) if d]
-            values = [d for d in (_compared(name + " after the step", run["values"].get(name), want, tolerance,
-                                            value_floor[name.split(" ", 1)[0]], cp, dp)
-                                  for name, want in whole["values"].items()) if d]
-            missing = sorted(set(whole["values"]) - set(run["values"]))
-            hint = ""
-            if values and not grads:
-                phase = 0  # the update is wrong where every gradient is right
-                if whole["grads"] and any(why.startswith("parameter ") for _, why in values):
-                    hint = ("\n  every gradient, as the step's reduction left it, is the unsharded run's: the "
-                            "update did not use them (an optimizer step before the reduction, or on gradients "
-                            "changed after it)")
-            if lines or grads or values or missing:
-                groups = [lines, grads, values + [(float("inf"), "no %s (the unsharded run has it)" % m)
-                                                  for m in missing]]
-                parts = [f for g in groups for f in g]
-                body = _listed("", groups) + hint
-                if body in reported:  # the same differences as a rank before it: named once
-                    found[at] = (phase, "%s train: the same %d differences as %s" % (who, len(parts),
-                                                                                   reported[body]))
-                else:
-                    reported[body] = who
-                    found[at] = (phase, "%s train: %d of the step's results differ from the unsharded run's (values, "
-                                        "gradients, then the update, each worst first)%s" % (who, len(parts), body))
-                continue
-            if first is None:
-                first = (at, who, run)
-                continue
-            why = _drift(first, who, run)
-            if why:
-                found[at] = (0, why)
+    for run, who, at in ranks_with(runs, "train", cp, dp, mesh, found):
+        lines = _values_differing(run, whole, S, cp, dp)
+        phase = 0 if lines else 1
+        grads = [d for d in (_compared(name, run["grads"].get(name), want, tolerance, grad_floor, cp, dp)
+                             for name, want in whole["grads"].items()) if d]
+        values = [d for d in (_compared(name + " after the step", run["values"].get(name), want, tolerance,
+                                        value_floor[name.split(" ", 1)[0]], cp, dp)
+                              for name, want in whole["values"].items()) if d]
+        missing = sorted(set(whole["values"]) - set(run["values"]))
+        hint = ""
+        if values and not grads:
+            phase = 0  # the update is wrong where every gradient is right
+            if whole["grads"] and any(why.startswith("parameter ") for _, why in values):
+                hint = ("\n  every gradient, as the step's reduction left it, is the unsharded run's: the "
+                        "update did not use them (an optimizer step before the reduction, or on gradients "
+                        "changed after it)")
+        if lines or grads or values or missing:
+            groups = [lines, grads, values + [(float("inf"), "no %s (the unsharded run has it)" % m)
+                                              for m in missing]]
+            parts = [f for g in groups for f in g]
+            body = _listed("", groups) + hint
+            if body in reported:  # the same differences as a rank before it: named once
+                found[at] = (phase, "%s train: the same %d differences as %s" % (who, len(parts),
+                                                                               reported[body]))
+            else:
+                reported[body] = who
+                found[at] = (phase, "%s train: %d of the step's results differ from the unsharded run's (values, "
+                                    "gradients, then the update, each worst first)%s" % (who, len(parts), body))
+            continue
+        if first is None:
+            first = (at, who, run)
+            continue
+        why = _drift(first, who, run)
+        if why:
+            found[at] = (0, why)
     hint = _reduction_hint(runs, cp, dp, mesh, tolerance, grad_floor)
     if hint and any("\n  gradient of " in why for _, why in found.values()):
         at = min(found, key=lambda r: (found[r][0], r))

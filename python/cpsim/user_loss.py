@@ -9,7 +9,7 @@ import re
 import torch
 
 from cpsim.compare import RUNS, close, difference, known_factor, ratio, rms
-from cpsim.mesh import who as _who, world_rank
+from cpsim.mesh import ranks_with, world_rank
 
 VALUES = ("global", "share")
 GRADIENTS = ("sum", "mean")
@@ -159,14 +159,8 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
     whole = losses[None]
     found = {}
     ranks = []  # (run, who, world rank, lo, positions before S) of each rank that gave a user_loss
-    for dp_rank in range(dp):
-        for rank in range(cp):
-            run = losses.get((dp_rank, rank))
-            who, at = _who(rank, dp_rank, cp, dp, mesh), world_rank(rank, dp_rank, cp, dp, mesh)
-            if run is None:
-                found.setdefault(at, (0, "%s returned no user_loss (the unsharded run did)" % who))
-            else:
-                ranks.append((run, who, at, run["lo"], max(min(run["hi"], S) - run["lo"], 0)))
+    for run, who, at in ranks_with(losses, "user_loss", cp, dp, mesh, found):
+        ranks.append((run, who, at, run["lo"], max(min(run["hi"], S) - run["lo"], 0)))
     world = dp * cp
     values = [run["value"] for run, *_ in ranks]
     for run, who, at, lo, _ in ranks:

@@ -27,9 +27,11 @@ const std::string& kExample = cpsim::testing::kSpecExample;
 namespace {
 struct Env {
   std::vector<std::string> keys;
-  void set(const std::string& k, const std::string& v) {
-    setenv(k.c_str(), v.c_str(), 1);
-    keys.push_back(k);
+  void set(std::initializer_list<std::pair<std::string, std::string>> variables) {
+    for (const auto& [k, v] : variables) {
+      setenv(k.c_str(), v.c_str(), 1);
+      keys.push_back(k);
+    }
   }
   ~Env() {
     for (const auto& k : keys) unsetenv(k.c_str());
@@ -41,6 +43,16 @@ const char* kAllRankVariables[] = {"RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_
 void clear_rank_variables() {
   for (const char* k : kAllRankVariables) unsetenv(k);
 }
+// The job the environment names, expected to be rank `rank` of `size` (a job of
+// rank -1 where it names none).
+sim::JobConfig expect_job(int rank, int size) {
+  const auto w = sim::job_from_environment();
+  EXPECT_TRUE(w);
+  if (!w) return sim::JobConfig{.rank = -1};
+  EXPECT_EQ(w->rank, rank);
+  EXPECT_EQ(w->size, size);
+  return *w;
+}
 }  // namespace
 
 TEST(JobEnvironment, NoLauncherMeansOneProcess) {
@@ -51,48 +63,30 @@ TEST(JobEnvironment, NoLauncherMeansOneProcess) {
 TEST(JobEnvironment, TorchrunStyleVariablesWinOverSlurmAndOpenMpi) {
   clear_rank_variables();
   Env e;
-  e.set("SLURM_PROCID", "5");
-  e.set("SLURM_NTASKS", "8");
-  e.set("SLURM_JOB_ID", "123");
-  e.set("OMPI_COMM_WORLD_RANK", "1");
-  e.set("OMPI_COMM_WORLD_SIZE", "2");
-  auto w = sim::job_from_environment();
-  ASSERT_TRUE(w);
-  EXPECT_EQ(w->rank, 5);
-  EXPECT_EQ(w->size, 8);
-  EXPECT_EQ(w->source, "Slurm");
-  EXPECT_EQ(w->id, "slurm-123.0");
-  e.set("RANK", "3");
-  e.set("WORLD_SIZE", "4");
-  e.set("CPSIM_STORE", "redis://10.0.0.1:6379");
-  e.set("CPSIM_JOB_ID", "run-42");
-  w = sim::job_from_environment();
-  ASSERT_TRUE(w);
-  EXPECT_EQ(w->rank, 3);
-  EXPECT_EQ(w->size, 4);
-  EXPECT_EQ(w->store, "redis://10.0.0.1:6379");
-  EXPECT_EQ(w->id, "run-42");
+  e.set({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_JOB_ID", "123"}, {"OMPI_COMM_WORLD_RANK", "1"},
+         {"OMPI_COMM_WORLD_SIZE", "2"}});
+  auto w = expect_job(5, 8);
+  EXPECT_EQ(w.source, "Slurm");
+  EXPECT_EQ(w.id, "slurm-123.0");
+  e.set({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"CPSIM_STORE", "redis://10.0.0.1:6379"}, {"CPSIM_JOB_ID", "run-42"}});
+  w = expect_job(3, 4);
+  EXPECT_EQ(w.store, "redis://10.0.0.1:6379");
+  EXPECT_EQ(w.id, "run-42");
 }
 
 TEST(JobEnvironment, OpenMpiVariables) {
   clear_rank_variables();
   Env e;
-  e.set("OMPI_COMM_WORLD_RANK", "1");
-  e.set("OMPI_COMM_WORLD_SIZE", "2");
-  const auto w = sim::job_from_environment();
-  ASSERT_TRUE(w);
-  EXPECT_EQ(w->rank, 1);
-  EXPECT_EQ(w->size, 2);
-  EXPECT_EQ(w->source, "Open MPI");
+  e.set({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  EXPECT_EQ(expect_job(1, 2).source, "Open MPI");
 }
 
 TEST(JobEnvironment, ARankOutsideTheJobIsInvalid) {
   clear_rank_variables();
   Env e;
-  e.set("RANK", "4");
-  e.set("WORLD_SIZE", "4");
+  e.set({{"RANK", "4"}, {"WORLD_SIZE", "4"}});
   EXPECT_THROW(sim::job_from_environment(), InvalidInput);
-  e.set("RANK", "x");
+  e.set({{"RANK", "x"}});
   EXPECT_THROW(sim::job_from_environment(), InvalidInput);
 }
 

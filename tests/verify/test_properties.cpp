@@ -28,6 +28,10 @@ CheckOptions on(const std::string& backend) {
   o.backend = backend;
   return o;
 }
+// Case `seed` of `gen` (size 30) at cp `cp`.
+LayoutCase drawn_at(const rc::Gen<LayoutCase>& gen, int seed, int cp) {
+  return at_cp(gen(rc::Random(seed), 30).value(), cp);
+}
 // Convolution shapes drawn per case: every width 1-8, a few channels.
 CheckOptions conv_options(const std::string& backend) {
   CheckOptions o = on(backend);
@@ -472,11 +476,9 @@ TEST(PropertyTable, ARunThatTimesOutIsAbortedNotFailed) {
 TEST(PropertyTable, EveryRowHoldsWithTensorsOnTheBackendsDevice) {
   cpsim::testing::register_host_device_backend();
   const auto gen = gen_layout_case(4);
-  CheckOptions o;
-  o.backend = "host-device";
+  const CheckOptions o = on("host-device");
   for (int i = 0; i < 30; ++i) {
-    LayoutCase c = gen(rc::Random(911 + i), 30).value();
-    c = at_cp(c, 1 + i % 4);
+    const LayoutCase c = drawn_at(gen, 911 + i, 1 + i % 4);
     const std::int64_t before = cpsim::testing::host_device_allocations;
     for (const auto& r : check_all(c, o)) EXPECT_TRUE(r.ok) << r.property << ": " << r.detail << "\n" << c;
     if (c.cp > 1) {
@@ -517,11 +519,9 @@ TEST(PropertyTable, EveryRowRunsOnceOnASharedPreparedCase) {
   }
   cpsim::testing::register_counting_backend();
   const auto gen = gen_layout_case(4);
-  CheckOptions o;
-  o.backend = "counting";
+  const CheckOptions o = on("counting");
   for (int i = 0; i < 20; ++i) {
-    LayoutCase c = gen(rc::Random(77 + i), 30).value();
-    c = at_cp(c, 2 + i % 3);
+    const LayoutCase c = drawn_at(gen, 77 + i, 2 + i % 3);
     cpsim::testing::counting_groups = 0;
     const auto all = check_all(c, o);
     const std::int64_t shared = cpsim::testing::counting_groups;
