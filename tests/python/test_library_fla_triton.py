@@ -16,11 +16,16 @@ import fla_kernels_step  # noqa: E402 - imports triton_cpu first: Triton's inter
 import triton_cpu
 
 
+# Triton's interpreter runs a case in seconds (one in 8 layouts has two chunks a
+# rank: tens of seconds): CPSIM_FLA_KDA_CASES=N for long runs.
+KDA_CASES = int(os.environ.get("CPSIM_FLA_KDA_CASES", "8"))
+
+
 def test_chunk_kda_with_cp_context_matches_cpsims_recurrence():
     before = triton_cpu.LAUNCHES[0]
-    ran = fla_kernels_step.check("kda", cases=16, seed=SEED)
-    assert ran >= 16 and ran.outside == 0
-    assert triton_cpu.LAUNCHES[0] - before > 16 * 10  # FLA's kernels ran: forward, backward, the CP merge
+    ran = fla_kernels_step.check("kda", cases=KDA_CASES, seed=SEED)
+    assert ran >= KDA_CASES and ran.outside == 0
+    assert triton_cpu.LAUNCHES[0] - before > KDA_CASES * 10  # FLA's kernels ran: forward, backward, the CP merge
 
 
 def test_chunk_kda_carries_a_live_state_over_chunks_inside_and_across_ranks(tmp_path):
