@@ -58,7 +58,10 @@ OUTPUT_TABLE = (
            "rank's positions (CP padding left out), the value on every rank (value_is='global') or summed over "
            "the ranks ('share'), and each rank's gradient to its logits as the unsharded one at its positions "
            "(gradient='sum'; 'mean': dp x cp times it), within the Loss's tolerance; a value or gradient off by a "
-           "known factor is named; with replicas, each on its own rows (case.rows), the unsharded run on all"),
+           "known factor is named; with replicas, each on its own rows (case.rows), the unsharded run on all. "
+           "On a failure, where one side is cpsim's own token-mean cross entropy of the unsharded run's logits and "
+           "labels, the report says which side is off (a bug in the step's path without CP is the unsharded "
+           "run's)"),
     Output("train", "a cpsim.torch.TrainStep",
            "the step's whole training step on this rank (forward, loss, backward, the gradients' reduction, "
            "clipping, the optimizer step, buffer updates; each replica on its own rows, case.rows), compared with "

@@ -169,11 +169,14 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
             found.setdefault(at, (0, why))
     # A value that differs where the labels or the mask do follows from them.
     counted_wrong = bool(found)
+    # Which side cpsim's own loss of the unsharded run's inputs agrees with, if either.
+    off, side = _reference_side(whole, values, ranks[0][0]["value_is"], ranks[0][0]["tolerance"]) \
+        if ranks and len(values) == world else ("", "")
     for run, who, at, lo, n in ranks:
         tolerance, rows = run["tolerance"], run["rows"]
         if run["value_is"] == "global" and not _close(run["value"], whole["value"], tolerance):
             hint = ("; it follows from the tokens counted (the labels or mask reported)" if counted_wrong else
-                    _value_hint(values, whole["value"], tolerance, dp))
+                    "" if off == "unsharded" else _value_hint(values, whole["value"], tolerance, dp))
             found.setdefault(at, (0, "%s user_loss value %.10g, the unsharded run's %.10g%s" % (
                 who, run["value"], whole["value"], hint)))
         scale = world if run["gradient"] == "mean" else 1
@@ -196,7 +199,46 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
             if all(_close(v, whole["value"], tolerance) for v in values):
                 why += "; every rank's value is the whole loss (Loss(..., value_is='global') says so)"
             found.setdefault(world_rank(0, 0, cp, dp, mesh), (0, why))
+    if found and side:
+        at = min(found, key=lambda r: (found[r][0], r))
+        found[at] = (found[at][0], found[at][1] + side)
     return found
+
+
+def _reference_side(whole, values, value_is, tolerance):
+    """Which side cpsim's own loss agrees with, where it has one for the
+    unsharded run's inputs: the token-mean cross entropy of its logits and
+    labels (its mask too), value and gradient: (the side that is off,
+    "sharded" or "unsharded", and a line for the report), or ("", "") (no
+    labels, no token counted, or another convention: neither side is it)."""
+    if whole["labels"] is None or tuple(whole["labels"].shape) != tuple(whole["logits"].shape[:-1]):
+        return "", ""
+    logits = whole["logits"].double().detach().requires_grad_(True)
+    counted = whole["labels"] != whole["ignore_index"]
+    if whole["loss_mask"] is not None:
+        counted = counted & (whole["loss_mask"] != 0)
+    count = int(counted.sum())
+    if count == 0:
+        return "", ""
+    per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                  whole["labels"].reshape(-1).long().clamp(min=0), reduction="none")
+    mean = (per_token * counted.reshape(-1)).sum() / count
+    (grad,) = torch.autograd.grad(mean, [logits])
+    mean = float(mean.detach())
+    mine = "cpsim's own token-mean cross entropy of the unsharded run's logits and labels (%.10g)" % mean
+    sharded = values[0] if value_is == "global" else sum(values)
+    if _close(whole["value"], mean, tolerance):
+        if not _close(sharded, mean, tolerance):
+            return "sharded", "\n  %s is the unsharded run's value, not the sharded run's: the sharded run is off" % (
+                mine)
+        if difference("", whole["grad"].double(), grad, tolerance, floor=rms(grad)):
+            return "unsharded", ("\n  %s is the unsharded run's value, but its gradient to the logits is not the "
+                                 "unsharded run's: the unsharded run's backward is off" % mine)
+        return "sharded", "\n  %s is the unsharded run's, value and gradient: the sharded run is off" % mine
+    if _close(sharded, mean, tolerance):
+        return "unsharded", ("\n  %s is the sharded run's value, not the unsharded run's: the unsharded run (the step "
+                             "on a group of one, its path without CP) is off" % mine)
+    return "", ""
 
 
 def _gradient_hint(r, cp, dp):

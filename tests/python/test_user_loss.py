@@ -62,6 +62,8 @@ def user_step(bug=None, convention="token_mean", value_is="global", mask=False):
             value = cp_step._SumOverRanks.apply(per_token.sum() / count.clamp(min=1)) / case.cp
         elif bug == "local_mean":  # this rank's own mean, never reduced
             value = per_token.sum() / count.clamp(min=1)
+        elif bug == "one_more_without_cp" and case.cp == 1:  # the path without CP counts one token too many
+            value = per_token.sum() / (count + 1)
         else:
             total = count.clone()
             dist.all_reduce(total)
@@ -98,6 +100,22 @@ def test_a_planted_loss_bug_is_reported_with_what_it_is(bug, words):
     with pytest.raises(ct.CheckFailed) as e:
         ct.check(user_step(bug), cases=CASES, max_cp=4, seed=11)
     assert all(w in e.value.failure for w in words), (words, e.value.failure)
+
+
+def test_the_report_says_which_side_cpsims_own_loss_agrees_with():
+    # A bug in the step's path without CP (the unsharded run is the step on a
+    # group of one) shows as a sharded run that differs from the unsharded one;
+    # cpsim's own token-mean cross entropy of the same logits and labels says
+    # which side is off.
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(user_step("one_more_without_cp"), cases=CASES, max_cp=4, seed=11)
+    assert "user_loss value" in e.value.failure, e.value.failure
+    assert ("is the sharded run's value, not the unsharded run's: the unsharded run (the step on a group of one, "
+            "its path without CP) is off") in e.value.failure, e.value.failure
+    with pytest.raises(ct.CheckFailed) as e:
+        ct.check(user_step("per_rank_mean"), cases=CASES, max_cp=4, seed=11)
+    assert "is the unsharded run's value, not the sharded run's: the sharded run is off" in e.value.failure, \
+        e.value.failure
 
 
 def test_a_whole_loss_declared_as_a_share_is_named():
