@@ -169,14 +169,20 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
             found.setdefault(at, (0, why))
     # A value that differs where the labels or the mask do follows from them.
     counted_wrong = bool(found)
-    # Which side cpsim's own loss of the unsharded run's inputs agrees with, if either.
-    off, side = _reference_side(whole, values, ranks[0][0]["value_is"], ranks[0][0]["tolerance"]) \
-        if ranks and len(values) == world else ("", "")
+    # Which side cpsim's own loss of the unsharded run's inputs agrees with, if
+    # either: worked out once, at the first difference (a case that holds needs none).
+    reference = []
+
+    def reference_side():
+        if not reference:
+            reference.append(_reference_side(whole, values, ranks[0][0]["value_is"], ranks[0][0]["tolerance"])
+                             if ranks and len(values) == world else ("", ""))
+        return reference[0]
     for run, who, at, lo, n in ranks:
         tolerance, rows = run["tolerance"], run["rows"]
         if run["value_is"] == "global" and not _close(run["value"], whole["value"], tolerance):
             hint = ("; it follows from the tokens counted (the labels or mask reported)" if counted_wrong else
-                    "" if off == "unsharded" else _value_hint(values, whole["value"], tolerance, dp))
+                    "" if reference_side()[0] == "unsharded" else _value_hint(values, whole["value"], tolerance, dp))
             found.setdefault(at, (0, "%s user_loss value %.10g, the unsharded run's %.10g%s" % (
                 who, run["value"], whole["value"], hint)))
         scale = world if run["gradient"] == "mean" else 1
@@ -199,7 +205,8 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
             if all(_close(v, whole["value"], tolerance) for v in values):
                 why += "; every rank's value is the whole loss (Loss(..., value_is='global') says so)"
             found.setdefault(world_rank(0, 0, cp, dp, mesh), (0, why))
-    if found and side:
+    side = reference_side()[1] if found else ""
+    if side:
         at = min(found, key=lambda r: (found[r][0], r))
         found[at] = (found[at][0], found[at][1] + side)
     return found
