@@ -56,7 +56,22 @@ def _widen(t):
     return F.pad(t, (0, WIDTH - t.shape[-1]))
 
 
-def make_kda_step(gate_unscaled=False, skip_merge=False):
+# A quiet stretch: beta times QUIET there, a rank that barely writes to the state.
+QUIET = 1e-3
+# FLA's sharded run against its own unsharded run over a quiet rank: the state
+# the rank received leaves it through the CP summary's transform alone, which
+# FLA keeps in fp32 (its #740), so both runs round one fp32 state to bf16 alike.
+# Measured (the quiet test: one 192-token document at CP 3, live gates, bf16):
+# at most 1.0e-4; the transform rounded to bf16 at every chunk, 2.8e-3 and up.
+QUIET_TOLERANCE = {torch.bfloat16: 1e-3, torch.float16: 1e-3}
+
+
+def make_kda_step(gate_unscaled=False, skip_merge=False, quiet=None):
+    """FLA's chunk_kda on the case's recurrence, returned as "recurrence_o"
+    (against cpsim's reference). quiet=(lo, hi): beta times QUIET at the row
+    positions lo..hi in both runs, and the output is a "layer" instead: FLA's
+    sharded run against its unsharded run (QUIET_TOLERANCE; 1e-5 in fp32),
+    the carried state's precision through a rank that barely writes."""
     def step(case):
         group = dist.group.WORLD
         r = case.recurrence
@@ -69,9 +84,17 @@ def make_kda_step(gate_unscaled=False, skip_merge=False):
             q, k, v, g = (_widen(r[n][b:b + 1]) for n in ("q", "k", "v", "g"))
             if gate_unscaled:  # PLANTED: the gate handed over as a decay factor, not its log
                 g = g.exp()
-            o, _ = chunk_kda(q, k, v, g, r["beta"][b:b + 1], scale=1.0, initial_state=None,
+            beta = r["beta"][b:b + 1]
+            if quiet is not None:
+                at = torch.arange(case.cuts[case.rank], case.cuts[case.rank] + beta.shape[1])
+                beta = beta * torch.where((at >= quiet[0]) & (at < quiet[1]), QUIET, 1.0).to(beta.dtype)[None, :, None]
+            o, _ = chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=None,
                              output_final_state=False, cu_seqlens=cu, cp_context=context)
             outs.append(o[..., :V])
+        if quiet is not None:
+            import cpsim.torch
+            o = torch.cat(outs)
+            return {"layer": cpsim.torch.Layer(o, r, {}, QUIET_TOLERANCE.get(o.dtype, 1e-5))}
         return {"recurrence_o": torch.cat(outs)}
     return step
 

@@ -60,6 +60,22 @@ def test_in_bf16_kda_without_the_state_of_the_ranks_before_is_still_reported(tmp
                     "recurrence_o", "rank 1")
 
 
+def test_in_bf16_a_state_carried_through_a_quiet_rank_arrives_as_the_unsharded_runs(tmp_path):
+    # One 192-token document at CP 3, live gates, in bf16; rank 1's tokens barely
+    # write (beta times 1e-3), so the state rank 2 receives is rank 0's carried
+    # through rank 1's CP summary transform alone. FLA keeps that transform in
+    # fp32 (its #740): FLA's sharded run equals its unsharded one (0 here;
+    # tolerance 1e-3). The transform rounded to bf16 at every chunk (#740
+    # reverted) gives rank 2's output 2.0e-3 and rank 0's dk 9.7e-3 (forward and
+    # backward chains each caught alone), where the comparison against cpsim's
+    # float64 reference cannot tell it from bf16's own rounding.
+    batch = tmp_path / "one_document_three_ranks.json"
+    batch.write_text('{"input_ids": [[%s]]}' % ", ".join(str(1 + i % 5) for i in range(192)))
+    step = fla_kernels_step.make_kda_step(quiet=(64, 128))
+    assert fla_kernels_step.check("kda", step, batch=str(batch), cp=3, seed=SEED, live_gates_every=1,
+                                  dtype="bf16") == 1
+
+
 def test_the_interpreters_bf16_arithmetic_is_the_hardwares():
     import torch
     import triton
