@@ -61,18 +61,20 @@ def test_in_bf16_kda_without_the_state_of_the_ranks_before_is_still_reported(tmp
 
 
 def test_in_bf16_a_state_carried_through_a_quiet_rank_arrives_as_the_unsharded_runs(tmp_path):
-    # One 192-token document at CP 3, live gates, in bf16; rank 1's tokens barely
-    # write (beta times 1e-3), so the state rank 2 receives is rank 0's carried
-    # through rank 1's CP summary transform alone. FLA keeps that transform in
-    # fp32 (its #740): FLA's sharded run equals its unsharded one (0 here;
-    # tolerance 1e-3). The transform rounded to bf16 at every chunk (#740
-    # reverted) gives rank 2's output 2.0e-3 and rank 0's dk 9.7e-3 (forward and
-    # backward chains each caught alone), where the comparison against cpsim's
-    # float64 reference cannot tell it from bf16's own rounding.
+    # One 192-token document at CP 3 in bf16; rank 1's tokens write nothing
+    # (beta 0) and every head keeps its state over a chunk (log-decay in
+    # [-0.01, 0]), so the state rank 2 receives is rank 0's carried through rank
+    # 1's CP summary transform alone. FLA keeps that transform in fp32 (its
+    # #740): FLA's sharded run equals its unsharded one (0 on five seeds;
+    # tolerance 2e-4). The transform rounded to bf16 at every chunk (#740
+    # reverted): rank 2's output 0.0013-0.0037 and rank 0's dk 0.0013-0.0074 on
+    # those seeds (the forward and the backward chain each caught alone), where
+    # the comparison against cpsim's float64 reference cannot tell it from
+    # bf16's own rounding.
     batch = tmp_path / "one_document_three_ranks.json"
     batch.write_text('{"input_ids": [[%s]]}' % ", ".join(str(1 + i % 5) for i in range(192)))
     step = fla_kernels_step.make_kda_step(quiet=(64, 128))
-    assert fla_kernels_step.check("kda", step, batch=str(batch), cp=3, seed=SEED, live_gates_every=1,
+    assert fla_kernels_step.check("kda", step, batch=str(batch), cp=3, seed=SEED, live_gates_every=0,
                                   dtype="bf16") == 1
 
 
