@@ -59,7 +59,7 @@ def _widen(t):
 # A quiet stretch: beta 0 there, tokens that write nothing to the state, and
 # every log-decay times QUIET_GATE (the drawn [-1, 0] to [-0.01, 0]: every head
 # keeps about e^-0.3 of its state over a 64-token chunk, not exactly 1).
-QUIET, QUIET_GATE = 0.0, 0.01
+QUIET_GATE = 0.01
 # FLA's sharded run against its own unsharded run over a quiet rank: the state
 # the rank received leaves it through the CP summary's transform alone (its
 # decay), which FLA keeps in fp32 (its #740), so both runs round one fp32 state
@@ -72,7 +72,7 @@ QUIET_TOLERANCE = {torch.bfloat16: 2e-4, torch.float16: 2e-4}
 
 def make_kda_step(gate_unscaled=False, skip_merge=False, quiet=None):
     """FLA's chunk_kda on the case's recurrence, returned as "recurrence_o"
-    (against cpsim's reference). quiet=(lo, hi): beta QUIET at the row
+    (against cpsim's reference). quiet=(lo, hi): beta 0 at the row
     positions lo..hi and the gates times QUIET_GATE, in both runs, and the
     output is a "layer" instead: FLA's sharded run against its unsharded run
     (QUIET_TOLERANCE; 1e-5 in fp32), the carried state's precision through a
@@ -93,15 +93,15 @@ def make_kda_step(gate_unscaled=False, skip_merge=False, quiet=None):
             if quiet is not None:
                 g = g * QUIET_GATE
                 at = torch.arange(case.cuts[case.rank], case.cuts[case.rank] + beta.shape[1])
-                beta = beta * torch.where((at >= quiet[0]) & (at < quiet[1]), QUIET, 1.0).to(beta.dtype)[None, :, None]
+                beta = beta.masked_fill(((at >= quiet[0]) & (at < quiet[1]))[None, :, None], 0.0)
             o, _ = chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=None,
                              output_final_state=False, cu_seqlens=cu, cp_context=context)
             outs.append(o[..., :V])
+        o = torch.cat(outs)
         if quiet is not None:
             import cpsim.torch
-            o = torch.cat(outs)
             return {"layer": cpsim.torch.Layer(o, r, {}, QUIET_TOLERANCE.get(o.dtype, 1e-5))}
-        return {"recurrence_o": torch.cat(outs)}
+        return {"recurrence_o": o}
     return step
 
 
