@@ -4,6 +4,7 @@ step run unsharded on a group of one (as "layer" is): whatever the loss's
 convention (token mean over every rank, per-document mean, sum), the sharded
 run must give the unsharded run's labels at each rank's positions, its value
 (every rank, or summed over the CP ranks) and its gradient to the logits."""
+import functools
 import re
 
 import torch
@@ -171,13 +172,11 @@ def loss_differences(losses, cp, dp, S, mesh="dp,cp"):
     counted_wrong = bool(found)
     # Which side cpsim's own loss of the unsharded run's inputs agrees with, if
     # either: worked out once, at the first difference (a case that holds needs none).
-    reference = []
-
+    @functools.cache
     def reference_side():
-        if not reference:
-            reference.append(_reference_side(whole, values, ranks[0][0]["value_is"], ranks[0][0]["tolerance"])
-                             if ranks and len(values) == world else ("", ""))
-        return reference[0]
+        if ranks and len(values) == world:
+            return _reference_side(whole, values, ranks[0][0]["value_is"], ranks[0][0]["tolerance"])
+        return "", ""
     for run, who, at, lo, n in ranks:
         tolerance, rows = run["tolerance"], run["rows"]
         if run["value_is"] == "global" and not _close(run["value"], whole["value"], tolerance):
